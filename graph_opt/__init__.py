@@ -1,0 +1,1 @@
+"""graph_opt: CUDA-graph capture and replay per batch size."""
