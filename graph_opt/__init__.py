@@ -1,1 +1,56 @@
-"""graph_opt: CUDA-graph capture and replay per batch size."""
+"""graph_opt: CUDA-graph capture and replay, one graph per padded batch size, for Paddle and PyTorch.
+
+    cfg = graph_opt.GraphOptConfig.from_yaml("configs/decode_piecewise.yaml")
+
+    @graph_opt.support_graph_optimization
+    class Decoder(paddle.nn.Layer): ...
+
+    m = Decoder(hidden=256, graph_opt_config=cfg)
+    report = graph_opt.capture_model(m, make_inputs=lambda bs: {"x": paddle.randn([bs, 256])})
+    y = m(x)  # any batch size
+
+Importing graph_opt imports neither paddle nor torch.
+"""
+from . import testing
+from .config import GraphOptConfig, load_config
+from .decorator import capture_model, clear_graphs, stats, support_graph_optimization
+from .errors import CaptureError, GraphOptConfigError, GraphOptError, ReplayDivergence
+from .guards import (
+    capture_custom_allreduce,
+    in_sot_warmup_mode,
+    is_capturing,
+    register_custom_allreduce,
+    sot_warmup_guard,
+    unregister_custom_allreduce,
+)
+from .passes import optimize_program
+from .split import splitting_op
+from .stats import CaptureReport, Stats
+
+# No handler is added: without one, warnings reach stderr through logging's last resort, so
+# "CUDA graphs unavailable" and "capture failed" are seen even when the app configures no logging.
+__version__ = "0.1.0"
+
+__all__ = [
+    "GraphOptConfig",
+    "load_config",
+    "support_graph_optimization",
+    "capture_model",
+    "clear_graphs",
+    "stats",
+    "Stats",
+    "CaptureReport",
+    "sot_warmup_guard",
+    "in_sot_warmup_mode",
+    "register_custom_allreduce",
+    "unregister_custom_allreduce",
+    "capture_custom_allreduce",
+    "is_capturing",
+    "splitting_op",
+    "optimize_program",
+    "testing",
+    "GraphOptError",
+    "GraphOptConfigError",
+    "CaptureError",
+    "ReplayDivergence",
+]

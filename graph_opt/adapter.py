@@ -1,0 +1,59 @@
+"""The one small protocol through which the framework-neutral core talks to a framework.
+
+Implementations live in graph_opt/backends/<framework>/adapter.py; nothing else in the core
+touches a tensor except through these methods.
+"""
+from __future__ import annotations
+
+from typing import Any, ContextManager, Optional, Protocol, Sequence
+
+
+class DeviceGraph(Protocol):
+    """One captured graph: capture_begin() ... capture_end(), then replay() any number of times."""
+
+    def capture_begin(self) -> None: ...
+
+    def capture_end(self) -> None: ...
+
+    def replay(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class Adapter(Protocol):
+    name: str
+
+    # tensors
+    def is_tensor(self, x: Any) -> bool: ...
+
+    def shape(self, t) -> Sequence[int]: ...
+
+    def zeros_like(self, t, dim: Optional[int], size: int): ...  # like t, with t.shape[dim] = size
+
+    def narrow(self, t, dim: int, length: int): ...  # a view of the first `length` rows along dim
+
+    def copy_(self, dst, src) -> None: ...  # in place, shapes equal
+
+    def data_ptr(self, t) -> int: ...
+
+    def nbytes(self, t) -> int: ...
+
+    # execution context
+    def grad_enabled(self) -> bool: ...
+
+    def no_grad(self) -> ContextManager: ...
+
+    def synchronize(self) -> None: ...
+
+    # graphs
+    def graphs_supported(self) -> bool: ...
+
+    def new_pool(self) -> Any: ...
+
+    def new_graph(self, pool: Any) -> DeviceGraph: ...
+
+    def capture_stream(self) -> ContextManager: ...  # entered around warmups, capture and split ops
+
+    def memory_in_use(self) -> Optional[int]: ...  # device bytes reserved, None where not measurable
+
+    def release_memory(self) -> None: ...

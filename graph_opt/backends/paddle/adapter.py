@@ -1,0 +1,110 @@
+"""PaddlePaddle tensors and CUDA graphs behind the core's adapter protocol.
+
+Every CUDA call is gated on is_cuda_graph_supported(): on CPU builds CUDAGraph() asserts and
+CUDAGraph.end_capture() / current_stream() segfault. Written against the Paddle 3.2+ API; the real
+CUDA-graph path has not been run (no Paddle GPU build runs on the machines this was built on).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import paddle
+from paddle.device.cuda import graphs as _graphs
+
+
+def _cuda_graphs_available() -> bool:
+    return bool(_graphs.is_cuda_graph_supported()) and paddle.is_compiled_with_cuda() and \
+        paddle.device.cuda.device_count() > 0
+
+
+class PaddleGraph:
+    """One paddle.device.cuda.graphs.CUDAGraph, allocating from `pool` when one is given."""
+
+    def __init__(self, pool):
+        self._graph = _graphs.CUDAGraph(pool_id=pool)
+
+    def capture_begin(self) -> None:
+        self._graph.capture_begin()
+
+    def capture_end(self) -> None:
+        self._graph.capture_end()
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+    def reset(self) -> None:
+        if self._graph._graph is not None:
+            self._graph.reset()
+
+
+class PaddleAdapter:
+    name = "paddle"
+
+    def __init__(self):
+        self._tensor = paddle.Tensor
+        self._graphs = None
+
+    def is_tensor(self, x) -> bool:
+        return isinstance(x, self._tensor)
+
+    def shape(self, t):
+        return t.shape
+
+    def zeros_like(self, t, dim, size):
+        shape = list(t.shape)
+        if dim is not None:
+            shape[dim] = size
+        return paddle.zeros(shape, dtype=t.dtype, device=t.place)
+
+    def narrow(self, t, dim, length):
+        if dim == 0:
+            return t[:length]
+        return paddle.slice(t, [dim], [0], [length])
+
+    def copy_(self, dst, src) -> None:
+        dst.copy_(src, False)
+
+    def data_ptr(self, t) -> int:
+        return t.data_ptr()
+
+    def nbytes(self, t) -> int:
+        return math.prod(t.shape) * t.element_size()
+
+    def grad_enabled(self) -> bool:
+        return paddle.is_grad_enabled()
+
+    def no_grad(self):
+        return paddle.no_grad()
+
+    def synchronize(self) -> None:
+        if self.graphs_supported():
+            paddle.device.synchronize()
+
+    def graphs_supported(self) -> bool:
+        if self._graphs is None:
+            self._graphs = _cuda_graphs_available()
+        return self._graphs
+
+    def new_pool(self):
+        if not self.graphs_supported():
+            return None
+        return paddle.base.core.CUDAGraph.gen_new_memory_pool_id()
+
+    def new_graph(self, pool):
+        return PaddleGraph(pool)
+
+    def capture_stream(self):
+        return contextlib.nullcontext()
+
+    def memory_in_use(self):
+        if not self.graphs_supported():
+            return None
+        return paddle.device.cuda.memory_reserved()
+
+    def release_memory(self) -> None:
+        if self.graphs_supported():
+            paddle.device.cuda.empty_cache()
+
+
+ADAPTER = PaddleAdapter()

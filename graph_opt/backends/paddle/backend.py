@@ -1,0 +1,44 @@
+"""The Paddle backend: adapter, version check, and the static (SOT) paths."""
+from __future__ import annotations
+
+import types
+
+import paddle
+
+from .adapter import ADAPTER  # noqa: F401  (part of the backend interface)
+
+MIN_VERSION = (3, 2)
+
+
+def check_version(version: str = None) -> None:
+    version = paddle.__version__ if version is None else version
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts) == (0, 0):  # a development build
+        return
+    if tuple(parts) < MIN_VERSION:
+        raise RuntimeError(
+            f"graph_opt needs PaddlePaddle >= {MIN_VERSION[0]}.{MIN_VERSION[1]}, found {version}; "
+            f"install paddlepaddle>={MIN_VERSION[0]}.{MIN_VERSION[1]} (or paddlepaddle-gpu>={MIN_VERSION[0]}.{MIN_VERSION[1]})"
+        )
+
+
+def static_strategy(model, forward_fn, config, selection):
+    from .sot import SotStrategy
+
+    return SotStrategy(model, forward_fn, config, ADAPTER, selection)
+
+
+def static_call(model, forward_fn, config):
+    """Level >= 1 without graphs: the forward through SOT, with the plugin's program passes."""
+    from .sot import SotStrategy
+
+    strategy = SotStrategy(model, forward_fn, config, ADAPTER, None)
+
+    def call(*args, **kwargs):
+        return strategy.run(args, kwargs)
+
+    call.strategy = strategy
+    return call

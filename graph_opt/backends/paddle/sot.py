@@ -1,0 +1,388 @@
+"""Level >= 1 on Paddle: SOT translation deferred into the capture phase, graphs driven through run_program.
+
+How one padded size goes:
+- warmup: the forward runs under SOT's eval-frame callback, inside sot_warmup_guard(True) and
+  capture_custom_allreduce(). The first warmup translates: SOT reads is_capturing() as true and
+  bakes the capture branch. Every run_program call gets cuda_graph_state=WARMUP.
+- capture: the same, with CAPTURE. Each run_program call (one per SOT subgraph) is captured by
+  Paddle's run_program op (GPU builds; FLAGS_cuda_graph_blacklist splits it into pieces there) or,
+  under simulate_cuda_graphs(), by a host stand-in. The frames SOT hands back are recorded in order.
+- replay: the recorded frames are replayed through our own eval-frame callback, which checks each
+  frame against the recording instead of evaluating SOT's guards. This is the point of the design:
+  SOT guards the globals it read while translating, so flipping is_capturing() back to false would
+  re-translate and run the non-capture branch. The plugin guards what it skips instead: the padded
+  size and the non-tensor arguments are the dispatch key, and any frame that differs from the
+  recording aborts the replay (ReplayDivergence) and the call runs without graphs.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import paddle
+from paddle.jit.dy2static.pir_partial_program import replace_run_impl_guard
+from paddle.jit.dy2static.utils import CUDAGraphState
+from paddle.jit.sot.opcode_translator import eval_frame_callback
+from paddle.jit.sot.opcode_translator.custom_code import CustomCode
+from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
+from paddle.jit.sot.utils import StepInfoManager
+from paddle.jit.sot.utils.envs import min_graph_size_guard
+
+from ... import split
+from ...cudagraph import Captured
+from ...errors import CaptureError, ReplayDivergence
+from ...pytree import flatten
+from ...testing import HostGraph, simulation_enabled
+
+logger = logging.getLogger("graph_opt")
+
+_BLACKLIST_FLAG = "FLAGS_cuda_graph_blacklist"
+
+
+def translate_count() -> int:
+    return OpcodeExecutorCache().translate_count
+
+
+@dataclass
+class SubgraphRecord:
+    """One run_program call captured for one padded size."""
+
+    layer: Any  # the PartialProgramLayer
+    inputs: List[Any]  # the tensors the graph reads; replays copy new inputs into them
+    outputs: List[Any]  # the tensors the graph writes; replays return these very objects
+    graph: Optional[HostGraph] = None  # the host stand-in, when simulating
+
+
+@dataclass
+class SizeRecord:
+    key: int
+    subgraphs: List[SubgraphRecord] = field(default_factory=list)
+    frames: List[Any] = field(default_factory=list)  # (code, CustomCode) in the order SOT was asked
+
+
+class ProgramHook:
+    """The run_impl hook: sets cuda_graph_state / cuda_graph_dispatch_key on every run_program call."""
+
+    def __init__(self, adapter, pass_names: List[str], on_new_program):
+        self.adapter = adapter
+        self.pass_names = pass_names
+        self.on_new_program = on_new_program
+        self.state = CUDAGraphState.DISABLE
+        self.record: Optional[SizeRecord] = None
+        self.simulate = False
+        self.call_index = 0
+        self.seen_layers: Dict[int, Any] = {}
+
+    def begin(self, state, record: Optional[SizeRecord], simulate: bool = False) -> None:
+        self.state = state
+        self.record = record
+        self.simulate = simulate
+        self.call_index = 0
+
+    def end(self) -> None:
+        self.state = CUDAGraphState.DISABLE
+        self.record = None
+
+    def _first_sight(self, layer) -> None:
+        # Passes rewrite the program before run_program builds an executor for it: after that the
+        # executor is cached per program and a rewrite would not be seen.
+        self.seen_layers[id(layer)] = layer
+        counts = {}
+        if self.pass_names:
+            from .passes import run_passes
+
+            counts = run_passes(layer.program.forward_program, self.pass_names)
+        self.on_new_program(layer, counts)
+
+    def __call__(self, run_impl, inputs, params, attrs):
+        layer = run_impl.__self__
+        if id(layer) not in self.seen_layers:
+            self._first_sight(layer)
+        prog_attrs, cg_attrs = attrs
+        state = self.state
+        if state == CUDAGraphState.DISABLE:
+            return run_impl(inputs, params, attrs)
+        index = self.call_index
+        self.call_index = index + 1
+        record = self.record
+        if state == CUDAGraphState.REPLAY:
+            try:
+                sub = record.subgraphs[index]
+            except IndexError:
+                raise ReplayDivergence(f"replay reached run_program call #{index}, only "
+                                       f"{len(record.subgraphs)} were captured") from None
+            if sub.layer is not layer:
+                raise ReplayDivergence(f"run_program call #{index} runs another program than at capture")
+            copy_ = self.adapter.copy_
+            for dst, src in zip(sub.inputs, inputs):
+                if src is not dst:
+                    if src.shape != dst.shape:
+                        raise ReplayDivergence(f"run_program call #{index}: input shape {src.shape} "
+                                               f"differs from the captured {dst.shape}")
+                    copy_(dst, src)
+            if sub.graph is not None:
+                sub.graph.replay()
+            else:
+                run_impl(sub.inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, record.key, index)))
+            return sub.outputs
+        if state == CUDAGraphState.WARMUP:
+            key = record.key if record is not None else 0
+            return run_impl(inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, key, index)))
+        # CAPTURE
+        captured_inputs = list(inputs)
+        if self.simulate:
+            disabled = (prog_attrs, _cg_attrs(cg_attrs, CUDAGraphState.DISABLE, 0, 0))
+            outputs = run_impl(captured_inputs, params, disabled)
+            out_leaves = list(outputs)
+            graph = HostGraph(self.adapter, lambda: run_impl(captured_inputs, params, disabled), out_leaves)
+            record.subgraphs.append(SubgraphRecord(layer, captured_inputs, outputs, graph))
+            return outputs
+        outputs = run_impl(captured_inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, record.key, index)))
+        record.subgraphs.append(SubgraphRecord(layer, captured_inputs, outputs))
+        return outputs
+
+
+_RUN_AS_IS = CustomCode(None, False)
+
+
+def _cg_attrs(cg_attrs, state, key, index):
+    attrs = dict(cg_attrs)
+    attrs["cuda_graph_state"] = state
+    # One dispatch key per run_program call site and size: two calls of one program in a forward
+    # must not share an executor, and so a graph.
+    attrs["cuda_graph_dispatch_key"] = key * 1024 + index if state != CUDAGraphState.DISABLE else 0
+    return attrs
+
+
+class SotStrategy:
+    """Warm up, capture and replay a Paddle model's forward through SOT, per padded size."""
+
+    def __init__(self, model, forward_fn, config, adapter, selection: Optional[split.SplitSelection]):
+        self.model = model
+        self.forward_fn = forward_fn
+        self.config = config
+        self.adapter = adapter
+        self.selection = selection
+        self.sot_kwargs = {"training": False, "backend": _backend(config), "build_strategy": None}
+        self.translations = 0
+        self.copies_removed = 0
+        self.program_ops: Dict[int, List[str]] = {}  # id(layer) -> op names of its forward program
+        self.hook = ProgramHook(adapter, list(config.program_passes), self._on_new_program)
+        self.records: Dict[Any, SizeRecord] = {}
+        self._sig_ids: Dict[Any, int] = {}
+        self._static_fn = None
+        self.blacklist = self._blacklist_names()
+        self.split_hook = _make_split_hook(selection)
+
+    # -- strategy protocol -------------------------------------------------------------------------
+    def run(self, args, kwargs):
+        """Without graphs: the ordinary SOT path, guards and all (it may translate once for new shapes)."""
+        if self._static_fn is None:
+            import types
+
+            bound = types.MethodType(self.forward_fn, self.model)
+            self._static_fn = paddle.jit.to_static(bound, full_graph=False, backend=self.sot_kwargs["backend"])
+        before = translate_count()
+        try:
+            with min_graph_size_guard(0), replace_run_impl_guard(self.hook), split.active_hook(self.split_hook):
+                return self._static_fn(*args, **kwargs)
+        finally:
+            self.translations += translate_count() - before
+
+    def warmup(self, args, kwargs, padded, sig) -> None:
+        record = SizeRecord(self._key(sig, padded))
+        self._mark_dynamic(args, kwargs, sig)
+        self._translating_call(args, kwargs, CUDAGraphState.WARMUP, record, frames=None)
+
+    def capture(self, args, kwargs, padded, sig, pool) -> Captured:
+        record = SizeRecord(self._key(sig, padded))
+        self._mark_dynamic(args, kwargs, sig)
+        simulate = simulation_enabled()
+        outputs = self._translating_call(args, kwargs, CUDAGraphState.CAPTURE, record, frames=record.frames,
+                                         simulate=simulate)
+        if not record.subgraphs:
+            raise CaptureError(
+                "SOT produced no static subgraph for the forward, so there is nothing to capture (it runs "
+                "eagerly). A splitting op called directly inside a Python loop of forward does this: call it "
+                "from a sublayer's forward instead, or name PIR ops in cudagraph_splitting_ops"
+            )
+        self.records[(id(sig), padded)] = record
+        for code, _ in record.frames:
+            # Paddle's eval-frame shim stops calling the callback below frames that ran a number of
+            # times without a subgraph on their stack; SOT marks them only during its first steps.
+            # Replays must keep reaching the recorded frames, so mark them for good.
+            paddle.framework.core.sot_set_with_graph(code)
+        captured_outputs = {id(t) for sub in record.subgraphs for t in sub.outputs}
+        out_leaves, _ = flatten(outputs, self.adapter.is_tensor)
+        stable = all(id(t) in captured_outputs for t in out_leaves)
+        pieces = sum(self._pieces_of(sub.layer) for sub in record.subgraphs)
+        replay = self._make_replay(args, kwargs, record)
+        return Captured(outputs, replay, stable, pieces, len(record.subgraphs),
+                        keepalive=[sub.graph for sub in record.subgraphs if sub.graph is not None] + [record])
+
+    def release(self) -> None:
+        for record in self.records.values():
+            for sub in record.subgraphs:
+                if sub.graph is not None:
+                    sub.graph.reset()
+            record.subgraphs.clear()
+            record.frames.clear()
+        self.records.clear()
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _key(self, sig, padded: int) -> int:
+        sig_id = self._sig_ids.setdefault(id(sig), len(self._sig_ids) + 1)
+        return sig_id * (1 << 20) + padded
+
+    def _mark_dynamic(self, args, kwargs, sig) -> None:
+        leaves, _ = flatten((args, kwargs), self.adapter.is_tensor)
+        for leaf, dim in zip(leaves, sig.dims):
+            if dim is not None:
+                # One symbolic program serves every batch size; without this, size 1 gets its own.
+                paddle.jit.marker.dynamic_dims(leaf, [dim])
+
+    def _translating_call(self, args, kwargs, state, record, frames, simulate=False):
+        sot_kwargs = self.sot_kwargs
+
+        def callback(frame):
+            custom = eval_frame_callback(frame, **sot_kwargs)
+            if frames is not None:
+                frames.append((frame.f_code, custom))
+            return custom
+
+        before = translate_count()
+        self.hook.begin(state, record, simulate)
+        try:
+            with min_graph_size_guard(0), self._blacklist_scope(), replace_run_impl_guard(self.hook), \
+                    split.active_hook(self.split_hook), StepInfoManager().step_guard(self.forward_fn.__code__):
+                old = paddle.framework.core.set_eval_frame(callback)
+                try:
+                    return self.forward_fn(self.model, *args, **kwargs)
+                finally:
+                    paddle.framework.core.set_eval_frame(old)
+        finally:
+            self.hook.end()
+            self.translations += translate_count() - before
+
+    def _make_replay(self, args, kwargs, record: SizeRecord):
+        frames = record.frames
+        count = len(frames)
+        position = [0]
+        hook = self.hook
+        forward_fn, model = self.forward_fn, self.model
+        set_eval_frame = paddle.framework.core.set_eval_frame
+        replay_state = CUDAGraphState.REPLAY
+        simulate = any(sub.graph is not None for sub in record.subgraphs)
+        split_scope = split.active_hook
+        hook_calls = [0]
+        expected_calls = len(record.subgraphs)
+        split_hook = self.split_hook
+
+        def callback(frame):
+            # SOT stops handing some frames to the callback after their first runs (frames that hold
+            # no graph), so a frame recorded at capture may not come back: search forward for the
+            # frame's code. What must match exactly is checked by the hook: the same programs, in
+            # the same order, and all of them.
+            code = frame.f_code
+            i = position[0]
+            while i < count:
+                if frames[i][0] is code:
+                    position[0] = i + 1
+                    return frames[i][1]
+                i += 1
+            return _RUN_AS_IS
+
+        def replay():
+            position[0] = 0
+            hook.begin(replay_state, record, simulate)
+            try:
+                with replace_run_impl_guard(hook), split_scope(split_hook):
+                    old = set_eval_frame(callback)
+                    try:
+                        out = forward_fn(model, *args, **kwargs)
+                    finally:
+                        set_eval_frame(old)
+            finally:
+                hook_calls[0] = hook.call_index
+                hook.end()
+            if hook_calls[0] != expected_calls:
+                raise ReplayDivergence(f"replay ran {hook_calls[0]} of the {expected_calls} subgraphs captured")
+            return out
+
+        return replay
+
+    def _on_new_program(self, layer, counts: Dict[str, int]) -> None:
+        self.copies_removed += sum(counts.values())
+        ops = [op.name() for op in layer.program.forward_program.global_block().ops]
+        self.program_ops[id(layer)] = ops
+        if self.blacklist:
+            for name in split.names_in(ops, self.blacklist):
+                self.selection.mark_seen(name)
+
+    def _pieces_of(self, layer) -> int:
+        ops = self.program_ops.get(id(layer), [])
+        if not self.blacklist:
+            return 1
+        return max(1, split.plan(ops, self.blacklist.__contains__).num_pieces)
+
+    def _blacklist_names(self) -> List[str]:
+        if self.selection is None or self.selection.names is None:
+            return []
+        functions = {w.__graph_opt_split__.name for w in split.registered().values()}
+        functions |= {w.__graph_opt_split__.qualified_name for w in split.registered().values()}
+        return [n for n in self.selection.names if n not in functions]
+
+    @contextlib.contextmanager
+    def _blacklist_scope(self):
+        """FLAGS_cuda_graph_blacklist holds our splitting op names while programs are built, then is restored."""
+        if not self.blacklist:
+            yield
+            return
+        old = paddle.get_flags(_BLACKLIST_FLAG)[_BLACKLIST_FLAG]
+        names = [n for n in old.split(",") if n] + [n for n in self.blacklist if n not in old.split(",")]
+        paddle.set_flags({_BLACKLIST_FLAG: ",".join(names)})
+        try:
+            yield
+        finally:
+            paddle.set_flags({_BLACKLIST_FLAG: old})
+
+
+def _make_split_hook(selection):
+    """The hook splitting ops call under SOT: a selected one becomes a graph break and runs eagerly.
+
+    psdb.breakgraph() ends the subgraph at the call; the function itself then runs in a frame that
+    psdb.fallback(True) keeps out of SOT entirely, so it executes eagerly between captured subgraphs
+    (and, at replay, outside any graph). SOT cannot break inside a Python loop of the frame it is
+    translating: a splitting op called directly in such a loop makes SOT run that frame eagerly.
+    """
+    from paddle.jit.sot import psdb
+
+    names = () if selection is None else tuple(
+        n for w in split.registered().values() for n in (w.__graph_opt_split__.name,)
+        if selection.matches_function(w.__graph_opt_split__)
+    )
+
+    def run_eagerly(op, args, kwargs):
+        psdb.fallback(True)
+        return op.fn(*args, **kwargs)
+
+    def split_at(op, args, kwargs):
+        psdb.breakgraph()
+        return run_eagerly(op, args, kwargs)
+
+    def hook(op, args, kwargs):
+        if op.name in names:
+            return split_at(op, args, kwargs)
+        return op.fn(*args, **kwargs)
+
+    return hook
+
+
+def _backend(config) -> Optional[str]:
+    if config.graph_opt_level >= 2:
+        if paddle.is_compiled_with_cinn():
+            return "CINN"
+        logger.warning("graph_opt_level=2: this Paddle build has no CINN; running level 1 (SOT without CINN)")
+    return None

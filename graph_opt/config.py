@@ -1,0 +1,282 @@
+"""GraphOptConfig: what to capture and how, with validation and where each value came from.
+
+Precedence, lowest first: defaults < YAML (a path, or GRAPH_OPT_CONFIG) < keyword arguments < GRAPH_OPT_*.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+from . import env
+from .errors import GraphOptConfigError
+from .sizes import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
+
+NESTED_KEY = "graph_opt_config"
+
+
+@dataclass
+class GraphOptConfig:
+    """How a model is optimized. See the mode table in the README.
+
+    graph_opt_level: 0 eager, 1 static (Paddle SOT / torch Dynamo), 2 static plus the framework's compiler.
+    use_cudagraph: capture and replay CUDA graphs, one per padded batch size.
+    full_cuda_graph: one graph per size; False splits at cudagraph_splitting_ops.
+    cudagraph_capture_sizes: padded batch sizes to capture; None generates them up to max_capture_size.
+    max_capture_size: largest size replayed from a graph; None means max(cudagraph_capture_sizes), else 256.
+    cudagraph_num_of_warmups: eager runs before each capture (lazy initialisation must not happen inside one).
+    cudagraph_splitting_ops: where piecewise graphs split; None means every function marked @splitting_op.
+    use_unique_memory_pool: all sizes of one model share one graph memory pool (captured largest first).
+    cudagraph_copy_inputs: copy inputs into plugin-owned static buffers; False means the caller passes
+        views of the same buffers at every call (checked), and nothing is copied.
+    program_passes: PIR passes run on every static program before its first run (level >= 1, Paddle).
+    """
+
+    graph_opt_level: int = 0
+    use_cudagraph: bool = True
+    full_cuda_graph: bool = True
+    cudagraph_capture_sizes: Optional[List[int]] = None
+    max_capture_size: Optional[int] = None
+    cudagraph_num_of_warmups: int = 1
+    cudagraph_splitting_ops: Optional[List[str]] = None
+    use_unique_memory_pool: bool = True
+    cudagraph_copy_inputs: bool = True
+    program_passes: List[str] = field(default_factory=lambda: ["remove_loop_carried_copies"])
+    sources: Dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.cudagraph_capture_sizes, tuple):
+            self.cudagraph_capture_sizes = list(self.cudagraph_capture_sizes)
+        if isinstance(self.cudagraph_splitting_ops, tuple):
+            self.cudagraph_splitting_ops = list(self.cudagraph_splitting_ops)
+        validate(self)
+
+    # -- derived values -------------------------------------------------------------------------
+    @property
+    def effective_max_capture_size(self) -> int:
+        if self.max_capture_size is not None:
+            return self.max_capture_size
+        if self.cudagraph_capture_sizes:
+            return max(self.cudagraph_capture_sizes)
+        return DEFAULT_MAX_CAPTURE_SIZE
+
+    @property
+    def capture_sizes(self) -> List[int]:
+        """Sizes to capture, ascending. The largest is always the max capture size."""
+        if self.cudagraph_capture_sizes is not None:
+            sizes = sorted(self.cudagraph_capture_sizes)
+            if sizes[-1] < self.effective_max_capture_size:
+                sizes.append(self.effective_max_capture_size)
+            return sizes
+        return default_capture_sizes(self.effective_max_capture_size)
+
+    @property
+    def uses_graphs(self) -> bool:
+        return self.use_cudagraph
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "dict") -> "GraphOptConfig":
+        values = _unwrap(data, source)
+        _check_keys(values, source)
+        cfg = cls(**{k: _copy_value(v) for k, v in values.items()})
+        cfg.sources = {name: ("default" if name not in values else source) for name in field_names()}
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "GraphOptConfig":
+        return cls.from_dict(read_yaml(path), source=f"yaml:{path}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {name: _copy_value(getattr(self, name)) for name in field_names()}
+
+    def describe(self) -> str:
+        """The effective config, one line per field, with where each value came from."""
+        rows = []
+        for name in field_names():
+            rows.append((name, repr(getattr(self, name)), self.sources.get(name, "default")))
+        rows.append(("(capture sizes used)", repr(self.capture_sizes), "derived"))
+        rows.append(("(max capture size used)", repr(self.effective_max_capture_size), "derived"))
+        width = max(len(r[0]) for r in rows)
+        vwidth = min(60, max(len(r[1]) for r in rows))
+        return "\n".join(f"{n:<{width}}  {v:<{vwidth}}  {s}" for n, v, s in rows)
+
+
+def field_names() -> List[str]:
+    return [f.name for f in dataclasses.fields(GraphOptConfig) if f.name != "sources"]
+
+
+def _copy_value(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def read_yaml(path: str) -> Mapping[str, Any]:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise GraphOptConfigError(f"config file {path!r} does not exist")
+    with open(path, encoding="utf-8") as fh:
+        try:
+            data = yaml.safe_load(fh)
+        except yaml.YAMLError as exc:
+            raise GraphOptConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise GraphOptConfigError(f"config file {path!r} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def _unwrap(data: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise GraphOptConfigError(f"{source}: a config must be a mapping, got {type(data).__name__}")
+    if NESTED_KEY in data:
+        others = [k for k in data if k != NESTED_KEY]
+        if others:
+            raise GraphOptConfigError(
+                f"{source}: unknown key {others[0]!r} next to {NESTED_KEY!r}; put every setting under {NESTED_KEY}:"
+            )
+        nested = data[NESTED_KEY]
+        if nested is None:
+            return {}
+        if not isinstance(nested, Mapping):
+            raise GraphOptConfigError(f"{source}: {NESTED_KEY} must be a mapping, got {type(nested).__name__}")
+        return nested
+    return data
+
+
+def _check_keys(values: Mapping[str, Any], source: str) -> None:
+    allowed = field_names()
+    for key in values:
+        if key not in allowed:
+            hint = difflib.get_close_matches(str(key), allowed, n=1)
+            extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise GraphOptConfigError(
+                f"{source}: unknown key {key!r}{extra}; allowed keys are {', '.join(allowed)}"
+            )
+
+
+def _origin(cfg: GraphOptConfig, name: str) -> str:
+    src = cfg.sources.get(name)
+    return f" (from {src})" if src and src != "default" else ""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate(cfg: GraphOptConfig) -> None:
+    """Raise GraphOptConfigError naming the first bad key and what it accepts."""
+    def fail(name, message):
+        raise GraphOptConfigError(f"{name}={getattr(cfg, name)!r}{_origin(cfg, name)}: {message}")
+
+    if not _is_int(cfg.graph_opt_level) or cfg.graph_opt_level not in (0, 1, 2):
+        fail("graph_opt_level", "must be 0 (eager), 1 (static) or 2 (static + compiler)")
+    for name in ("use_cudagraph", "full_cuda_graph", "use_unique_memory_pool", "cudagraph_copy_inputs"):
+        if not isinstance(getattr(cfg, name), bool):
+            fail(name, "must be a boolean (true or false)")
+    if not _is_int(cfg.cudagraph_num_of_warmups) or cfg.cudagraph_num_of_warmups < 0:
+        fail("cudagraph_num_of_warmups", "must be an integer >= 0")
+    if cfg.max_capture_size is not None and (not _is_int(cfg.max_capture_size) or cfg.max_capture_size < 1):
+        fail("max_capture_size", "must be a positive integer, or null to derive it")
+    sizes = cfg.cudagraph_capture_sizes
+    if sizes is not None:
+        if not isinstance(sizes, list) or not sizes:
+            fail("cudagraph_capture_sizes", "must be a non-empty list of positive integers, or null to generate them")
+        for s in sizes:
+            if not _is_int(s) or s < 1:
+                fail("cudagraph_capture_sizes", f"every size must be a positive integer, got {s!r}")
+        dupes = sorted({s for s in sizes if sizes.count(s) > 1})
+        if dupes:
+            fail("cudagraph_capture_sizes", f"sizes must be unique, {dupes[0]} appears more than once")
+        if cfg.max_capture_size is not None and max(sizes) > cfg.max_capture_size:
+            fail(
+                "cudagraph_capture_sizes",
+                f"size {max(sizes)} is above max_capture_size={cfg.max_capture_size}{_origin(cfg, 'max_capture_size')}",
+            )
+    for name in ("cudagraph_splitting_ops", "program_passes"):
+        names = getattr(cfg, name)
+        if names is None and name == "cudagraph_splitting_ops":
+            continue
+        if not isinstance(names, list) or any(not isinstance(n, str) or not n.strip() for n in names):
+            fail(name, "must be a list of non-empty names")
+        if len(set(names)) != len(names):
+            fail(name, "names must be unique")
+    if cfg.program_passes:
+        from .passes import KNOWN_PASSES
+
+        for name in cfg.program_passes:
+            if name not in KNOWN_PASSES:
+                fail("program_passes", f"unknown pass {name!r}; known passes are {', '.join(KNOWN_PASSES)}")
+
+
+def load_config(path: Optional[str] = None, *, environ: Optional[Mapping[str, str]] = None, **overrides) -> GraphOptConfig:
+    """Effective config: defaults < YAML (path or GRAPH_OPT_CONFIG) < overrides < GRAPH_OPT_* env."""
+    environ = os.environ if environ is None else environ
+    env.apply_log_level(environ)
+    values: Dict[str, Any] = {}
+    sources: Dict[str, str] = {}
+    yaml_path = path if path is not None else env.read("GRAPH_OPT_CONFIG", environ)
+    if yaml_path is not None:
+        label = f"yaml:{yaml_path}" if path is not None else f"yaml:{yaml_path} (GRAPH_OPT_CONFIG)"
+        data = _unwrap(read_yaml(yaml_path), label)
+        _check_keys(data, label)
+        for key, value in data.items():
+            values[key] = _copy_value(value)
+            sources[key] = label
+    _check_keys(overrides, "keyword argument")
+    for key, value in overrides.items():
+        values[key] = _copy_value(value)
+        sources[key] = "kwargs"
+    for key, (value, var) in env.config_overrides(environ).items():
+        values[key] = value
+        sources[key] = f"env:{var}"
+    cfg = GraphOptConfig.__new__(GraphOptConfig)
+    for name in field_names():
+        default = GraphOptConfig.__dataclass_fields__[name]
+        if name in values:
+            setattr(cfg, name, values[name])
+        elif default.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            setattr(cfg, name, default.default_factory())  # type: ignore[misc]
+        else:
+            setattr(cfg, name, default.default)
+    cfg.sources = {name: sources.get(name, "default") for name in field_names()}
+    cfg.__post_init__()
+    return cfg
+
+
+def with_env(cfg: GraphOptConfig, environ: Optional[Mapping[str, str]] = None) -> GraphOptConfig:
+    """cfg with GRAPH_OPT_* overrides applied on top: the environment wins over code."""
+    environ = os.environ if environ is None else environ
+    env.apply_log_level(environ)
+    overrides = env.config_overrides(environ)
+    if not overrides:
+        return cfg
+    values = cfg.to_dict()
+    sources = dict(cfg.sources)
+    for key, (value, var) in overrides.items():
+        values[key] = value
+        sources[key] = f"env:{var}"
+    new = GraphOptConfig.__new__(GraphOptConfig)
+    for key, value in values.items():
+        setattr(new, key, value)
+    new.sources = sources
+    new.__post_init__()
+    return new
+
+
+def resolve(value) -> GraphOptConfig:
+    """Accept what a user may pass as graph_opt_config=: a config, a dict, a YAML path or None."""
+    if value is None:
+        return load_config()
+    if isinstance(value, GraphOptConfig):
+        return with_env(value)
+    if isinstance(value, Mapping):
+        return load_config(**_unwrap(value, "graph_opt_config"))
+    if isinstance(value, (str, os.PathLike)):
+        return load_config(os.fspath(value))
+    raise GraphOptConfigError(
+        f"graph_opt_config must be a GraphOptConfig, a dict or a YAML path, got {type(value).__name__}"
+    )

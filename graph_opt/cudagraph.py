@@ -1,0 +1,551 @@
+"""Per-size CUDA-graph runtime: warmup -> capture -> replay, framework-neutral.
+
+A call follows GraphRunner.__call__ -> CapturedSize.run: flatten the arguments, look the padded
+size up in a table, copy the real rows into static buffers, replay, return views of the captured
+outputs. Nothing on that path logs or allocates device memory.
+
+How a size is captured is a strategy's business: EagerStrategy (level 0) captures the eager forward
+here; the static strategies (level >= 1) live in backends/ because they hook the framework's
+translator. The runner does not care which: it trusts the strategy it is given.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import guards, split
+from .errors import CaptureError, GraphOptConfigError, ReplayDivergence
+from .pytree import flatten, tensor_leaf_owners, unflatten
+from .sizes import PaddingTable
+from .stats import Counters
+from .testing import HostGraph, simulation_enabled
+
+logger = logging.getLogger("graph_opt")
+
+_MISMATCH = object()  # CapturedSize.run could not use its graph for these inputs
+REQUIRED = object()  # a forward parameter without default
+
+
+@dataclass
+class Captured:
+    """What a strategy hands back after capturing one size."""
+
+    outputs: Any  # the forward's output at capture
+    replay: Callable[[], Any]  # runs the captured work; returns the outputs when they are not stable
+    stable_outputs: bool  # replay writes the captured output tensors in place
+    pieces: int
+    graphs: int
+    keepalive: List[Any] = field(default_factory=list)  # graphs and tensors the replay reads
+
+
+@dataclass
+class CapturedSize:
+    """Everything one padded size needs at replay."""
+
+    padded_size: int
+    inputs: List[Any]  # the tensors the graph reads, one per tensor leaf, at the padded size
+    dims: List[Optional[int]]  # dynamic dim of each leaf, None for static leaves
+    copy_inputs: bool
+    input_ptrs: List[int]
+    captured: Captured
+    out_spec: Any
+    out_leaves: List[Any]
+    out_sliced: List[bool]  # output leaves whose first dim is the padded size: returned sliced to real rows
+    capture_ms: float
+    memory_bytes: Optional[int]
+    views: Dict[int, Tuple[list, list, Any]] = field(default_factory=dict)
+
+    def run(self, adapter, leaves: Sequence[Any], real: int):
+        views = self.views.get(real)
+        if views is None:
+            views = self._views_for(adapter, real)
+        dsts, shapes, output = views
+        if self.copy_inputs:
+            for dst, shape, src in zip(dsts, shapes, leaves):
+                if src is not dst:
+                    if adapter.shape(src) != shape:
+                        return _MISMATCH
+                    adapter.copy_(dst, src)
+        else:
+            for ptr, shape, src in zip(self.input_ptrs, shapes, leaves):
+                if adapter.data_ptr(src) != ptr or adapter.shape(src) != shape:
+                    return _MISMATCH
+        fresh = self.captured.replay()
+        if self.captured.stable_outputs:
+            return output
+        return self._slice_outputs(adapter, fresh, real)
+
+    def _views_for(self, adapter, real: int):
+        dsts = [t if d is None else adapter.narrow(t, d, real) for t, d in zip(self.inputs, self.dims)]
+        shapes = [adapter.shape(t) for t in dsts]
+        output = self._slice_outputs(adapter, self.captured.outputs, real) if self.captured.stable_outputs else None
+        views = (dsts, shapes, output)
+        self.views[real] = views
+        return views
+
+    def _slice_outputs(self, adapter, outputs, real: int):
+        if real == self.padded_size:
+            return outputs
+        leaves, spec = flatten(outputs, adapter.is_tensor)
+        sliced = [adapter.narrow(t, 0, real) if s else t for t, s in zip(leaves, self.out_sliced)]
+        return unflatten(spec, sliced, template=outputs)
+
+    def release(self) -> None:
+        for obj in self.captured.keepalive:
+            reset = getattr(obj, "reset", None)
+            if callable(reset):
+                reset()
+        self.captured.keepalive.clear()
+        self.views.clear()
+        self.inputs = []
+        self.out_leaves = []
+
+
+class Signature:
+    """One call structure: its non-tensor arguments, where its tensors are, their static buffers."""
+
+    def __init__(self, spec, leaves, dims: List[Optional[int]], template):
+        self.spec = spec
+        self.dims = dims
+        self.template = template  # the first call's (args, kwargs), to rebuild dataclass arguments
+        self.dynamic = [i for i, d in enumerate(dims) if d is not None]
+        self.entries: Dict[int, CapturedSize] = {}
+        self.buffers: Optional[List[Any]] = None  # static input buffers at the max size (copy_inputs)
+
+    def batch_size(self, adapter, leaves) -> int:
+        """The common size of every dynamic dim, or -1 when they disagree."""
+        dyn = self.dynamic
+        dims = self.dims
+        real = adapter.shape(leaves[dyn[0]])[dims[dyn[0]]]
+        for i in dyn[1:]:
+            if adapter.shape(leaves[i])[dims[i]] != real:
+                return -1
+        return real
+
+    def buffer_bytes(self, adapter) -> int:
+        return sum(adapter.nbytes(b) for b in self.buffers) if self.buffers else 0
+
+
+@contextlib.contextmanager
+def frozen_gc():
+    """Collect once, then keep the collector out of the capture phase.
+
+    A collection during capture is slow (it walks every object) and could free tensors whose memory a
+    graph being captured still uses; freezing moves today's objects out of the collector's reach.
+    """
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+
+
+class GraphRunner:
+    """Dispatch, pad, copy and replay for one model; capture sizes on demand."""
+
+    def __init__(self, *, adapter, config, strategy, dynamic_arg_dims, params: Sequence[Tuple[str, Any]], name: str):
+        self.adapter = adapter
+        self.config = config
+        self.strategy = strategy
+        self.dynamic_arg_dims = dynamic_arg_dims  # None: dim 0 of every tensor argument
+        # forward's positional-or-keyword parameters after self: (name, default or _REQUIRED)
+        self.params = list(params)
+        self.arg_names = [name for name, _ in self.params]
+        self.name = name
+        self.table = PaddingTable(config.capture_sizes)
+        self.max_size = self.table.max_size
+        self.signatures: Dict[Any, Signature] = {}
+        self.counters = Counters()
+        self.capture_seconds = 0.0
+        self.memory_bytes: Optional[int] = None
+        self.disabled_reason: Optional[str] = None
+        self.capture_model_done = False
+        self.pool = None
+        self._warned: set = set()
+        self._is_tensor = adapter.is_tensor
+
+    # -- hot path ----------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self.disabled_reason is not None:
+            return self._fallback(args, kwargs, None)
+        if kwargs or len(args) < len(self.params):
+            args, kwargs = self.canonical(args, kwargs)
+        leaves, spec = flatten((args, kwargs), self._is_tensor)
+        sig = self.signatures.get(spec)
+        if sig is None:
+            sig = self._new_signature(spec, leaves, args, kwargs)
+            if sig is None:
+                return self._fallback(args, kwargs, "new_signature")
+        real = sig.batch_size(self.adapter, leaves)
+        padded = self.table.padded_size(real) if real > 0 else 0
+        if not padded:
+            return self._fallback(args, kwargs, None)
+        if self.adapter.grad_enabled():
+            return self._fallback(args, kwargs, "grad")
+        entry = sig.entries.get(padded)
+        if entry is None:
+            entry = self._capture_lazily(sig, padded, real, leaves)
+            if entry is None:
+                return self._fallback(args, kwargs, None)
+        try:
+            out = entry.run(self.adapter, leaves, real)
+        except ReplayDivergence as exc:
+            self._warn_once("divergence", f"{exc}; this call runs without graphs")
+            return self._fallback(args, kwargs, None)
+        if out is _MISMATCH:
+            return self._fallback(args, kwargs, "mismatch")
+        self.counters.replays += 1
+        return out
+
+    def canonical(self, args, kwargs):
+        """Arguments as one positional tuple in forward's order, defaults filled in, so that m(x),
+        m(x=x) and m(x, scale=1.0) (the default) share one signature."""
+        args = list(args)
+        kwargs = dict(kwargs)
+        for name, default in self.params[len(args):]:
+            if name in kwargs:
+                args.append(kwargs.pop(name))
+            elif default is not REQUIRED:
+                args.append(default)
+            else:
+                break
+        return tuple(args), kwargs
+
+    def _fallback(self, args, kwargs, why: Optional[str]):
+        self.counters.fallbacks += 1
+        if why is not None:
+            self._warn_once(why, _FALLBACK_REASONS[why])
+        return self.strategy.run(args, kwargs)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("%s: %s", self.name, message)
+
+    # -- signatures --------------------------------------------------------------------------------
+    def _new_signature(self, spec, leaves, args, kwargs) -> Optional[Signature]:
+        if self.capture_model_done and self.signatures:
+            # A structure or non-tensor value never seen at capture: replaying a graph captured with
+            # another value would be wrong, so these calls run without graphs.
+            return None
+        dims = self._dynamic_dims(spec, leaves)
+        if not any(d is not None for d in dims):
+            return None
+        sig = Signature(spec, leaves, dims, (args, kwargs))
+        self.signatures[spec] = sig
+        return sig
+
+    def _dynamic_dims(self, spec, leaves) -> List[Optional[int]]:
+        owners = tensor_leaf_owners(spec)
+        dims: List[Optional[int]] = []
+        for owner, leaf in zip(owners, leaves):
+            name = self.arg_names[owner] if isinstance(owner, int) and owner < len(self.arg_names) else owner
+            ndim = len(self.adapter.shape(leaf))
+            if self.dynamic_arg_dims is None:
+                dim = 0 if ndim > 0 else None
+            else:
+                dim = self.dynamic_arg_dims.get(name)
+                if dim is not None and not -ndim <= dim < ndim:
+                    raise GraphOptConfigError(
+                        f"dynamic_arg_dims[{name!r}]={dim} is out of range for a tensor with {ndim} dimensions"
+                    )
+                if dim is not None and dim < 0:
+                    dim += ndim
+            dims.append(dim)
+        return dims
+
+    # -- capture -----------------------------------------------------------------------------------
+    def capture(self, args, kwargs, size: int) -> CapturedSize:
+        """Capture `size` for the call structure of (args, kwargs); inputs must have `size` rows."""
+        args, kwargs = self.canonical(args, kwargs)
+        leaves, spec = flatten((args, kwargs), self._is_tensor)
+        sig = self.signatures.get(spec) or self._new_signature(spec, leaves, args, kwargs)
+        if sig is None:
+            raise CaptureError(
+                f"{self.name}: the inputs have no tensor with a dynamic dimension; "
+                "pass dynamic_arg_dims={'arg': dim} to @support_graph_optimization"
+            )
+        real = sig.batch_size(self.adapter, leaves)
+        if real != size:
+            raise CaptureError(
+                f"{self.name}: make_inputs({size}) returned inputs whose dynamic dimensions have "
+                f"{'different sizes' if real < 0 else f'{real} rows'}; expected {size}"
+            )
+        return sig.entries.get(size) or self._capture_size(sig, size, leaves)
+
+    def _capture_lazily(self, sig: Signature, padded: int, real: int, leaves) -> Optional[CapturedSize]:
+        if not self.config.cudagraph_copy_inputs and real != padded:
+            return None  # the caller's buffers must hold the padded rows; nothing can be captured from them
+        logger.info("%s: capturing padded size %d lazily (first seen at call time)", self.name, padded)
+        try:
+            with frozen_gc():
+                entry = self._capture_size(sig, padded, leaves)
+        except Exception as exc:  # the model must keep working: run without graphs from now on
+            self.capture_failed(exc, padded)
+            return None
+        self.counters.lazy_captures += 1
+        return entry
+
+    def capture_failed(self, exc: BaseException, size: int) -> None:
+        self.counters.capture_failures += 1
+        self.release()
+        self.disabled_reason = f"capture of size {size} failed: {type(exc).__name__}: {exc}"
+        logger.warning("%s: %s; running without graphs", self.name, self.disabled_reason)
+
+    def _static_inputs(self, sig: Signature, padded: int, leaves) -> List[Any]:
+        adapter = self.adapter
+        if not self.config.cudagraph_copy_inputs:
+            return list(leaves)
+        if sig.buffers is None:
+            # Allocated once at the max size; every size reads a view of them, so the addresses a
+            # graph captured stay valid for as long as the runner lives.
+            sig.buffers = [
+                adapter.zeros_like(t, d, self.max_size) if d is not None else adapter.zeros_like(t, None, 0)
+                for t, d in zip(leaves, sig.dims)
+            ]
+        views = [b if d is None else adapter.narrow(b, d, padded) for b, d in zip(sig.buffers, sig.dims)]
+        for dst, src, d in zip(views, leaves, sig.dims):
+            if d is None:
+                adapter.copy_(dst, src)
+            else:
+                real = adapter.shape(src)[d]
+                adapter.copy_(adapter.narrow(dst, d, real), src)
+        return views
+
+    def _capture_size(self, sig: Signature, padded: int, leaves) -> CapturedSize:
+        adapter = self.adapter
+        static = self._static_inputs(sig, padded, leaves)
+        if not self.config.cudagraph_copy_inputs:
+            for t, d in zip(static, sig.dims):
+                if d is not None and adapter.shape(t)[d] != padded:
+                    raise CaptureError(
+                        f"{self.name}: with cudagraph_copy_inputs=false the inputs used to capture size {padded} "
+                        f"must have {padded} rows, got {adapter.shape(t)[d]}"
+                    )
+        args, kwargs = unflatten(sig.spec, static, template=sig.template)
+        if self.pool is None and self.config.use_unique_memory_pool:
+            self.pool = adapter.new_pool() if not simulation_enabled() else None
+        mem_before = None if simulation_enabled() else adapter.memory_in_use()
+        start = time.perf_counter()
+        with _capture_phase(adapter):
+            for _ in range(self.config.cudagraph_num_of_warmups):
+                self.strategy.warmup(args, kwargs, padded, sig)
+            captured = self.strategy.capture(args, kwargs, padded, sig, self.pool)
+            adapter.synchronize()
+        capture_ms = (time.perf_counter() - start) * 1e3
+        mem_after = None if mem_before is None else adapter.memory_in_use()
+        memory = None if mem_before is None or mem_after is None else max(0, mem_after - mem_before)
+        out_leaves, out_spec = flatten(captured.outputs, adapter.is_tensor)
+        entry = CapturedSize(
+            padded_size=padded,
+            inputs=static,
+            dims=sig.dims,
+            copy_inputs=self.config.cudagraph_copy_inputs,
+            input_ptrs=[adapter.data_ptr(t) for t in static],
+            captured=captured,
+            out_spec=out_spec,
+            out_leaves=out_leaves,
+            out_sliced=[len(adapter.shape(t)) > 0 and adapter.shape(t)[0] == padded for t in out_leaves],
+            capture_ms=capture_ms,
+            memory_bytes=memory,
+        )
+        sig.entries[padded] = entry
+        self.counters.captures += 1
+        self.capture_seconds += capture_ms / 1e3
+        if memory is not None:
+            self.memory_bytes = (self.memory_bytes or 0) + memory
+        return entry
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    def captured_sizes(self) -> List[int]:
+        return sorted({size for sig in self.signatures.values() for size in sig.entries})
+
+    def pieces(self) -> Dict[int, int]:
+        return {size: e.captured.pieces for sig in self.signatures.values() for size, e in sig.entries.items()}
+
+    def graphs(self) -> Dict[int, int]:
+        return {size: e.captured.graphs for sig in self.signatures.values() for size, e in sig.entries.items()}
+
+    def buffer_bytes(self) -> int:
+        return sum(sig.buffer_bytes(self.adapter) for sig in self.signatures.values())
+
+    def release(self) -> None:
+        """Drop every graph, buffer and signature; the next capture starts from scratch."""
+        for sig in self.signatures.values():
+            for entry in sig.entries.values():
+                entry.release()
+            sig.entries.clear()
+            sig.buffers = None
+        self.signatures.clear()
+        self.strategy.release()
+        self.pool = None
+        self.memory_bytes = None
+        self.capture_model_done = False
+        self.adapter.release_memory()
+
+
+_FALLBACK_REASONS = {
+    "new_signature": "a call with a structure or non-tensor argument value not seen at capture runs without graphs",
+    "grad": "autograd is enabled: graphs replay only under no_grad, so this call runs without graphs",
+    "mismatch": "an input does not match the captured buffers (shape, or address with cudagraph_copy_inputs=false); "
+    "this call runs without graphs",
+}
+
+
+@contextlib.contextmanager
+def _capture_phase(adapter):
+    """Warmups and capture of one size: SOT/Dynamo translate here, on the capture branch of is_capturing()."""
+    with guards.sot_warmup_guard(True), guards.capture_custom_allreduce(), adapter.no_grad(), adapter.capture_stream():
+        yield
+
+
+# -- level 0: the eager forward, captured whole or in pieces ---------------------------------------
+class _SplitStep:
+    """A splitting op re-run eagerly between replayed pieces, on the tensors recorded at capture."""
+
+    def __init__(self, adapter, op, args, kwargs, result):
+        self.adapter = adapter
+        self.op = op
+        self.args = args
+        self.kwargs = kwargs
+        self.result = result
+        self.leaves, self.spec = flatten(result, adapter.is_tensor)
+
+    def __call__(self) -> None:
+        fresh = self.op.fn(*self.args, **self.kwargs)
+        leaves, spec = flatten(fresh, self.adapter.is_tensor)
+        if spec != self.spec:
+            raise ReplayDivergence(
+                f"splitting op {self.op.name!r} returned {spec!r} at replay but {self.spec!r} at capture; "
+                "the pieces after it baked the capture-time value"
+            )
+        for dst, src in zip(self.leaves, leaves):
+            if src is not dst:
+                self.adapter.copy_(dst, src)
+
+
+class _PieceRecorder:
+    """Captures the eager forward as device graphs, cut at the selected splitting ops."""
+
+    def __init__(self, adapter, pool, selection: Optional[split.SplitSelection]):
+        self.adapter = adapter
+        self.pool = pool
+        self.selection = selection
+        self.steps: List[Any] = []
+        self.graphs: List[Any] = []
+        self._open = None
+
+    def begin(self) -> None:
+        graph = self.adapter.new_graph(self.pool)
+        graph.capture_begin()
+        self._open = graph
+
+    def end(self) -> None:
+        graph, self._open = self._open, None
+        if graph is not None:
+            graph.capture_end()
+            self.graphs.append(graph)
+            self.steps.append(graph.replay)
+
+    def abort(self) -> None:
+        graph, self._open = self._open, None
+        if graph is not None:
+            with contextlib.suppress(Exception):
+                graph.capture_end()
+            with contextlib.suppress(Exception):
+                graph.reset()
+        for g in self.graphs:
+            with contextlib.suppress(Exception):
+                g.reset()
+
+    def on_split(self, op, args, kwargs):
+        if self.selection is None or not self.selection.matches_function(op):
+            return op.fn(*args, **kwargs)
+        self.selection.mark_seen(op.name)
+        self.end()
+        result = op.fn(*args, **kwargs)
+        self.steps.append(_SplitStep(self.adapter, op, args, kwargs, result))
+        self.begin()
+        return result
+
+
+class EagerStrategy:
+    """Level 0: capture the eager forward, whole (full_cuda_graph) or split at splitting ops."""
+
+    def __init__(self, call: Callable, adapter, selection: Optional[split.SplitSelection]):
+        self.call = call
+        self.adapter = adapter
+        self.selection = selection  # None: one graph for the whole forward
+
+    def run(self, args, kwargs):
+        return self.call(*args, **kwargs)
+
+    def warmup(self, args, kwargs, padded, sig) -> None:
+        self.call(*args, **kwargs)
+
+    def capture(self, args, kwargs, padded, sig, pool) -> Captured:
+        if simulation_enabled():
+            return self._capture_simulated(args, kwargs)
+        recorder = _PieceRecorder(self.adapter, pool, self.selection)
+        with split.active_hook(recorder.on_split if self.selection is not None else None):
+            recorder.begin()
+            try:
+                outputs = self.call(*args, **kwargs)
+                recorder.end()
+            except BaseException:
+                recorder.abort()
+                raise
+        steps = tuple(recorder.steps)
+        replay = steps[0] if len(steps) == 1 else _run_all(steps)
+        pieces = len(recorder.graphs)
+        return Captured(outputs, replay, True, pieces, pieces, keepalive=list(recorder.graphs))
+
+    def _capture_simulated(self, args, kwargs) -> Captured:
+        splits = [0]
+        selection = self.selection
+
+        def count_split(op, a, k):
+            if selection is not None and selection.matches_function(op):
+                selection.mark_seen(op.name)
+                splits[0] += 1
+            return op.fn(*a, **k)
+
+        with split.active_hook(count_split):
+            outputs = self.call(*args, **kwargs)
+        out_leaves, _ = flatten(outputs, self.adapter.is_tensor)
+
+        def eager_split(op, a, k):
+            if selection is None or not selection.matches_function(op):
+                return op.fn(*a, **k)
+            with guards.sot_warmup_guard(False), guards._capture_phase_guard(False):
+                return op.fn(*a, **k)
+
+        def rerun():
+            # Re-run with the capture-time flags: pieces see is_capturing() true, splitting ops false.
+            with guards.sot_warmup_guard(True), guards._capture_phase_guard(True), self.adapter.no_grad():
+                with split.active_hook(eager_split):
+                    return self.call(*args, **kwargs)
+
+        graph = HostGraph(self.adapter, rerun, out_leaves)
+        pieces = splits[0] + 1
+        return Captured(outputs, graph.replay, True, pieces, pieces, keepalive=[graph])
+
+    def release(self) -> None:
+        pass
+
+
+def _run_all(steps):
+    def replay():
+        for step in steps:
+            step()
+
+    return replay

@@ -1,0 +1,295 @@
+"""@support_graph_optimization, capture_model, clear_graphs and stats: the user-facing entry points."""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from . import backends, config as config_mod, env, split
+from .cudagraph import REQUIRED, EagerStrategy, GraphRunner, frozen_gc
+from .errors import CaptureError, GraphOptConfigError
+from .stats import CaptureReport, SizeReport, Stats
+from .testing import simulation_enabled
+
+logger = logging.getLogger("graph_opt")
+
+_STATE_ATTR = "_graph_opt_state"
+
+
+class GraphOptState:
+    """Per-model plugin state: the config, the mode, and the runner once graphs are in use."""
+
+    def __init__(self, model, cfg, dynamic_arg_dims, framework: str, orig_call: Callable):
+        self.model = model
+        self.config = cfg
+        self.dynamic_arg_dims = dynamic_arg_dims
+        self.backend = backends.load(framework)
+        self.adapter = self.backend.ADAPTER
+        self.orig_call = orig_call
+        self.forward_fn = type(model).forward
+        self.name = type(model).__name__
+        self.disabled = env.disabled()
+        self.runner: Optional[GraphRunner] = None
+        self.plain: Optional[Callable] = None  # the path without graphs, once chosen
+        self.selection = None if cfg.full_cuda_graph else split.SplitSelection(cfg.cudagraph_splitting_ops)
+        self.notes: list = []
+
+    # -- mode ----------------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        cfg = self.config
+        if self.disabled:
+            return "disabled (GRAPH_OPT_DISABLE)"
+        base = "eager" if cfg.graph_opt_level == 0 else f"static (level {cfg.graph_opt_level})"
+        if not cfg.use_cudagraph:
+            return base
+        kind = "full graph" if cfg.full_cuda_graph else "piecewise"
+        if self.runner is not None:
+            return f"{base} + {'simulated ' if self._simulated else ''}cuda graphs, {kind}"
+        return f"{base} + cuda graphs, {kind}"
+
+    @property
+    def _simulated(self) -> bool:
+        return simulation_enabled() or not self.adapter.graphs_supported()
+
+    def graphs_available(self) -> bool:
+        return self.adapter.graphs_supported() or simulation_enabled()
+
+    def _eager_call(self, *args, **kwargs):
+        return self.orig_call(self.model, *args, **kwargs)
+
+    def plain_call(self) -> Callable:
+        """The path a call takes without graphs: eager at level 0, SOT at level >= 1."""
+        if self.plain is None:
+            if self.config.graph_opt_level == 0 or self.disabled:
+                self.plain = self._eager_call
+            else:
+                self.plain = self.backend.static_call(self.model, self.forward_fn, self.config)
+        return self.plain
+
+    def ensure_runner(self) -> Optional[GraphRunner]:
+        """The runner when graphs are configured and available; else None (after one warning)."""
+        if self.runner is not None:
+            return self.runner
+        cfg = self.config
+        if self.disabled or not cfg.use_cudagraph:
+            return None
+        if not self.graphs_available():
+            if not self.notes:
+                msg = (f"{self.name}: CUDA graphs are unavailable here ({self.adapter.name} has no CUDA graph support); "
+                       f"running the {'eager' if cfg.graph_opt_level == 0 else 'static'} path without graphs. "
+                       "Use graph_opt.testing.simulate_cuda_graphs() or GRAPH_OPT_SIMULATE_CUDAGRAPH=1 to simulate them.")
+                logger.warning(msg)
+                self.notes.append(msg)
+            return None
+        if cfg.graph_opt_level == 0:
+            strategy = EagerStrategy(self._eager_call, self.adapter, self.selection)
+        else:
+            strategy = self.backend.static_strategy(self.model, self.forward_fn, cfg, self.selection)
+        self.runner = GraphRunner(
+            adapter=self.adapter, config=cfg, strategy=strategy, dynamic_arg_dims=self.dynamic_arg_dims,
+            params=_params(self.forward_fn), name=self.name,
+        )
+        return self.runner
+
+    # -- the call --------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        runner = self.runner
+        if runner is not None:
+            return runner(*args, **kwargs)
+        runner = self.ensure_runner()
+        if runner is not None:
+            return runner(*args, **kwargs)
+        return self.plain_call()(*args, **kwargs)
+
+
+def _params(forward_fn) -> list:
+    """(name, default) of forward's positional parameters after self; REQUIRED where there is no default."""
+    params = list(inspect.signature(forward_fn).parameters.values())[1:]  # drop self
+    return [(p.name, REQUIRED if p.default is p.empty else p.default)
+            for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _check_dynamic_arg_dims(cls, dynamic_arg_dims) -> Optional[Dict[str, int]]:
+    if dynamic_arg_dims is None:
+        return None
+    if not isinstance(dynamic_arg_dims, dict) or not dynamic_arg_dims:
+        raise GraphOptConfigError("dynamic_arg_dims must be a non-empty dict of forward argument name -> dim")
+    params = list(inspect.signature(cls.forward).parameters)[1:]
+    accepts_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(cls.forward).parameters.values())
+    for name, dim in dynamic_arg_dims.items():
+        if not isinstance(name, str) or (name not in params and not accepts_kwargs):
+            raise GraphOptConfigError(
+                f"dynamic_arg_dims key {name!r} is not an argument of {cls.__qualname__}.forward; "
+                f"its arguments are {', '.join(params)}"
+            )
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise GraphOptConfigError(f"dynamic_arg_dims[{name!r}] must be an int dimension, got {dim!r}")
+    return dict(dynamic_arg_dims)
+
+
+def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str, int]] = None):
+    """Class decorator for a paddle.nn.Layer or torch.nn.Module subclass.
+
+    The constructor then accepts `graph_opt_config=` (a GraphOptConfig, a dict or a YAML path; default
+    load_config()). Calls go through the plugin: padded to the nearest captured size and replayed when
+    graphs are captured, otherwise eager (level 0) or static (level >= 1).
+
+    dynamic_arg_dims maps forward argument names to their batch dimension; by default dimension 0 of
+    every tensor argument is the batch dimension.
+    """
+    if cls is None:
+        return lambda c: support_graph_optimization(c, dynamic_arg_dims=dynamic_arg_dims)
+    if not isinstance(cls, type):
+        raise TypeError(
+            "@support_graph_optimization decorates a class (a paddle.nn.Layer or torch.nn.Module subclass), "
+            f"got {type(cls).__name__}"
+        )
+    framework = backends.framework_of(cls)
+    dims = _check_dynamic_arg_dims(cls, dynamic_arg_dims)
+    if cls.__dict__.get("__graph_opt_decorated__"):
+        return cls
+    orig_init = cls.__init__
+    orig_call = cls.__call__
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, graph_opt_config=None, **kwargs):
+        orig_init(self, *args, **kwargs)
+        # A decorated subclass runs its own __init__ last: the outermost config wins.
+        if graph_opt_config is not None or _STATE_ATTR not in self.__dict__:
+            state = GraphOptState(self, config_mod.resolve(graph_opt_config), dims, framework, orig_call)
+            object.__setattr__(self, _STATE_ATTR, state)
+
+    def __call__(self, *args, **kwargs):
+        state = self.__dict__.get(_STATE_ATTR)
+        if state is None:
+            return orig_call(self, *args, **kwargs)
+        return state(*args, **kwargs)
+
+    cls.__init__ = __init__
+    cls.__call__ = __call__
+    cls.__graph_opt_decorated__ = True
+    return cls
+
+
+def state_of(model) -> GraphOptState:
+    state = getattr(model, "__dict__", {}).get(_STATE_ATTR)
+    if state is None:
+        raise TypeError(
+            f"{type(model).__name__} is not graph-optimized: decorate its class with @graph_opt.support_graph_optimization"
+        )
+    return state
+
+
+def _as_call(inputs, size: int):
+    if isinstance(inputs, dict):
+        return (), inputs
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequence[int]] = None,
+                  progress: bool = True) -> CaptureReport:
+    """Capture one graph per padded size, largest first, and return what was done.
+
+    make_inputs(size) returns the forward's inputs for a batch of `size`: a dict of keyword
+    arguments, a tuple of positional arguments, or a single tensor. At level >= 1 the first warmup
+    is also where SOT/Dynamo translate the forward, inside the capture phase.
+
+    A failure while capturing does not raise: the model keeps running without graphs, one warning
+    says why, and report.failed holds the reason.
+    """
+    state = state_of(model)
+    cfg = state.config
+    report = CaptureReport(mode=state.mode)
+    start = time.perf_counter()
+    runner = state.ensure_runner()
+    if runner is None:
+        report.notes.extend(state.notes or [f"nothing to capture in mode {state.mode}"])
+        if cfg.graph_opt_level >= 1 and not state.disabled:
+            # Translate now rather than on the first real call.
+            args, kwargs = _as_call(make_inputs(cfg.effective_max_capture_size), cfg.effective_max_capture_size)
+            with state.adapter.no_grad():
+                state.plain_call()(*args, **kwargs)
+        report.seconds = time.perf_counter() - start
+        report.translations = _translations(state)
+        return report
+    wanted = _check_sizes(sizes, runner)
+    # Largest first: smaller graphs then reuse the memory pool the largest one reserved.
+    order = sorted(wanted, reverse=True)
+    translations_before = _translations(state)
+    from tqdm import tqdm
+
+    with frozen_gc(), tqdm(total=len(order), desc=f"graph_opt capture {state.name}", unit="size",
+                           disable=not progress, leave=False) as bar:
+        for size in order:
+            args, kwargs = _as_call(make_inputs(size), size)
+            try:
+                entry = runner.capture(args, kwargs, size)
+            except Exception as exc:  # keep the model working; say why once
+                runner.capture_failed(exc, size)
+                report.failed = runner.disabled_reason
+                break
+            report.sizes.append(SizeReport(size, entry.captured.pieces, entry.captured.graphs,
+                                           cfg.cudagraph_num_of_warmups, entry.capture_ms, entry.memory_bytes))
+            bar.update(1)
+    runner.capture_model_done = report.failed is None
+    report.mode = state.mode
+    report.seconds = time.perf_counter() - start
+    report.translations = _translations(state) - translations_before
+    if state.selection is not None:
+        missing = state.selection.never_seen()
+        if missing and report.failed is None:
+            msg = f"splitting ops never seen in any captured graph: {', '.join(missing)}"
+            logger.warning("%s: %s", state.name, msg)
+            report.notes.append(msg)
+    return report
+
+
+def _check_sizes(sizes, runner) -> list:
+    allowed = runner.table.sizes
+    if sizes is None:
+        return list(allowed)
+    sizes = list(sizes)
+    for s in sizes:
+        if s not in allowed:
+            raise GraphOptConfigError(
+                f"capture_model(sizes=...): {s!r} is not a capture size; capture sizes are {allowed}"
+            )
+    return sizes
+
+
+def _translations(state) -> int:
+    strategy = state.runner.strategy if state.runner is not None else getattr(state.plain, "strategy", None)
+    return getattr(strategy, "translations", 0)
+
+
+def clear_graphs(model) -> None:
+    """Drop every graph and static buffer of `model` (e.g. after a weight update); capture_model again after."""
+    state = state_of(model)
+    if state.runner is not None:
+        state.runner.release()
+        state.runner.disabled_reason = None
+
+
+def stats(model) -> Stats:
+    state = state_of(model)
+    runner = state.runner
+    strategy = runner.strategy if runner is not None else getattr(state.plain, "strategy", None)
+    if runner is None:
+        return Stats(mode=state.mode, captures=0, replays=0, fallbacks=0, lazy_captures=0, capture_failures=0,
+                     translations=getattr(strategy, "translations", 0),
+                     copies_removed=getattr(strategy, "copies_removed", 0), captured_sizes=[], pieces={}, graphs={},
+                     capture_seconds=0.0, graph_memory_bytes=None, static_buffer_bytes=0, disabled_reason=None)
+    c = runner.counters
+    return Stats(
+        mode=state.mode, captures=c.captures, replays=c.replays, fallbacks=c.fallbacks,
+        lazy_captures=c.lazy_captures, capture_failures=c.capture_failures,
+        translations=getattr(strategy, "translations", 0), copies_removed=getattr(strategy, "copies_removed", 0),
+        captured_sizes=runner.captured_sizes(), pieces=runner.pieces(), graphs=runner.graphs(),
+        capture_seconds=runner.capture_seconds, graph_memory_bytes=runner.memory_bytes,
+        static_buffer_bytes=runner.buffer_bytes(), disabled_reason=runner.disabled_reason,
+    )

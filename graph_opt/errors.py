@@ -1,0 +1,17 @@
+"""Exceptions raised by graph_opt."""
+
+
+class GraphOptError(Exception):
+    """Base class of graph_opt errors."""
+
+
+class GraphOptConfigError(GraphOptError, ValueError):
+    """A config key, value or environment variable is invalid; the message names it."""
+
+
+class CaptureError(GraphOptError, RuntimeError):
+    """Capturing a graph failed; the model keeps running without graphs."""
+
+
+class ReplayDivergence(GraphOptError, RuntimeError):
+    """A replay reached code that was not recorded at capture; the call runs without graphs."""

@@ -1,0 +1,67 @@
+"""Mode flags that model code may branch on, and the custom all-reduce capture protocol.
+
+`is_capturing()` is true during the whole capture phase of a size: its warmups, its SOT/Dynamo
+translation and its capture. Code that branches on it is therefore traced on its capture branch,
+and that branch is what the replayed graph runs.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, List, Tuple
+
+
+def create_guard(default) -> Tuple[Callable[[Any], ContextManager[None]], Callable[[], Any]]:
+    """A (context manager, getter) pair over one value held in a closure."""
+    state = default
+
+    @contextlib.contextmanager
+    def guard(value):
+        nonlocal state
+        old = state
+        state = value
+        try:
+            yield
+        finally:
+            state = old
+
+    def get():
+        return state
+
+    return guard, get
+
+
+sot_warmup_guard, in_sot_warmup_mode = create_guard(False)
+_capture_phase_guard, is_capturing = create_guard(False)
+
+_communicators: List[Any] = []
+
+
+def register_custom_allreduce(comm):
+    """Register a communicator whose `capture()` context must be entered while graphs are captured.
+
+    This is the vLLM / FastDeploy custom all-reduce protocol: `comm.capture()` returns a context
+    manager; inside it the communicator records the buffers that captured graphs will use.
+    """
+    capture = getattr(comm, "capture", None)
+    if not callable(capture):
+        raise TypeError(
+            f"register_custom_allreduce(comm): comm must have a capture() method returning a context manager, "
+            f"got {type(comm).__name__}"
+        )
+    if not any(c is comm for c in _communicators):
+        _communicators.append(comm)
+    return comm
+
+
+def unregister_custom_allreduce(comm) -> None:
+    _communicators[:] = [c for c in _communicators if c is not comm]
+
+
+@contextlib.contextmanager
+def capture_custom_allreduce():
+    """Enter every registered communicator's capture() and set is_capturing() for the block."""
+    with contextlib.ExitStack() as stack:
+        for comm in list(_communicators):
+            stack.enter_context(comm.capture())
+        stack.enter_context(_capture_phase_guard(True))
+        yield

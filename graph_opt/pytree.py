@@ -1,0 +1,138 @@
+"""Flatten nested dict/list/tuple/dataclass structures into tensor leaves and a hashable spec.
+
+The spec holds every non-tensor value, so two calls share a spec only when their non-tensor
+arguments are equal: the spec is the non-tensor part of the dispatch key.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, List, Tuple
+
+TENSOR = "<tensor>"  # the spec of a tensor leaf
+
+
+class _ById:
+    """Wraps an unhashable non-tensor value: it matches only the very same object."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return isinstance(other, _ById) and other.obj is self.obj
+
+    def __repr__(self):
+        return f"<{type(self.obj).__name__} object by identity>"
+
+
+def _constant(value):
+    try:
+        hash(value)
+    except TypeError:
+        return ("o", _ById(value))
+    return ("c", value)
+
+
+def flatten(obj: Any, is_tensor: Callable[[Any], bool]) -> Tuple[List[Any], Any]:
+    leaves: List[Any] = []
+
+    def walk(x):
+        if is_tensor(x):
+            leaves.append(x)
+            return TENSOR
+        kind = type(x)
+        if kind is tuple:
+            return ("t", tuple(walk(v) for v in x))
+        if kind is list:
+            return ("l", tuple(walk(v) for v in x))
+        if kind is dict:
+            keys = tuple(x)
+            return ("d", keys, tuple(walk(x[k]) for k in keys))
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return ("n", kind, tuple(walk(v) for v in x))
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            names = tuple(f.name for f in dataclasses.fields(x))
+            return ("dc", kind, names, tuple(walk(getattr(x, n)) for n in names))
+        return _constant(x)
+
+    spec = walk(obj)
+    return leaves, spec
+
+
+def unflatten(spec: Any, leaves: List[Any], template: Any = None) -> Any:
+    """Rebuild the structure. Dataclass nodes are shallow copies of `template`'s objects."""
+    it = iter(leaves)
+
+    def build(s, tmpl):
+        if s is TENSOR:
+            return next(it)
+        tag = s[0]
+        if tag == "c":
+            return s[1]
+        if tag == "o":
+            return s[1].obj
+        if tag == "t":
+            return tuple(build(c, _child(tmpl, i)) for i, c in enumerate(s[1]))
+        if tag == "l":
+            return [build(c, _child(tmpl, i)) for i, c in enumerate(s[1])]
+        if tag == "d":
+            return {k: build(c, _child(tmpl, k)) for k, c in zip(s[1], s[2])}
+        if tag == "n":
+            return s[1](*(build(c, _child(tmpl, i)) for i, c in enumerate(s[2])))
+        if tag == "dc":
+            if tmpl is None:
+                raise ValueError("rebuilding a dataclass needs a template object")
+            obj = copy.copy(tmpl)
+            for name, c in zip(s[2], s[3]):
+                object.__setattr__(obj, name, build(c, getattr(tmpl, name)))
+            return obj
+        raise ValueError(f"bad spec node {s!r}")
+
+    return build(spec, template)
+
+
+def _child(tmpl, key):
+    if tmpl is None:
+        return None
+    if isinstance(tmpl, dict):
+        return tmpl.get(key)
+    if dataclasses.is_dataclass(tmpl):
+        return getattr(tmpl, key, None)
+    if isinstance(tmpl, (list, tuple)):
+        return tmpl[key] if key < len(tmpl) else None
+    return None
+
+
+def tensor_leaf_owners(spec: Any) -> List[Any]:
+    """For a spec of `(args, kwargs)`: the top-level owner of each tensor leaf, an int position or a kwarg name."""
+    owners: List[Any] = []
+
+    def walk(s, owner):
+        if s is TENSOR:
+            owners.append(owner)
+            return
+        tag = s[0]
+        if tag in ("t", "l"):
+            for c in s[1]:
+                walk(c, owner)
+        elif tag == "n":
+            for c in s[2]:
+                walk(c, owner)
+        elif tag == "d":
+            for c in s[2]:
+                walk(c, owner)
+        elif tag == "dc":
+            for c in s[3]:
+                walk(c, owner)
+
+    args_spec, kwargs_spec = spec[1]
+    for i, c in enumerate(args_spec[1]):
+        walk(c, i)
+    for k, c in zip(kwargs_spec[1], kwargs_spec[2]):
+        walk(c, k)
+    return owners

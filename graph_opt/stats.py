@@ -1,0 +1,94 @@
+"""Counters that tests assert on, and the report capture_model returns."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class Counters:
+    captures: int = 0  # sizes captured (a size split in pieces counts once)
+    replays: int = 0  # calls answered by replaying a captured size
+    fallbacks: int = 0  # calls that ran without graphs while graphs were enabled
+    lazy_captures: int = 0  # sizes first captured at call time, after capture_model
+    capture_failures: int = 0
+    translations: int = 0  # SOT / Dynamo translations done for this model
+    copies_removed: int = 0  # loop-carried copies removed by program passes
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of one model's counters (graph_opt.stats(model))."""
+
+    mode: str
+    captures: int
+    replays: int
+    fallbacks: int
+    lazy_captures: int
+    capture_failures: int
+    translations: int
+    copies_removed: int
+    captured_sizes: List[int]
+    pieces: Dict[int, int]  # padded size -> pieces in its graph
+    graphs: Dict[int, int]  # padded size -> device graphs captured for it
+    capture_seconds: float
+    graph_memory_bytes: Optional[int]  # None where not measurable (simulated graphs, CPU)
+    static_buffer_bytes: int
+    disabled_reason: Optional[str]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class SizeReport:
+    size: int
+    pieces: int
+    graphs: int
+    warmups: int
+    capture_ms: float
+    memory_bytes: Optional[int]
+
+
+@dataclass
+class CaptureReport:
+    """What capture_model did; str(report) is a table."""
+
+    mode: str
+    sizes: List[SizeReport] = field(default_factory=list)
+    seconds: float = 0.0
+    translations: int = 0
+    failed: Optional[str] = None  # why capture stopped; the model then runs without graphs
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def captured_sizes(self) -> List[int]:
+        return sorted(s.size for s in self.sizes)
+
+    @property
+    def memory_bytes(self) -> Optional[int]:
+        known = [s.memory_bytes for s in self.sizes if s.memory_bytes is not None]
+        return sum(known) if known else None
+
+    def __str__(self) -> str:
+        lines = [f"graph_opt capture: mode={self.mode}, {len(self.sizes)} sizes in {self.seconds:.2f} s, "
+                 f"translations={self.translations}"]
+        if self.sizes:
+            lines.append(f"{'size':>6} {'pieces':>6} {'graphs':>6} {'warmups':>7} {'capture ms':>10} {'memory':>10}")
+            for s in sorted(self.sizes, key=lambda r: -r.size):
+                mem = "n/a" if s.memory_bytes is None else _human_bytes(s.memory_bytes)
+                lines.append(f"{s.size:>6} {s.pieces:>6} {s.graphs:>6} {s.warmups:>7} {s.capture_ms:>10.2f} {mem:>10}")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        if self.failed:
+            lines.append(f"capture failed, running without graphs: {self.failed}")
+        return "\n".join(lines)
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"

@@ -1,0 +1,82 @@
+"""simulate_cuda_graphs(): a host stand-in for CUDA graphs, so the whole capture/replay state machine
+runs where CUDA graphs cannot (CPU builds, CI).
+
+What the stand-in keeps of CUDA-graph discipline:
+- capture happens once per padded size, after the configured warmups, largest size first;
+- `is_capturing()` is true during the capture phase, exactly as with real graphs;
+- replay reads the captured input buffers and writes the captured output tensors in place, so the
+  tensors a replay returns are the same objects, at the same addresses, on every replay;
+- at level >= 1 a replayed subgraph is the very program that was captured: what SOT/Dynamo baked at
+  capture (the capture branch of `is_capturing()`, non-tensor arguments) stays baked;
+- at level 0 the eager forward runs again on the captured buffers with the capture-time flags
+  (`is_capturing()` true inside pieces, false inside splitting ops), so those branches stay baked too.
+
+What it cannot imitate:
+- at level 0, Python code inside a captured region runs again on every replay: host values read
+  there (Python scalars, `.item()`, object attributes) are re-read, where a real graph would have
+  baked them; side effects in that code repeat;
+- kernels are not recorded, so there is no device memory to account for (memory reads n/a), no
+  stream semantics, and no capture-time errors for syncs a real capture would refuse;
+- random ops draw new host random numbers on each replay (a real graph advances its Philox offset).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, List
+
+from . import env
+
+_simulating = False
+
+
+@contextlib.contextmanager
+def simulate_cuda_graphs():
+    """Within this block, graphs captured by graph_opt are host stand-ins (see the module docstring).
+
+    Graphs captured inside keep replaying after the block ends. GRAPH_OPT_SIMULATE_CUDAGRAPH=1 has the
+    same effect process-wide.
+    """
+    global _simulating
+    old = _simulating
+    _simulating = True
+    try:
+        yield
+    finally:
+        _simulating = old
+
+
+def simulation_enabled() -> bool:
+    return _simulating or env.simulate_requested()
+
+
+class HostGraph:
+    """One simulated graph: replay() runs `run` again and writes its tensors into the captured outputs.
+
+    `run` must read only the captured input buffers; `outputs` are the tensors the capture produced.
+    """
+
+    def __init__(self, adapter, run: Callable[[], Any], outputs: List[Any]):
+        self.adapter = adapter
+        self.run = run
+        self.outputs = outputs
+
+    def replay(self) -> None:
+        from .pytree import flatten
+
+        fresh, _ = flatten(self.run(), self.adapter.is_tensor)
+        if len(fresh) != len(self.outputs):
+            raise RuntimeError(
+                f"simulated replay produced {len(fresh)} tensors where the capture produced {len(self.outputs)}"
+            )
+        for dst, src in zip(self.outputs, fresh):
+            if src is not dst:
+                if list(self.adapter.shape(src)) != list(self.adapter.shape(dst)):
+                    raise RuntimeError(
+                        f"simulated replay produced shape {list(self.adapter.shape(src))} where the capture "
+                        f"produced {list(self.adapter.shape(dst))}; a CUDA graph cannot replay a shape change"
+                    )
+                self.adapter.copy_(dst, src)
+
+    def reset(self) -> None:
+        self.run = None
+        self.outputs = []
