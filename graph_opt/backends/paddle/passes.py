@@ -2,31 +2,30 @@
 
 remove_loop_carried_copies
     Loop state written as ``paddle.assign(new, output=loop_var)`` becomes, in a ``pd_op.while``
-    body, ``%r = pd_op.assign_out_(%src, %arg_k)`` followed by ``cf.yield(..., %r, ...)``: one full
-    copy of every carried tensor per iteration. The pass erases the copy and yields ``%src``
-    directly (every use of ``%r`` now reads ``%src``).
+    body, ``%r = pd_op.assign_out_(%src, %arg_k)`` followed by ``cf.yield(cond, ..., %r, ...)``:
+    one full copy of every carried tensor per iteration. The pass erases the copy and yields
+    ``%src`` instead (every use of ``%r`` now reads ``%src``).
 
-Why it is safe. ``%r`` and ``%src`` hold the same data right after the copy, so the rewrite can
-only be observed through the buffer the copy writes. The executor shares buffers along the loop:
-the block argument starts as the while operand's buffer, the copy writes into it, the yield passes
-it on to the while result and the next iteration's argument, and an inner while's result shares
-the buffer of its operand. A copy is removed only when nothing can see that buffer change:
+Why it is safe. Right after the copy ``%r`` and ``%src`` hold the same data, so the rewrite is
+only visible through the buffer the copy writes. The executor shares that buffer along the loop:
+the block argument starts on the while operand's buffer, the yield hands it to the while result
+and the next iteration, and an inner while's result shares its operand's buffer. A copy goes
+only when nothing can see that buffer change and ``%src`` can take its place:
 
-* no op after the copy reads ``%arg_k`` or anything aliasing it (in-place results, results of
-  control-flow ops that took it) and no other op writes ``%arg_k`` in place;
-* ``%src`` is a fresh, non-persistable value computed in the body by an ordinary (non in-place,
-  non view) op, is not yielded elsewhere and is never written in place nor handed to another
-  control-flow op;
-* the while operand of that slot is not persistable, is defined in the while's own block (or is
-  the argument of an enclosing while, checked the same way), and nothing reads it once the loop
-  has started;
-* ``%r`` is yielded exactly once, in slot k, and only read otherwise.
+* no op after the copy (nested blocks included) uses ``%arg_k`` or a value that may share its
+  buffer, and no other op writes ``%arg_k`` in place;
+* ``%src`` is computed in the body by an ordinary op (not in-place, not a view, not control
+  flow), is not persistable, is not yielded already, and is only ever read;
+* ``%r`` is yielded once, in slot k, and otherwise only read;
+* the while operand of slot k is not persistable, is used once by the loop and by nothing after
+  the loop starts, and is a fresh value of the loop's own block (or the argument of an enclosing
+  while whose own slot passes these checks).
 
-The rewritten loop hands ``%src``'s buffer to the next iteration, so it relies on the executor
-releasing ``%src``'s variable after the yield (garbage collection on, Paddle's default). With
-``FLAGS_eager_delete_tensor_gb < 0`` the next iteration would compute ``%src`` into the buffer it
-is reading, so the pass then changes nothing. Rewrite a program before its first run: executors
-cache the compiled program.
+Anything else is left alone. The rewritten loop hands ``%src``'s buffer to the next iteration,
+which relies on the executor releasing ``%src``'s variable after the yield (garbage collection,
+on by default); with ``FLAGS_eager_delete_tensor_gb < 0`` an op could compute the next ``%src``
+into the buffer it reads, so the pass then does nothing. Rewrite a program before its first run:
+executors cache compiled programs.
 """
 from __future__ import annotations
 
@@ -148,7 +147,7 @@ def _forward_aliases(value, skip_op) -> List[object]:
     return list(seen.values())
 
 
-def _fresh_body_value(idx: _Index, value, body, anchor) -> bool:
+def _fresh_body_value(idx: _Index, value, anchor) -> bool:
     """value is computed in the same block as anchor by a plain op and is not persistable."""
     op = value.get_defining_op()
     return (
@@ -185,10 +184,11 @@ def _outer_slot_unobserved(idx: _Index, loop, k: int, depth: int = 0) -> bool:
         return False
     # From the second iteration on the argument holds what the enclosing loop yielded in slot j;
     # that must be a fresh value, not a buffer still shared with something live.
-    yielded = block.ops[-1].operand_source(j + 1)
-    if not _fresh_body_value(idx, yielded, block, block.ops[-1]):
+    yield_op = block.ops[-1]
+    if yield_op.name() != _YIELD or yield_op.num_operands() != len(block.args()) + 1:
         return False
-    if _count(block.ops[-1].operands_source(), yielded) != 1:
+    yielded = yield_op.operand_source(j + 1)
+    if not _fresh_body_value(idx, yielded, yield_op) or _count(yield_op.operands_source(), yielded) != 1:
         return False
     return _outer_slot_unobserved(idx, enclosing, j, depth + 1)
 
@@ -230,7 +230,7 @@ def _removable(idx: _Index, copy) -> Optional[object]:
 
     # The source: fresh, local, yielded nowhere else, never written in place or handed to
     # another op that may share its buffer.
-    if not _fresh_body_value(idx, src, body, copy) or _count(yielded, src) != 0:
+    if not _fresh_body_value(idx, src, copy) or _count(yielded, src) != 0:
         return None
     for user in src.all_used_ops():
         if user.id() != copy.id() and not _reads_only(user, src):
@@ -254,6 +254,8 @@ def remove_loop_carried_copies(program) -> int:
 
     Walks every block, nested while bodies included. Returns the number of copies removed.
     """
+    if not isinstance(program, paddle.pir.Program):
+        raise TypeError(f"expected a PIR program (paddle.pir.Program), got {type(program).__name__}")
     if not _gc_enabled():
         return 0
     removed = 0

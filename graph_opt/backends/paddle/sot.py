@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional
 import paddle
 from paddle.jit.dy2static.pir_partial_program import replace_run_impl_guard
 from paddle.jit.dy2static.utils import CUDAGraphState
+from paddle.jit.sot import psdb
 from paddle.jit.sot.opcode_translator import eval_frame_callback
 from paddle.jit.sot.opcode_translator.custom_code import CustomCode
 from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
@@ -161,7 +162,7 @@ class SotStrategy:
 
     def __init__(self, model, forward_fn, config, adapter, selection: Optional[split.SplitSelection]):
         self.model = model
-        self.forward_fn = forward_fn
+        self.forward_fn = _private_copy(forward_fn)
         self.config = config
         self.adapter = adapter
         self.selection = selection
@@ -174,7 +175,10 @@ class SotStrategy:
         self._sig_ids: Dict[Any, int] = {}
         self._static_fn = None
         self.blacklist = self._blacklist_names()
-        self.split_hook = _make_split_hook(selection)
+        self.split_names = frozenset(
+            w.__graph_opt_split__.name for w in split.registered().values()
+            if selection is not None and selection.matches_function(w.__graph_opt_split__)
+        )
 
     # -- strategy protocol -------------------------------------------------------------------------
     def run(self, args, kwargs):
@@ -186,7 +190,7 @@ class SotStrategy:
             self._static_fn = paddle.jit.to_static(bound, full_graph=False, backend=self.sot_kwargs["backend"])
         before = translate_count()
         try:
-            with min_graph_size_guard(0), replace_run_impl_guard(self.hook), split.active_hook(self.split_hook):
+            with min_graph_size_guard(0), replace_run_impl_guard(self.hook), _split_scope(self.split_names):
                 return self._static_fn(*args, **kwargs)
         finally:
             self.translations += translate_count() - before
@@ -256,7 +260,7 @@ class SotStrategy:
         self.hook.begin(state, record, simulate)
         try:
             with min_graph_size_guard(0), self._blacklist_scope(), replace_run_impl_guard(self.hook), \
-                    split.active_hook(self.split_hook), StepInfoManager().step_guard(self.forward_fn.__code__):
+                    _split_scope(self.split_names), StepInfoManager().step_guard(self.forward_fn.__code__):
                 old = paddle.framework.core.set_eval_frame(callback)
                 try:
                     return self.forward_fn(self.model, *args, **kwargs)
@@ -275,10 +279,9 @@ class SotStrategy:
         set_eval_frame = paddle.framework.core.set_eval_frame
         replay_state = CUDAGraphState.REPLAY
         simulate = any(sub.graph is not None for sub in record.subgraphs)
-        split_scope = split.active_hook
         hook_calls = [0]
         expected_calls = len(record.subgraphs)
-        split_hook = self.split_hook
+        split_names = self.split_names
 
         def callback(frame):
             # SOT stops handing some frames to the callback after their first runs (frames that hold
@@ -298,7 +301,7 @@ class SotStrategy:
             position[0] = 0
             hook.begin(replay_state, record, simulate)
             try:
-                with replace_run_impl_guard(hook), split_scope(split_hook):
+                with replace_run_impl_guard(hook), _split_scope(split_names):
                     old = set_eval_frame(callback)
                     try:
                         out = forward_fn(model, *args, **kwargs)
@@ -349,40 +352,74 @@ class SotStrategy:
             paddle.set_flags({_BLACKLIST_FLAG: old})
 
 
-def _make_split_hook(selection):
-    """The hook splitting ops call under SOT: a selected one becomes a graph break and runs eagerly.
+# SOT reads these helpers while translating: no imports inside them (SOT cannot simulate an import).
+# The splitting ops SOT must break at, for the strategy now running. A module global on purpose:
+# SOT guards the globals a translation read by value, so a model with other splitting ops (or none)
+# gets its own translation instead of reusing one that breaks elsewhere.
+_sot_split_names: frozenset = frozenset()
 
-    psdb.breakgraph() ends the subgraph at the call; the function itself then runs in a frame that
-    psdb.fallback(True) keeps out of SOT entirely, so it executes eagerly between captured subgraphs
-    (and, at replay, outside any graph). SOT cannot break inside a Python loop of the frame it is
-    translating: a splitting op called directly in such a loop makes SOT run that frame eagerly.
-    """
-    from paddle.jit.sot import psdb
 
-    names = () if selection is None else tuple(
-        n for w in split.registered().values() for n in (w.__graph_opt_split__.name,)
-        if selection.matches_function(w.__graph_opt_split__)
-    )
+def _run_eagerly(op, args, kwargs):
+    psdb.fallback(True)
+    return op.fn(*args, **kwargs)
 
-    def run_eagerly(op, args, kwargs):
-        psdb.fallback(True)
-        return op.fn(*args, **kwargs)
 
-    def split_at(op, args, kwargs):
-        psdb.breakgraph()
-        return run_eagerly(op, args, kwargs)
+def _split_at(op, args, kwargs):
+    """psdb.breakgraph() ends the subgraph at the call; psdb.fallback(True) then keeps the function
+    out of SOT entirely, so it runs eagerly between captured subgraphs (and outside any graph).
+    SOT cannot break inside a Python loop of the frame it is translating: a splitting op called
+    directly in such a loop makes SOT run that whole frame eagerly (capture then reports it)."""
+    psdb.breakgraph()
+    return _run_eagerly(op, args, kwargs)
 
-    def hook(op, args, kwargs):
-        if op.name in names:
-            return split_at(op, args, kwargs)
-        return op.fn(*args, **kwargs)
 
-    return hook
+def _sot_split_hook(op, args, kwargs):
+    if op.name in _sot_split_names:
+        return _split_at(op, args, kwargs)
+    return op.fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _split_scope(names: frozenset):
+    """Splitting ops break SOT's graph inside this block when `names` is not empty."""
+    global _sot_split_names
+    old = _sot_split_names
+    _sot_split_names = names
+    try:
+        with split.active_hook(_sot_split_hook if names else None):
+            yield
+    finally:
+        _sot_split_names = old
+
+
+_copies = 0
+
+
+def _private_copy(fn):
+    """fn with a code object of its own. SOT caches translations per code object, and a frame that
+    once fell back stays fallen back for every caller: a private copy keeps this model's mode (and
+    its splitting ops) from deciding how another model of the same class is translated."""
+    import types
+
+    # Code objects compare by value, so the copy carries one unused constant that makes it unequal.
+    global _copies
+    _copies += 1
+    code = fn.__code__.replace(co_consts=fn.__code__.co_consts + (f"graph_opt private copy {_copies}",))
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return copy
+
+
+_warned_no_cinn = False
 
 
 def _backend(config) -> Optional[str]:
+    global _warned_no_cinn
     if config.graph_opt_level >= 2:
         if paddle.is_compiled_with_cinn():
             return "CINN"
-        logger.warning("graph_opt_level=2: this Paddle build has no CINN; running level 1 (SOT without CINN)")
+        if not _warned_no_cinn:
+            _warned_no_cinn = True
+            logger.warning("graph_opt_level=2: this Paddle build has no CINN; running level 1 (SOT without CINN)")
     return None

@@ -1,0 +1,64 @@
+"""python -m graph_opt {demo, bench, config}"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _sizes(text: str):
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sizes {text!r}: expected a comma list of integers, e.g. 1,2,4,8") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--sizes {text!r}: sizes must be positive integers")
+    return sizes
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m graph_opt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="a small decoder in every mode, checked against eager")
+    demo.add_argument("--framework", choices=["auto", "paddle", "torch"], default="auto",
+                      help="auto runs every installed framework (default)")
+    demo.add_argument("--sizes", type=_sizes, default=[1, 2, 4, 8], help="capture sizes (default 1,2,4,8)")
+    demo.add_argument("--calls", type=int, default=50, help="timed calls per mode (default 50)")
+    demo.add_argument("--hidden", type=int, default=64)
+    demo.add_argument("--layers", type=int, default=4)
+
+    bench = sub.add_parser("bench", help="CPU benchmarks: the hook's overhead per call, or program passes")
+    bench.add_argument("what", nargs="?", choices=["overhead", "passes"], default="overhead")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
+
+    config = sub.add_parser("config", help="print the effective config and where each value came from")
+    config.add_argument("--config", default=None, help="YAML file (else GRAPH_OPT_CONFIG, else defaults)")
+
+    args = parser.parse_args(argv)
+    if args.command == "config":
+        from .config import load_config
+        from .errors import GraphOptConfigError
+
+        try:
+            cfg = load_config(args.config)
+        except GraphOptConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(cfg.describe())
+        return 0
+    if args.command == "demo":
+        from . import demo as demo_mod
+
+        frameworks = demo_mod.available_frameworks() if args.framework == "auto" else [args.framework]
+        return demo_mod.main(frameworks, args.sizes, args.calls, args.hidden, args.layers)
+    if args.what == "passes":
+        from .backends.paddle import bench_passes
+
+        return bench_passes.main(args.rest)
+    from .backends.paddle import bench_overhead
+
+    return bench_overhead.main(args.rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
