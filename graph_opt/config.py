@@ -81,9 +81,7 @@ class GraphOptConfig:
     def from_dict(cls, data: Mapping[str, Any], source: str = "dict") -> "GraphOptConfig":
         values = _unwrap(data, source)
         _check_keys(values, source)
-        cfg = cls(**{k: _copy_value(v) for k, v in values.items()})
-        cfg.sources = {name: ("default" if name not in values else source) for name in field_names()}
-        return cfg
+        return _build(values, {name: source for name in values})
 
     @classmethod
     def from_yaml(cls, path: str) -> "GraphOptConfig":
@@ -233,15 +231,20 @@ def load_config(path: Optional[str] = None, *, environ: Optional[Mapping[str, st
     for key, (value, var) in env.config_overrides(environ).items():
         values[key] = value
         sources[key] = f"env:{var}"
+    return _build(values, sources)
+
+
+def _build(values: Mapping[str, Any], sources: Mapping[str, str]) -> GraphOptConfig:
+    """A validated config from explicit values (the rest default), recording where each came from."""
     cfg = GraphOptConfig.__new__(GraphOptConfig)
     for name in field_names():
-        default = GraphOptConfig.__dataclass_fields__[name]
+        spec = GraphOptConfig.__dataclass_fields__[name]
         if name in values:
-            setattr(cfg, name, values[name])
-        elif default.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            setattr(cfg, name, default.default_factory())  # type: ignore[misc]
+            setattr(cfg, name, _copy_value(values[name]))
+        elif spec.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            setattr(cfg, name, spec.default_factory())  # type: ignore[misc]
         else:
-            setattr(cfg, name, default.default)
+            setattr(cfg, name, spec.default)
     cfg.sources = {name: sources.get(name, "default") for name in field_names()}
     cfg.__post_init__()
     return cfg
@@ -259,12 +262,7 @@ def with_env(cfg: GraphOptConfig, environ: Optional[Mapping[str, str]] = None) -
     for key, (value, var) in overrides.items():
         values[key] = value
         sources[key] = f"env:{var}"
-    new = GraphOptConfig.__new__(GraphOptConfig)
-    for key, value in values.items():
-        setattr(new, key, value)
-    new.sources = sources
-    new.__post_init__()
-    return new
+    return _build(values, sources)
 
 
 def resolve(value) -> GraphOptConfig:

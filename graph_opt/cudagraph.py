@@ -152,10 +152,12 @@ def frozen_gc():
 class GraphRunner:
     """Dispatch, pad, copy and replay for one model; capture sizes on demand."""
 
-    def __init__(self, *, adapter, config, strategy, dynamic_arg_dims, params: Sequence[Tuple[str, Any]], name: str):
+    def __init__(self, *, adapter, config, strategy, eager: Callable, dynamic_arg_dims,
+                 params: Sequence[Tuple[str, Any]], name: str):
         self.adapter = adapter
         self.config = config
         self.strategy = strategy
+        self.eager = eager  # the plain eager forward: what runs once a capture has failed
         self.dynamic_arg_dims = dynamic_arg_dims  # None: dim 0 of every tensor argument
         # forward's positional-or-keyword parameters after self: (name, default or _REQUIRED)
         self.params = list(params)
@@ -176,7 +178,9 @@ class GraphRunner:
     # -- hot path ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self.disabled_reason is not None:
-            return self._fallback(args, kwargs, None)
+            # After a failed capture the translated path is suspect too: run the plain forward.
+            self.counters.fallbacks += 1
+            return self.eager(*args, **kwargs)
         if kwargs or len(args) < len(self.params):
             args, kwargs = self.canonical(args, kwargs)
         leaves, spec = flatten((args, kwargs), self._is_tensor)

@@ -89,7 +89,8 @@ class GraphOptState:
         else:
             strategy = self.backend.static_strategy(self.model, self.forward_fn, cfg, self.selection)
         self.runner = GraphRunner(
-            adapter=self.adapter, config=cfg, strategy=strategy, dynamic_arg_dims=self.dynamic_arg_dims,
+            adapter=self.adapter, config=cfg, strategy=strategy, eager=self._eager_call,
+            dynamic_arg_dims=self.dynamic_arg_dims,
             params=_params(self.forward_fn), name=self.name,
         )
         return self.runner

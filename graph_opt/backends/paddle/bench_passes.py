@@ -49,8 +49,10 @@ def _timed_run(exe, program, fetch, feed) -> tuple:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m graph_opt.backends.paddle.bench_passes", description=__doc__.split("\n")[0])
-    parser.add_argument("--mb", type=float, default=64.0, help="MB of float32 loop state in c and h together (default 64)")
+    parser = argparse.ArgumentParser(
+        prog="python -m graph_opt.backends.paddle.bench_passes", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--mb", type=float, default=64.0, help="MB of float32 state in c and h (default 64)")
     parser.add_argument("--iters", type=int, default=64, help="loop iterations (default 64)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each program (default 3)")
     args = parser.parse_args(argv)
@@ -62,7 +64,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         numel = max(1, int(args.mb * 2**20 / 4 / 2))
         rng = np.random.default_rng(0)
-        feed = {"c": rng.standard_normal(numel, dtype=np.float32), "h": rng.standard_normal(numel, dtype=np.float32)}
+        feed = {name: rng.standard_normal(numel, dtype=np.float32) for name in ("c", "h")}
 
         ref_prog, ref_fetch = _build(numel, args.iters)
         opt_prog, opt_fetch = _build(numel, args.iters)

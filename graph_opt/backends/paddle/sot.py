@@ -60,7 +60,8 @@ class SubgraphRecord:
 class SizeRecord:
     key: int
     subgraphs: List[SubgraphRecord] = field(default_factory=list)
-    frames: List[Any] = field(default_factory=list)  # (code, CustomCode) in the order SOT was asked
+    # (code, CustomCode, argument key) in the order SOT was asked; see _argument_key
+    frames: List[Any] = field(default_factory=list)
 
 
 class ProgramHook:
@@ -146,6 +147,29 @@ class ProgramHook:
 
 
 _RUN_AS_IS = CustomCode(None, False)
+_VALUE_TYPES = (bool, int, float, str, bytes, type(None))
+
+
+def _argument_key(frame):
+    """The non-tensor arguments of a frame: plain values by value, other objects by identity,
+    containers walked, tensors skipped (their shapes are checked where the graph reads them)."""
+    code = frame.f_code
+    count = code.co_argcount + code.co_kwonlyargcount
+    count += bool(code.co_flags & 0x04) + bool(code.co_flags & 0x08)  # *args, **kwargs
+    local_values = frame.f_locals
+    return tuple(_value_key(local_values.get(name)) for name in code.co_varnames[:count])
+
+
+def _value_key(value, depth=0):
+    if isinstance(value, paddle.Tensor):
+        return None
+    if isinstance(value, _VALUE_TYPES):
+        return value
+    if depth < 4 and isinstance(value, (tuple, list)):
+        return (type(value).__name__,) + tuple(_value_key(v, depth + 1) for v in value)
+    if depth < 4 and isinstance(value, dict):
+        return ("dict",) + tuple((k, _value_key(v, depth + 1)) for k, v in value.items())
+    return ("id", id(value))
 
 
 def _cg_attrs(cg_attrs, state, key, index):
@@ -213,7 +237,7 @@ class SotStrategy:
                 "from a sublayer's forward instead, or name PIR ops in cudagraph_splitting_ops"
             )
         self.records[(id(sig), padded)] = record
-        for code, _ in record.frames:
+        for code, _, _ in record.frames:
             # Paddle's eval-frame shim stops calling the callback below frames that ran a number of
             # times without a subgraph on their stack; SOT marks them only during its first steps.
             # Replays must keep reaching the recorded frames, so mark them for good.
@@ -253,7 +277,7 @@ class SotStrategy:
         def callback(frame):
             custom = eval_frame_callback(frame, **sot_kwargs)
             if frames is not None:
-                frames.append((frame.f_code, custom))
+                frames.append((frame.f_code, custom, _argument_key(frame) if custom.code is not None else None))
             return custom
 
         before = translate_count()
@@ -291,9 +315,17 @@ class SotStrategy:
             code = frame.f_code
             i = position[0]
             while i < count:
-                if frames[i][0] is code:
+                recorded_code, custom, key = frames[i]
+                if recorded_code is code:
                     position[0] = i + 1
-                    return frames[i][1]
+                    # SOT's own guards are skipped (they hold is_capturing()), so check what they
+                    # would have caught otherwise: a non-tensor argument that changed, such as the
+                    # value of a tensor that decided a Python branch before this frame.
+                    if key is not None and _argument_key(frame) != key:
+                        raise ReplayDivergence(
+                            f"{code.co_name} got other non-tensor arguments than at capture "
+                            "(a Python branch on a tensor value?)")
+                    return custom
                 i += 1
             return _RUN_AS_IS
 

@@ -1,0 +1,24 @@
+import logging
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _clean_graph_opt_env(monkeypatch):
+    """Tests start with no GRAPH_OPT_* variable set, whatever the shell exported."""
+    for key in list(os.environ):
+        if key.startswith("GRAPH_OPT_"):
+            monkeypatch.delenv(key, raising=False)
+    yield
+
+
+@pytest.fixture
+def graph_opt_warnings(caplog):
+    """The warnings the graph_opt logger emitted during the test."""
+    caplog.set_level(logging.INFO, logger="graph_opt")
+
+    def collect(level=logging.WARNING):
+        return [r.getMessage() for r in caplog.records if r.name == "graph_opt" and r.levelno >= level]
+
+    return collect

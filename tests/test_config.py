@@ -1,0 +1,201 @@
+"""GraphOptConfig: fields, YAML, precedence, provenance and validation. No framework needed."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import graph_opt
+from graph_opt import GraphOptConfig, GraphOptConfigError, load_config
+from graph_opt.config import field_names
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, text, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_every_design_field_exists_with_its_default():
+    cfg = GraphOptConfig()
+    expected = {"graph_opt_level", "use_cudagraph", "full_cuda_graph", "cudagraph_capture_sizes", "max_capture_size",
+                "cudagraph_num_of_warmups", "cudagraph_splitting_ops", "use_unique_memory_pool",
+                "cudagraph_copy_inputs", "program_passes"}
+    assert set(field_names()) == expected
+    assert cfg.capture_sizes[:4] == [1, 2, 4, 8] and cfg.capture_sizes[-1] == 256
+    assert len(cfg.capture_sizes) == 35
+
+
+def test_yaml_bare_and_nested_give_the_same_config(tmp_path):
+    bare = write(tmp_path, "graph_opt_level: 1\ncudagraph_capture_sizes: [1, 2, 4]\n", "bare.yaml")
+    nested = write(tmp_path, "graph_opt_config:\n  graph_opt_level: 1\n  cudagraph_capture_sizes: [1, 2, 4]\n",
+                   "nested.yaml")
+    a, b = GraphOptConfig.from_yaml(bare), GraphOptConfig.from_yaml(nested)
+    assert a == b
+    assert a.graph_opt_level == 1 and a.capture_sizes == [1, 2, 4]
+    assert a.sources["graph_opt_level"] == f"yaml:{bare}"
+    assert a.sources["use_cudagraph"] == "default"
+
+
+def test_precedence_defaults_yaml_kwargs_env(tmp_path, monkeypatch):
+    path = write(tmp_path, "graph_opt_level: 1\ncudagraph_num_of_warmups: 3\nfull_cuda_graph: false\n")
+    cfg = load_config(path, cudagraph_num_of_warmups=4, use_unique_memory_pool=False)
+    assert (cfg.graph_opt_level, cfg.cudagraph_num_of_warmups, cfg.full_cuda_graph) == (1, 4, False)
+    monkeypatch.setenv("GRAPH_OPT_NUM_WARMUPS", "5")
+    monkeypatch.setenv("GRAPH_OPT_CAPTURE_SIZES", "1,2,8")
+    cfg = load_config(path, cudagraph_num_of_warmups=4)
+    assert cfg.cudagraph_num_of_warmups == 5
+    assert cfg.capture_sizes == [1, 2, 8]
+    assert cfg.sources["cudagraph_num_of_warmups"] == "env:GRAPH_OPT_NUM_WARMUPS"
+    assert cfg.sources["graph_opt_level"] == f"yaml:{path}"
+    assert cfg.sources["cudagraph_copy_inputs"] == "default"
+
+
+def test_graph_opt_config_env_names_the_yaml(tmp_path, monkeypatch):
+    path = write(tmp_path, "graph_opt_config:\n  graph_opt_level: 2\n")
+    monkeypatch.setenv("GRAPH_OPT_CONFIG", path)
+    cfg = load_config()
+    assert cfg.graph_opt_level == 2
+    assert "GRAPH_OPT_CONFIG" in cfg.sources["graph_opt_level"]
+
+
+def test_env_overrides_a_config_object_passed_in_code(monkeypatch):
+    from graph_opt.config import resolve
+
+    monkeypatch.setenv("GRAPH_OPT_USE_CUDAGRAPH", "0")
+    cfg = resolve(GraphOptConfig(use_cudagraph=True, graph_opt_level=1))
+    assert cfg.use_cudagraph is False and cfg.graph_opt_level == 1
+
+
+def test_max_capture_size_is_derived_from_sizes_and_appended():
+    assert GraphOptConfig(cudagraph_capture_sizes=[8, 2, 4]).effective_max_capture_size == 8
+    assert GraphOptConfig(cudagraph_capture_sizes=[4, 1], max_capture_size=6).capture_sizes == [1, 4, 6]
+    assert GraphOptConfig(max_capture_size=20).capture_sizes == [1, 2, 4, 8, 16, 20]
+
+
+def test_describe_lists_every_field_with_its_source(tmp_path):
+    path = write(tmp_path, "graph_opt_level: 1\n")
+    text = load_config(path, full_cuda_graph=False).describe()
+    for name in field_names():
+        assert name in text
+    assert f"yaml:{path}" in text and "kwargs" in text and "default" in text
+
+
+def test_cli_config_prints_effective_config_and_sources(tmp_path):
+    path = write(tmp_path, "graph_opt_config:\n  graph_opt_level: 1\n")
+    out = subprocess.run([sys.executable, "-m", "graph_opt", "config", "--config", path], cwd=ROOT,
+                         capture_output=True, text=True, env={"PATH": "", "GRAPH_OPT_FULL_CUDA_GRAPH": "false"})
+    assert out.returncode == 0, out.stderr
+    assert "graph_opt_level" in out.stdout and f"yaml:{path}" in out.stdout
+    assert "env:GRAPH_OPT_FULL_CUDA_GRAPH" in out.stdout
+
+
+def test_cli_config_rejects_bad_file_with_message(tmp_path):
+    path = write(tmp_path, "graph_opt_level: 7\n")
+    out = subprocess.run([sys.executable, "-m", "graph_opt", "config", "--config", path], cwd=ROOT,
+                         capture_output=True, text=True, env={"PATH": ""})
+    assert out.returncode == 2
+    assert "graph_opt_level=7" in out.stderr
+
+
+def test_presets_load():
+    for name in ("default", "decode_full_graph", "decode_piecewise", "static_no_graphs"):
+        cfg = GraphOptConfig.from_yaml(str(ROOT / "configs" / f"{name}.yaml"))
+        assert isinstance(cfg, GraphOptConfig)
+    assert GraphOptConfig.from_yaml(str(ROOT / "configs" / "decode_piecewise.yaml")).full_cuda_graph is False
+    assert GraphOptConfig.from_yaml(str(ROOT / "configs" / "static_no_graphs.yaml")).use_cudagraph is False
+
+
+# -- bad input: every case names the key or variable and what is accepted -----------------------------
+BAD_CONFIGS = [
+    ({"graph_opt_levle": 1}, "unknown key 'graph_opt_levle' (did you mean 'graph_opt_level'?)"),
+    ({"cuda_graph": True}, "unknown key 'cuda_graph'"),
+    ({"graph_opt_level": 3}, "graph_opt_level=3"),
+    ({"graph_opt_level": -1}, "must be 0 (eager), 1 (static) or 2"),
+    ({"graph_opt_level": "1"}, "graph_opt_level='1'"),
+    ({"graph_opt_level": True}, "graph_opt_level=True"),
+    ({"graph_opt_level": 1.0}, "graph_opt_level=1.0"),
+    ({"use_cudagraph": "yes"}, "use_cudagraph='yes'"),
+    ({"use_cudagraph": 1}, "use_cudagraph=1 (from dict): must be a boolean"),
+    ({"full_cuda_graph": None}, "full_cuda_graph=None"),
+    ({"use_unique_memory_pool": "true"}, "use_unique_memory_pool"),
+    ({"cudagraph_copy_inputs": 0}, "cudagraph_copy_inputs=0"),
+    ({"cudagraph_capture_sizes": []}, "cudagraph_capture_sizes=[]"),
+    ({"cudagraph_capture_sizes": [1, 0, 4]}, "every size must be a positive integer, got 0"),
+    ({"cudagraph_capture_sizes": [1, -2]}, "got -2"),
+    ({"cudagraph_capture_sizes": [1, 2, 2, 4]}, "sizes must be unique, 2 appears more than once"),
+    ({"cudagraph_capture_sizes": [1, 2.5]}, "got 2.5"),
+    ({"cudagraph_capture_sizes": "1,2"}, "must be a non-empty list of positive integers"),
+    ({"cudagraph_capture_sizes": [1, 64], "max_capture_size": 32}, "size 64 is above max_capture_size=32"),
+    ({"max_capture_size": 0}, "max_capture_size=0"),
+    ({"max_capture_size": "big"}, "max_capture_size='big'"),
+    ({"cudagraph_num_of_warmups": -1}, "cudagraph_num_of_warmups=-1 (from dict): must be an integer >= 0"),
+    ({"cudagraph_num_of_warmups": 1.5}, "cudagraph_num_of_warmups=1.5"),
+    ({"cudagraph_splitting_ops": "attention"}, "cudagraph_splitting_ops='attention'"),
+    ({"cudagraph_splitting_ops": ["a", ""]}, "must be a list of non-empty names"),
+    ({"cudagraph_splitting_ops": ["a", "a"]}, "names must be unique"),
+    ({"program_passes": ["no_such_pass"]}, "unknown pass 'no_such_pass'; known passes are remove_loop_carried_copies"),
+    ({"program_passes": "remove_loop_carried_copies"}, "program_passes='remove_loop_carried_copies'"),
+    ({"graph_opt_config": {"graph_opt_level": 1}, "extra": 1}, "unknown key 'extra' next to 'graph_opt_config'"),
+    ({"graph_opt_config": [1, 2]}, "graph_opt_config must be a mapping"),
+]
+
+
+@pytest.mark.parametrize("data, fragment", BAD_CONFIGS, ids=[str(i) for i in range(len(BAD_CONFIGS))])
+def test_bad_config_is_rejected_with_a_message_naming_it(data, fragment):
+    with pytest.raises(GraphOptConfigError) as err:
+        GraphOptConfig.from_dict(data)
+    assert fragment in str(err.value)
+
+
+BAD_ENV = [
+    ({"GRAPH_OPT_LEVEL": "abc"}, "GRAPH_OPT_LEVEL='abc': expected an integer"),
+    ({"GRAPH_OPT_LEVEL": "5"}, "graph_opt_level=5 (from env:GRAPH_OPT_LEVEL)"),
+    ({"GRAPH_OPT_USE_CUDAGRAPH": "maybe"}, "GRAPH_OPT_USE_CUDAGRAPH='maybe': expected a boolean"),
+    ({"GRAPH_OPT_FULL_CUDA_GRAPH": "2"}, "GRAPH_OPT_FULL_CUDA_GRAPH='2'"),
+    ({"GRAPH_OPT_CAPTURE_SIZES": "1,,4"}, "GRAPH_OPT_CAPTURE_SIZES='1,,4': expected a comma-separated list"),
+    ({"GRAPH_OPT_CAPTURE_SIZES": "1,x"}, "GRAPH_OPT_CAPTURE_SIZES='1,x'"),
+    ({"GRAPH_OPT_CAPTURE_SIZES": "0,4"}, "(from env:GRAPH_OPT_CAPTURE_SIZES): every size must be a positive integer"),
+    ({"GRAPH_OPT_CAPTURE_SIZES": "4,4"}, "sizes must be unique"),
+    ({"GRAPH_OPT_MAX_CAPTURE_SIZE": "-3"}, "max_capture_size=-3 (from env:GRAPH_OPT_MAX_CAPTURE_SIZE)"),
+    ({"GRAPH_OPT_CAPTURE_SIZES": "1,64", "GRAPH_OPT_MAX_CAPTURE_SIZE": "8"}, "size 64 is above max_capture_size=8"),
+    ({"GRAPH_OPT_NUM_WARMUPS": "one"}, "GRAPH_OPT_NUM_WARMUPS='one'"),
+    ({"GRAPH_OPT_SPLITTING_OPS": "a,,b"}, "GRAPH_OPT_SPLITTING_OPS='a,,b'"),
+    ({"GRAPH_OPT_LOG_LEVEL": "LOUD"}, "GRAPH_OPT_LOG_LEVEL='LOUD': expected one of DEBUG"),
+    ({"GRAPH_OPT_CONFIG": "/no/such/file.yaml"}, "config file '/no/such/file.yaml' does not exist"),
+    ({"GRAPH_OPT_CONFIG": ""}, "GRAPH_OPT_CONFIG is set but empty"),
+    ({"GRAPH_OPT_LEVLE": "1"}, "unknown environment variable GRAPH_OPT_LEVLE"),
+]
+
+
+@pytest.mark.parametrize("environ, fragment", BAD_ENV, ids=[str(i) for i in range(len(BAD_ENV))])
+def test_bad_env_value_is_rejected_with_a_message_naming_the_variable(environ, fragment):
+    with pytest.raises(GraphOptConfigError) as err:
+        load_config(environ=environ)
+    assert fragment in str(err.value)
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(GraphOptConfigError, match="is not valid YAML"):
+        GraphOptConfig.from_yaml(write(tmp_path, "graph_opt_level: [1\n"))
+    with pytest.raises(GraphOptConfigError, match="must hold a mapping, got list"):
+        GraphOptConfig.from_yaml(write(tmp_path, "- 1\n- 2\n"))
+    with pytest.raises(GraphOptConfigError, match=r"yaml:.*unknown key 'levle'"):
+        load_config(write(tmp_path, "levle: 1\n"))
+
+
+def test_bad_keyword_argument_is_named():
+    with pytest.raises(GraphOptConfigError, match="keyword argument: unknown key 'use_cuda_graph'"):
+        load_config(use_cuda_graph=True)
+
+
+def test_total_bad_input_cases_at_least_thirty():
+    assert len(BAD_CONFIGS) + len(BAD_ENV) >= 30
+
+
+def test_import_graph_opt_imports_no_framework():
+    code = "import sys, graph_opt; print('paddle' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.split() == ["False", "False"], out.stderr
