@@ -5,6 +5,7 @@ import types
 
 import paddle
 
+from .. import version_tuple
 from .adapter import ADAPTER  # noqa: F401  (part of the backend interface)
 
 MIN_VERSION = (3, 2)
@@ -12,10 +13,7 @@ MIN_VERSION = (3, 2)
 
 def check_version(version: str = None) -> None:
     version = paddle.__version__ if version is None else version
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
+    parts = version_tuple(version)
     if tuple(parts) == (0, 0):  # a development build
         return
     if tuple(parts) < MIN_VERSION:

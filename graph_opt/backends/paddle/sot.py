@@ -32,6 +32,7 @@ from paddle.jit.sot.utils import StepInfoManager
 from paddle.jit.sot.utils.envs import min_graph_size_guard
 
 from ... import split
+from .. import private_copy
 from ...cudagraph import Captured
 from ...errors import CaptureError, ReplayDivergence
 from ...pytree import flatten
@@ -186,7 +187,7 @@ class SotStrategy:
 
     def __init__(self, model, forward_fn, config, adapter, selection: Optional[split.SplitSelection]):
         self.model = model
-        self.forward_fn = _private_copy(forward_fn)
+        self.forward_fn = private_copy(forward_fn)
         self.config = config
         self.adapter = adapter
         self.selection = selection
@@ -422,25 +423,6 @@ def _split_scope(names: frozenset):
             yield
     finally:
         _sot_split_names = old
-
-
-_copies = 0
-
-
-def _private_copy(fn):
-    """fn with a code object of its own. SOT caches translations per code object, and a frame that
-    once fell back stays fallen back for every caller: a private copy keeps this model's mode (and
-    its splitting ops) from deciding how another model of the same class is translated."""
-    import types
-
-    # Code objects compare by value, so the copy carries one unused constant that makes it unequal.
-    global _copies
-    _copies += 1
-    code = fn.__code__.replace(co_consts=fn.__code__.co_consts + (f"graph_opt private copy {_copies}",))
-    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    copy.__qualname__ = fn.__qualname__
-    return copy
 
 
 _warned_no_cinn = False
