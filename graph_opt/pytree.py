@@ -40,60 +40,60 @@ def _constant(value):
 
 def flatten(obj: Any, is_tensor: Callable[[Any], bool]) -> Tuple[List[Any], Any]:
     leaves: List[Any] = []
+    return leaves, _walk(obj, is_tensor, leaves)
 
-    def walk(x):
-        if is_tensor(x):
-            leaves.append(x)
-            return TENSOR
-        kind = type(x)
-        if kind is tuple:
-            return ("t", tuple(walk(v) for v in x))
-        if kind is list:
-            return ("l", tuple(walk(v) for v in x))
-        if kind is dict:
-            keys = tuple(x)
-            return ("d", keys, tuple(walk(x[k]) for k in keys))
-        if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return ("n", kind, tuple(walk(v) for v in x))
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            names = tuple(f.name for f in dataclasses.fields(x))
-            return ("dc", kind, names, tuple(walk(getattr(x, n)) for n in names))
-        return _constant(x)
 
-    spec = walk(obj)
-    return leaves, spec
+# Module-level recursion, not a closure: a closure that calls itself is a reference cycle, and it would
+# keep every call's tensors alive until the next garbage collection (which capture keeps frozen).
+def _walk(x, is_tensor, leaves):
+    if is_tensor(x):
+        leaves.append(x)
+        return TENSOR
+    kind = type(x)
+    if kind is tuple:
+        return ("t", tuple(_walk(v, is_tensor, leaves) for v in x))
+    if kind is list:
+        return ("l", tuple(_walk(v, is_tensor, leaves) for v in x))
+    if kind is dict:
+        keys = tuple(x)
+        return ("d", keys, tuple(_walk(x[k], is_tensor, leaves) for k in keys))
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return ("n", kind, tuple(_walk(v, is_tensor, leaves) for v in x))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        names = tuple(f.name for f in dataclasses.fields(x))
+        return ("dc", kind, names, tuple(_walk(getattr(x, n), is_tensor, leaves) for n in names))
+    return _constant(x)
 
 
 def unflatten(spec: Any, leaves: List[Any], template: Any = None) -> Any:
     """Rebuild the structure. Dataclass nodes are shallow copies of `template`'s objects."""
-    it = iter(leaves)
+    return _build(spec, iter(leaves), template)
 
-    def build(s, tmpl):
-        if s is TENSOR:
-            return next(it)
-        tag = s[0]
-        if tag == "c":
-            return s[1]
-        if tag == "o":
-            return s[1].obj
-        if tag == "t":
-            return tuple(build(c, _child(tmpl, i)) for i, c in enumerate(s[1]))
-        if tag == "l":
-            return [build(c, _child(tmpl, i)) for i, c in enumerate(s[1])]
-        if tag == "d":
-            return {k: build(c, _child(tmpl, k)) for k, c in zip(s[1], s[2])}
-        if tag == "n":
-            return s[1](*(build(c, _child(tmpl, i)) for i, c in enumerate(s[2])))
-        if tag == "dc":
-            if tmpl is None:
-                raise ValueError("rebuilding a dataclass needs a template object")
-            obj = copy.copy(tmpl)
-            for name, c in zip(s[2], s[3]):
-                object.__setattr__(obj, name, build(c, getattr(tmpl, name)))
-            return obj
-        raise ValueError(f"bad spec node {s!r}")
 
-    return build(spec, template)
+def _build(s, it, tmpl):
+    if s is TENSOR:
+        return next(it)
+    tag = s[0]
+    if tag == "c":
+        return s[1]
+    if tag == "o":
+        return s[1].obj
+    if tag == "t":
+        return tuple(_build(c, it, _child(tmpl, i)) for i, c in enumerate(s[1]))
+    if tag == "l":
+        return [_build(c, it, _child(tmpl, i)) for i, c in enumerate(s[1])]
+    if tag == "d":
+        return {k: _build(c, it, _child(tmpl, k)) for k, c in zip(s[1], s[2])}
+    if tag == "n":
+        return s[1](*(_build(c, it, _child(tmpl, i)) for i, c in enumerate(s[2])))
+    if tag == "dc":
+        if tmpl is None:
+            raise ValueError("rebuilding a dataclass needs a template object")
+        obj = copy.copy(tmpl)
+        for name, c in zip(s[2], s[3]):
+            object.__setattr__(obj, name, _build(c, it, getattr(tmpl, name)))
+        return obj
+    raise ValueError(f"bad spec node {s!r}")
 
 
 def _child(tmpl, key):
