@@ -1,0 +1,38 @@
+"""The PyTorch backend: adapter, version check, and the static (Dynamo) paths."""
+from __future__ import annotations
+
+import torch
+
+from .. import version_tuple
+from .adapter import ADAPTER  # noqa: F401  (part of the backend interface)
+
+MIN_VERSION = (2, 4)
+
+
+def check_version(version: str = None) -> None:
+    version = torch.__version__ if version is None else version
+    parts = version_tuple(version)
+    if tuple(parts) < MIN_VERSION:
+        raise RuntimeError(
+            f"graph_opt needs torch >= {MIN_VERSION[0]}.{MIN_VERSION[1]} (Dynamo's bytecode hook and "
+            f"torch.library custom ops), found {version}; install torch>={MIN_VERSION[0]}.{MIN_VERSION[1]}"
+        )
+
+
+def static_strategy(model, forward_fn, config, selection):
+    from .dynamo import DynamoStrategy
+
+    return DynamoStrategy(model, forward_fn, config, ADAPTER, selection)
+
+
+def static_call(model, forward_fn, config):
+    """Level >= 1 without graphs: the forward through torch.compile (level 1 runs the traced graph, level 2 Inductor)."""
+    from .dynamo import DynamoStrategy
+
+    strategy = DynamoStrategy(model, forward_fn, config, ADAPTER, None)
+
+    def call(*args, **kwargs):
+        return strategy.run(args, kwargs)
+
+    call.strategy = strategy
+    return call

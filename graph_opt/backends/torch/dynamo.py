@@ -1,0 +1,290 @@
+"""Level >= 1 on torch: Dynamo traces the forward inside the capture phase; pieces are captured per size.
+
+How one padded size goes:
+- warmup: the forward runs through torch.compile with this module's backend, inside
+  sot_warmup_guard(True) and capture_custom_allreduce(). The first warmup traces: Dynamo reads
+  is_capturing() as true and bakes the capture branch. The backend splits the FX graph
+  (fx_split.py) at the selected splitting ops and at ops that touch host tensors; level 2 compiles
+  each capturable piece with Inductor. The pieces run as compiled (GraphState WARMUP).
+- capture: the same call with GraphState CAPTURE: each capturable piece records a graph for this
+  size; splitting ops and host ops run eagerly between them. Dynamo's bytecode hook told us which
+  transformed code object belongs to the graph that ran.
+- replay: that transformed code is called directly, as vLLM's TorchCompileWrapperWithCustomDispatcher
+  does, so Dynamo's guards are not evaluated. This is the point: Dynamo guards the globals it read
+  while tracing, so once is_capturing() flips back to false a guarded call would recompile and run
+  the non-capture branch. The plugin guards what it skips instead: the padded size and the
+  non-tensor arguments are the runner's dispatch key.
+
+The traced forward must be one graph (fullgraph=True): after a graph break the rest of the forward
+runs in resume functions that only Dynamo's frame hook compiles, and a direct call of the code would
+run them uncompiled, on the non-capture branch. Splitting needs no graph break: a splitting op is
+one FX node (a torch.library custom op, or a selected @graph_opt.splitting_op function, which the
+trace routes to fx_split.call_splitting_op).
+
+Calls that do not replay (sizes above the max, autograd on, a failed capture) go through
+run(): a second, ordinary torch.compile of the forward, guards and recompiles included.
+"""
+from __future__ import annotations
+
+import logging
+import types
+import weakref
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from ... import split
+from .. import private_copy
+from ...cudagraph import Captured
+from ...errors import CaptureError
+from ...pytree import flatten
+from ...testing import simulation_enabled
+from . import fx_split
+from .pieces import CapturablePiece, CompiledForward, EagerPiece, GraphState, Mode
+
+logger = logging.getLogger("graph_opt")
+
+
+def graphs_compiled() -> int:
+    """Dynamo's count of FX graphs compiled in this process (a recompile adds one)."""
+    return counters["stats"]["unique_graphs"]
+
+
+# -- which transformed code belongs to which compiled graph ------------------------------------------
+_OWNERS: "weakref.WeakValueDictionary[int, DynamoStrategy]" = weakref.WeakValueDictionary()
+_hook_installed = False
+
+
+def _on_bytecode(old_code, new_code):
+    owner = _OWNERS.get(id(old_code))
+    if owner is not None and owner._graph_code is old_code:
+        owner._on_transformed_code(new_code)
+    return None  # keep Dynamo's code as it is
+
+
+def _install_hook() -> None:
+    global _hook_installed
+    if not _hook_installed:
+        torch._dynamo.convert_frame.register_bytecode_hook(_on_bytecode)
+        _hook_installed = True
+
+
+class _ReleaseSize:
+    """Keepalive entry of a Captured: reset() drops the per-size graphs of one compiled forward."""
+
+    def __init__(self, forward: CompiledForward, key):
+        self.forward = forward
+        self.key = key
+
+    def reset(self) -> None:
+        self.forward.release(self.key)
+
+
+class DynamoStrategy:
+    """Warm up, capture and replay a torch model's forward through Dynamo, per padded size."""
+
+    def __init__(self, model, forward_fn, config, adapter, selection: Optional[split.SplitSelection]):
+        self.model = model
+        self.forward_fn = forward_fn
+        self.config = config
+        self.adapter = adapter
+        self.selection = selection
+        self.level = config.graph_opt_level
+        self.translations = 0
+        self.copies_removed = 0  # no program passes on torch
+        self.state = GraphState()
+        self.forwards: List[CompiledForward] = []
+        self._pending: List[CompiledForward] = []  # compiled by the backend, bytecode not seen yet
+        self._code_of: Dict[int, types.CodeType] = {}  # id(CompiledForward) -> its transformed code
+        self._split_at = fx_split.splitting_op_matcher(selection)
+        self._sig_ids: Dict[int, int] = {}
+        self._trace_hook = None  # routes selected splitting ops to one FX node while Dynamo traces
+        self._graph_fn = None  # the forward for the graph path, its own code object
+        self._graph_code = None
+        self._compiled = None
+        self._run_fn = None
+        self._compiled_run = None
+
+    # -- strategy protocol -------------------------------------------------------------------------
+    def run(self, args, kwargs):
+        """Without graphs: torch.compile as usual, guards and all (it may recompile for new shapes or flags)."""
+        if self._compiled_run is None:
+            self._run_fn = private_copy(self.forward_fn)
+            backend = "inductor" if self.level >= 2 else _traced
+            self._compiled_run = torch.compile(self._run_fn, backend=backend, dynamic=None)
+        before = graphs_compiled()
+        try:
+            return self._compiled_run(self.model, *args, **kwargs)
+        finally:
+            self.translations += graphs_compiled() - before
+
+    def warmup(self, args, kwargs, padded, sig):
+        """Run the graph path without graphs; returns the outputs (the core ignores them, tests compare them)."""
+        self._mark_dynamic(args, kwargs, sig)
+        return self._graph_path(Mode.WARMUP, self._key(sig, padded), args, kwargs)[0]
+
+    def capture(self, args, kwargs, padded, sig, pool) -> Captured:
+        key = self._key(sig, padded)
+        self._mark_dynamic(args, kwargs, sig)
+        outputs, ran = self._graph_path(Mode.CAPTURE, key, args, kwargs, pool, simulation_enabled())
+        if not ran:
+            raise CaptureError("Dynamo produced no FX graph for the forward, so there is nothing to capture")
+        forward = ran[0]
+        code = self._code_of.get(id(forward))
+        if len(ran) != 1 or code is None:
+            raise CaptureError(
+                f"the capture call ran {len(ran)} compiled graphs; a replay needs exactly one with known bytecode"
+            )
+        graph_fn = self._graph_fn
+        direct = types.FunctionType(code, graph_fn.__globals__, graph_fn.__name__, graph_fn.__defaults__,
+                                    graph_fn.__closure__)
+        direct.__kwdefaults__ = graph_fn.__kwdefaults__
+        forward.weaken(key)  # simulated graphs too: they keep owning references, the bookkeeping is the same
+        graphs = sum(1 for p in forward.pieces if key in p.entries)
+        captured_ids = forward.output_ids(key)
+        out_leaves, _ = flatten(outputs, self.adapter.is_tensor)
+        stable = all(id(t) in captured_ids for t in out_leaves)
+        replay = _make_replay(self.state, key, direct, self.model, args, kwargs)
+        return Captured(outputs, replay, stable, graphs, graphs, keepalive=[_ReleaseSize(forward, key)])
+
+    def release(self) -> None:
+        for forward in self.forwards:
+            forward.release()
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _key(self, sig, padded: int) -> int:
+        sig_id = self._sig_ids.setdefault(id(sig), len(self._sig_ids) + 1)
+        return sig_id * (1 << 20) + padded
+
+    def _mark_dynamic(self, args, kwargs, sig) -> None:
+        leaves, _ = flatten((args, kwargs), self.adapter.is_tensor)
+        for leaf, dim in zip(leaves, sig.dims):
+            if dim is not None:
+                # One dynamic trace serves every size >= 2 (Dynamo specialises sizes 0 and 1, so
+                # size 1 is traced once more); "maybe": a forward that specialises the dim still works.
+                torch._dynamo.maybe_mark_dynamic(leaf, dim)
+
+    def _ensure_graph_path(self) -> None:
+        if self._compiled is not None:
+            return
+        self._trace_hook = fx_split.splitting_op_router(self.selection)
+        self._graph_fn = private_copy(self.forward_fn)
+        self._graph_code = self._graph_fn.__code__
+        _OWNERS[id(self._graph_code)] = self
+        _install_hook()
+        self._compiled = torch.compile(self._graph_fn, backend=self._backend, fullgraph=True, dynamic=None)
+
+    def _graph_path(self, mode: Mode, key, args, kwargs, pool=None, simulate=False):
+        self._ensure_graph_path()
+        state = self.state
+        before = graphs_compiled()
+        state.begin(mode, key, pool, simulate)
+        try:
+            with split.active_hook(self._trace_hook):
+                outputs = self._compiled(self.model, *args, **kwargs)
+            ran = list(state.forwards_run)
+        except torch._dynamo.exc.Unsupported as exc:
+            raise CaptureError(
+                "graph_opt_level>=1 traces forward as one Dynamo graph, so that replays can skip Dynamo's guards, "
+                f"and Dynamo could not: {exc}. Make that code traceable, move it into a splitting op (a "
+                "torch.library custom op or a @graph_opt.splitting_op function), or use graph_opt_level=0"
+            ) from exc
+        finally:
+            state.end()
+            self.translations += graphs_compiled() - before
+        return outputs, ran
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs):
+        """The torch.compile backend of the graph path: split, compile pieces (level 2), wrap for per-size graphs."""
+        graph = fx_split.split_graph(gm, self._split_at, keep_host_ops_out=fx_split.computes_on_device(gm))
+        if self.selection is not None:
+            for piece in graph.pieces:
+                for name in piece.split_ops:
+                    self.selection.mark_seen(name)
+        compiled = _inductor_pieces(graph, example_inputs) if self.level >= 2 else {}
+        module = graph.module
+        runners = []
+        for piece in graph.pieces:
+            sub = getattr(module, piece.name)
+            if piece.capturable:
+                runner = CapturablePiece(piece.name, compiled.get(piece.name, sub.forward), self.state, self.adapter)
+                runners.append(runner)
+                module.__dict__[piece.name] = runner  # the split module's forward calls self.<name>
+            else:
+                module.__dict__[piece.name] = EagerPiece(sub.forward, self.state)  # skips nn.Module.__call__
+        forward = CompiledForward(graph, runners, self.state)
+        self.forwards.append(forward)
+        self._pending.append(forward)
+        logger.debug("graph_opt: Dynamo graph of %d ops split into %d pieces (%d capturable)",
+                     sum(p.ops for p in graph.pieces), len(graph.pieces), len(runners))
+        return forward
+
+    def _on_transformed_code(self, code: types.CodeType) -> None:
+        # The bytecode hook runs after the backend returned, once per traced frame; the graph the
+        # backend made last is the one this code calls.
+        if self._pending:
+            self._code_of[id(self._pending[-1])] = code
+            self._pending.clear()
+
+
+def _make_replay(state: GraphState, key, direct, model, args, kwargs):
+    replay_mode, eager_mode = Mode.REPLAY, Mode.EAGER
+
+    def replay():
+        state.mode = replay_mode
+        state.key = key
+        try:
+            return direct(model, *args, **kwargs)
+        finally:
+            state.mode = eager_mode
+
+    return replay
+
+
+def _traced(gm: torch.fx.GraphModule, example_inputs):
+    """Level 1 without graphs: the FX graph Dynamo traced, run as it is."""
+    return gm.forward
+
+
+def _inductor_pieces(graph: fx_split.SplitGraph, example_inputs) -> Dict[str, Any]:
+    """Compile every capturable piece with Inductor, for symbolic sizes (one compile serves every size).
+
+    Each piece needs example inputs of its own: run the split module on fake tensors, as vLLM's
+    PiecewiseCompileInterpreter does, and compile each piece on the fake arguments it receives.
+    """
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import compile_fx
+
+    names = {p.name for p in graph.capturable}
+    compiled: Dict[str, Any] = {}
+    fake_mode = detect_fake_mode(example_inputs)
+
+    class _CompileOnTheWay(torch.fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            if target in names and target not in compiled:
+                compiled[target] = _compile_piece(compile_fx, self.fetch_attr(target), list(args))
+            return super().call_module(target, args, kwargs)
+
+    fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    with fake_mode:
+        _CompileOnTheWay(graph.module).run(*fake_args)
+    return compiled
+
+
+def _compile_piece(compile_fx, piece: torch.fx.GraphModule, fake_args):
+    """Inductor returns a sequence of outputs; a piece with one output is unwrapped again, so the
+    split module sees what the uncompiled piece returned."""
+    output = next(n for n in reversed(piece.graph.nodes) if n.op == "output")
+    if isinstance(output.args[0], (tuple, list)):
+        return compile_fx(piece, fake_args)
+    graph = torch.fx.Graph()
+    value = graph.graph_copy(piece.graph, {})  # copies every node but the output; returns its value
+    graph.output((value,))
+    compiled = compile_fx(torch.fx.GraphModule(piece, graph), fake_args)
+
+    def first(*args):
+        return compiled(*args)[0]
+
+    return first

@@ -1,0 +1,21 @@
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+sys.path.insert(0, os.path.dirname(__file__))  # torch_models
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    """Each test traces from scratch: no Dynamo cache entries or recompile budget carried over."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "inductor: compiles with Inductor on CPU (C++ codegen; seconds per graph)")
