@@ -38,6 +38,10 @@ class Adapter(Protocol):
 
     def nbytes(self, t) -> int: ...
 
+    def layout(self, t) -> Any: ...  # hashable (dtype, device): what a buffer must share to hold t
+
+    def weak_alias(self, t): ...  # t's memory without owning it, where the graph pool allows; else t
+
     # execution context
     def grad_enabled(self) -> bool: ...
 

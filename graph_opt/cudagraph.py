@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import guards, split
 from .errors import CaptureError, GraphOptConfigError, ReplayDivergence
-from .pytree import flatten, tensor_leaf_owners, unflatten
+from .pytree import TENSOR, flatten, tensor_leaf_owners, unflatten
 from .sizes import PaddingTable
 from .stats import Counters
 from .testing import HostGraph, simulation_enabled
@@ -414,38 +414,94 @@ def _capture_phase(adapter):
 
 # -- level 0: the eager forward, captured whole or in pieces ---------------------------------------
 class _SplitStep:
-    """A splitting op re-run eagerly between replayed pieces, on the tensors recorded at capture."""
+    """A splitting op re-run eagerly between replayed pieces, on the tensors recorded at capture.
 
-    def __init__(self, adapter, op, args, kwargs, result):
+    Its result is copied where the next piece's graph reads it: the landing buffers (LandingBuffers).
+    """
+
+    def __init__(self, adapter, op, args, kwargs, landed: List[Any], spec):
         self.adapter = adapter
         self.op = op
         self.args = args
         self.kwargs = kwargs
-        self.result = result
-        self.leaves, self.spec = flatten(result, adapter.is_tensor)
+        self.landed = landed
+        self.spec = spec
+        self.single = landed[0] if spec is TENSOR else None  # the common case: one tensor out
+
+    def weaken(self) -> None:
+        """Hold the tensors read from earlier pieces without owning them (see LandingBuffers)."""
+        leaves, spec = flatten((self.args, self.kwargs), self.adapter.is_tensor)
+        self.args, self.kwargs = unflatten(spec, [self.adapter.weak_alias(t) for t in leaves],
+                                           template=(self.args, self.kwargs))
 
     def __call__(self) -> None:
         fresh = self.op.fn(*self.args, **self.kwargs)
+        dst = self.single
+        if dst is not None:
+            if fresh is not dst:
+                if self.adapter.shape(fresh) != self.adapter.shape(dst):
+                    raise self._divergence(fresh)
+                self.adapter.copy_(dst, fresh)
+            return
         leaves, spec = flatten(fresh, self.adapter.is_tensor)
         if spec != self.spec:
-            raise ReplayDivergence(
-                f"splitting op {self.op.name!r} returned {spec!r} at replay but {self.spec!r} at capture; "
-                "the pieces after it baked the capture-time value"
-            )
-        for dst, src in zip(self.leaves, leaves):
+            raise self._divergence(fresh)
+        for dst, src in zip(self.landed, leaves):
             if src is not dst:
                 self.adapter.copy_(dst, src)
+
+    def _divergence(self, fresh) -> ReplayDivergence:
+        return ReplayDivergence(
+            f"splitting op {self.op.name!r} returned another structure, shape or non-tensor value at replay "
+            "than at capture; the pieces after it baked what it returned at capture"
+        )
+
+
+class LandingBuffers:
+    """Where splitting ops' results land, one buffer per (call site, output), shared by every size.
+
+    A piece's graph reads its inputs at fixed addresses, so a splitting op's fresh result is copied
+    there at each replay. Sizes are captured largest first and never replay at the same time, so one
+    buffer at the largest size serves every size through views. Likewise the tensors a splitting op
+    reads from earlier pieces live in the graph pool; once a size is captured they are held through
+    non-owning aliases (adapter.weak_alias), so the next size's capture can reuse their blocks.
+    Without both, piecewise graph memory grows with every captured size.
+    """
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.buffers: Dict[Tuple[int, int], Any] = {}
+
+    def land(self, site: int, index: int, t):
+        adapter = self.adapter
+        shape = adapter.shape(t)
+        if len(shape) == 0:
+            return t
+        buf = self.buffers.get((site, index))
+        if buf is None or adapter.layout(buf) != adapter.layout(t) or adapter.shape(buf)[0] < shape[0]:
+            buf = adapter.zeros_like(t, None, 0)
+            self.buffers[(site, index)] = buf
+        view = adapter.narrow(buf, 0, shape[0])
+        if adapter.shape(view) != shape:  # not batch-major: a buffer of its own for this size
+            view = adapter.zeros_like(t, None, 0)
+        adapter.copy_(view, t)
+        return view
+
+    def clear(self) -> None:
+        self.buffers.clear()
 
 
 class _PieceRecorder:
     """Captures the eager forward as device graphs, cut at the selected splitting ops."""
 
-    def __init__(self, adapter, pool, selection: Optional[split.SplitSelection]):
+    def __init__(self, adapter, pool, selection: Optional[split.SplitSelection], landing: LandingBuffers):
         self.adapter = adapter
         self.pool = pool
         self.selection = selection
+        self.landing = landing
         self.steps: List[Any] = []
         self.graphs: List[Any] = []
+        self.splits: List[_SplitStep] = []
         self._open = None
 
     def begin(self) -> None:
@@ -477,9 +533,14 @@ class _PieceRecorder:
         self.selection.mark_seen(op.name)
         self.end()
         result = op.fn(*args, **kwargs)
-        self.steps.append(_SplitStep(self.adapter, op, args, kwargs, result))
+        leaves, spec = flatten(result, self.adapter.is_tensor)
+        site = len(self.splits)
+        landed = [self.landing.land(site, i, t) for i, t in enumerate(leaves)]
+        step = _SplitStep(self.adapter, op, args, kwargs, landed, spec)
+        self.splits.append(step)
+        self.steps.append(step)
         self.begin()
-        return result
+        return unflatten(spec, landed, template=result)
 
 
 class EagerStrategy:
@@ -489,6 +550,7 @@ class EagerStrategy:
         self.call = call
         self.adapter = adapter
         self.selection = selection  # None: one graph for the whole forward
+        self.landing = LandingBuffers(adapter)
 
     def run(self, args, kwargs):
         return self.call(*args, **kwargs)
@@ -499,7 +561,7 @@ class EagerStrategy:
     def capture(self, args, kwargs, padded, sig, pool) -> Captured:
         if simulation_enabled():
             return self._capture_simulated(args, kwargs)
-        recorder = _PieceRecorder(self.adapter, pool, self.selection)
+        recorder = _PieceRecorder(self.adapter, pool, self.selection, self.landing)
         with split.active_hook(recorder.on_split if self.selection is not None else None):
             recorder.begin()
             try:
@@ -508,6 +570,8 @@ class EagerStrategy:
             except BaseException:
                 recorder.abort()
                 raise
+        for step in recorder.splits:
+            step.weaken()
         steps = tuple(recorder.steps)
         replay = steps[0] if len(steps) == 1 else _run_all(steps)
         pieces = len(recorder.graphs)
@@ -544,7 +608,7 @@ class EagerStrategy:
         return Captured(outputs, graph.replay, True, pieces, pieces, keepalive=[graph])
 
     def release(self) -> None:
-        pass
+        self.landing.clear()
 
 
 def _run_all(steps):

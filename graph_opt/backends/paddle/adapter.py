@@ -71,6 +71,14 @@ class PaddleAdapter:
     def nbytes(self, t) -> int:
         return math.prod(t.shape) * t.element_size()
 
+    def layout(self, t):
+        return (t.dtype, str(t.place))
+
+    def weak_alias(self, t):
+        # Paddle has no public non-owning view of a tensor's memory: piecewise graphs then keep the
+        # tensors splitting ops read from earlier pieces, and their pool blocks are not reused across sizes.
+        return t
+
     def grad_enabled(self) -> bool:
         return paddle.is_grad_enabled()
 
