@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import paddle
-from paddle.jit.dy2static.pir_partial_program import replace_run_impl_guard
+from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer, replace_run_impl_guard
 from paddle.jit.dy2static.utils import CUDAGraphState
 from paddle.jit.sot import psdb
 from paddle.jit.sot.opcode_translator import eval_frame_callback
 from paddle.jit.sot.opcode_translator.custom_code import CustomCode
 from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
 from paddle.jit.sot.utils import StepInfoManager
-from paddle.jit.sot.utils.envs import min_graph_size_guard
+from paddle.jit.sot.utils.envs import ENV_MIN_GRAPH_SIZE, min_graph_size_guard
 
 from ... import split
 from .. import private_copy
@@ -45,6 +46,38 @@ _BLACKLIST_FLAG = "FLAGS_cuda_graph_blacklist"
 
 def translate_count() -> int:
     return OpcodeExecutorCache().translate_count
+
+
+class _Scope:
+    """The plugin's hooks around one SOT call: the run_impl hook, the splitting ops and, where SOT
+    may translate, MIN_GRAPH_SIZE=0 (so small subgraphs reach run_program and its passes).
+    A plain class, not a generator context manager: replays and static calls pass through it."""
+
+    __slots__ = ("hook", "names", "min_graph_size", "saved", "saved_env")
+
+    def __init__(self, hook, names, min_graph_size: bool):
+        self.hook = hook
+        self.names = names
+        self.min_graph_size = min_graph_size
+
+    def __enter__(self):
+        global _sot_split_names
+        self.saved = (PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names, split._split_hook)
+        PartialProgramLayer.HOOKED_RUN_IMPL = self.hook
+        _sot_split_names = self.names
+        split._split_hook = _sot_split_hook if self.names else None
+        if self.min_graph_size:
+            self.saved_env = os.environ.get(ENV_MIN_GRAPH_SIZE.name)
+            ENV_MIN_GRAPH_SIZE.set(0)
+
+    def __exit__(self, *exc):
+        global _sot_split_names
+        PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names, split._split_hook = self.saved
+        if self.min_graph_size:
+            if self.saved_env is None:
+                os.environ.pop(ENV_MIN_GRAPH_SIZE.name, None)
+            else:
+                os.environ[ENV_MIN_GRAPH_SIZE.name] = self.saved_env
 
 
 @dataclass
@@ -199,6 +232,8 @@ class SotStrategy:
         self.records: Dict[Any, SizeRecord] = {}
         self._sig_ids: Dict[Any, int] = {}
         self._static_fn = None
+        self._scope = None
+        self._cache = OpcodeExecutorCache()
         self.blacklist = self._blacklist_names()
         self.split_names = frozenset(
             w.__graph_opt_split__.name for w in split.registered().values()
@@ -213,12 +248,14 @@ class SotStrategy:
 
             bound = types.MethodType(self.forward_fn, self.model)
             self._static_fn = paddle.jit.to_static(bound, full_graph=False, backend=self.sot_kwargs["backend"])
-        before = translate_count()
+            self._scope = _Scope(self.hook, self.split_names, min_graph_size=True)
+        cache = self._cache
+        before = cache.translate_count
         try:
-            with min_graph_size_guard(0), replace_run_impl_guard(self.hook), _split_scope(self.split_names):
+            with self._scope:
                 return self._static_fn(*args, **kwargs)
         finally:
-            self.translations += translate_count() - before
+            self.translations += max(0, cache.translate_count - before)
 
     def warmup(self, args, kwargs, padded, sig) -> None:
         record = SizeRecord(self._key(sig, padded))
@@ -306,7 +343,7 @@ class SotStrategy:
         simulate = any(sub.graph is not None for sub in record.subgraphs)
         hook_calls = [0]
         expected_calls = len(record.subgraphs)
-        split_names = self.split_names
+        scope = _Scope(hook, self.split_names, min_graph_size=False)
 
         def callback(frame):
             # SOT stops handing some frames to the callback after their first runs (frames that hold
@@ -334,7 +371,7 @@ class SotStrategy:
             position[0] = 0
             hook.begin(replay_state, record, simulate)
             try:
-                with replace_run_impl_guard(hook), _split_scope(split_names):
+                with scope:
                     old = set_eval_frame(callback)
                     try:
                         out = forward_fn(model, *args, **kwargs)
