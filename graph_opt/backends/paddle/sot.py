@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -67,17 +66,14 @@ class _Scope:
         _sot_split_names = self.names
         split._split_hook = _sot_split_hook if self.names else None
         if self.min_graph_size:
-            self.saved_env = os.environ.get(ENV_MIN_GRAPH_SIZE.name)
+            self.saved_env = ENV_MIN_GRAPH_SIZE.get()
             ENV_MIN_GRAPH_SIZE.set(0)
 
     def __exit__(self, *exc):
         global _sot_split_names
         PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names, split._split_hook = self.saved
         if self.min_graph_size:
-            if self.saved_env is None:
-                os.environ.pop(ENV_MIN_GRAPH_SIZE.name, None)
-            else:
-                os.environ[ENV_MIN_GRAPH_SIZE.name] = self.saved_env
+            ENV_MIN_GRAPH_SIZE.set(self.saved_env)  # as Paddle's own EnvironmentVariableGuard restores
 
 
 @dataclass
