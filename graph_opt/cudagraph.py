@@ -108,13 +108,23 @@ class CapturedSize:
 class Signature:
     """One call structure: its non-tensor arguments, where its tensors are, their static buffers."""
 
-    def __init__(self, spec, leaves, dims: List[Optional[int]], template):
+    def __init__(self, index: int, spec, leaves, dims: List[Optional[int]], template):
+        self.index = index  # 1, 2, ...: this signature's number in its runner
         self.spec = spec
         self.dims = dims
         self.template = template  # the first call's (args, kwargs), to rebuild dataclass arguments
         self.dynamic = [i for i, d in enumerate(dims) if d is not None]
         self.entries: Dict[int, CapturedSize] = {}
         self.buffers: Optional[List[Any]] = None  # static input buffers at the max size (copy_inputs)
+
+    def key(self, padded: int) -> int:
+        """An integer naming (this signature, padded size): what strategies key their graphs by."""
+        return self.index * (1 << 20) + padded
+
+    def dynamic_leaves(self, args, kwargs, is_tensor):
+        """(tensor, dynamic dim) for the tensors of (args, kwargs) that have one."""
+        leaves, _ = flatten((args, kwargs), is_tensor)
+        return [(leaf, dim) for leaf, dim in zip(leaves, self.dims) if dim is not None]
 
     def batch_size(self, adapter, leaves) -> int:
         """The common size of every dynamic dim, or -1 when they disagree."""
@@ -244,7 +254,7 @@ class GraphRunner:
         dims = self._dynamic_dims(spec, leaves)
         if not any(d is not None for d in dims):
             return None
-        sig = Signature(spec, leaves, dims, (args, kwargs))
+        sig = Signature(len(self.signatures) + 1, spec, leaves, dims, (args, kwargs))
         self.signatures[spec] = sig
         return sig
 

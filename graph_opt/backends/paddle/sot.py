@@ -226,7 +226,6 @@ class SotStrategy:
         self.program_ops: Dict[int, List[str]] = {}  # id(layer) -> op names of its forward program
         self.hook = ProgramHook(adapter, list(config.program_passes), self._on_new_program)
         self.records: Dict[Any, SizeRecord] = {}
-        self._sig_ids: Dict[Any, int] = {}
         self._static_fn = None
         self._scope = None
         self._cache = OpcodeExecutorCache()
@@ -254,12 +253,12 @@ class SotStrategy:
             self.translations += max(0, cache.translate_count - before)
 
     def warmup(self, args, kwargs, padded, sig) -> None:
-        record = SizeRecord(self._key(sig, padded))
+        record = SizeRecord(sig.key(padded))
         self._mark_dynamic(args, kwargs, sig)
         self._translating_call(args, kwargs, CUDAGraphState.WARMUP, record, frames=None)
 
     def capture(self, args, kwargs, padded, sig, pool) -> Captured:
-        record = SizeRecord(self._key(sig, padded))
+        record = SizeRecord(sig.key(padded))
         self._mark_dynamic(args, kwargs, sig)
         simulate = simulation_enabled()
         outputs = self._translating_call(args, kwargs, CUDAGraphState.CAPTURE, record, frames=record.frames,
@@ -294,16 +293,10 @@ class SotStrategy:
         self.records.clear()
 
     # -- internals ---------------------------------------------------------------------------------
-    def _key(self, sig, padded: int) -> int:
-        sig_id = self._sig_ids.setdefault(id(sig), len(self._sig_ids) + 1)
-        return sig_id * (1 << 20) + padded
-
     def _mark_dynamic(self, args, kwargs, sig) -> None:
-        leaves, _ = flatten((args, kwargs), self.adapter.is_tensor)
-        for leaf, dim in zip(leaves, sig.dims):
-            if dim is not None:
-                # One symbolic program serves every batch size; without this, size 1 gets its own.
-                paddle.jit.marker.dynamic_dims(leaf, [dim])
+        for leaf, dim in sig.dynamic_leaves(args, kwargs, self.adapter.is_tensor):
+            # One symbolic program serves every batch size; without this, size 1 gets its own.
+            paddle.jit.marker.dynamic_dims(leaf, [dim])
 
     def _translating_call(self, args, kwargs, state, record, frames, simulate=False):
         sot_kwargs = self.sot_kwargs

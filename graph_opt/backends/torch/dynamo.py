@@ -99,7 +99,6 @@ class DynamoStrategy:
         self._pending: List[CompiledForward] = []  # compiled by the backend, bytecode not seen yet
         self._code_of: Dict[int, types.CodeType] = {}  # id(CompiledForward) -> its transformed code
         self._split_at = fx_split.splitting_op_matcher(selection)
-        self._sig_ids: Dict[int, int] = {}
         self._trace_hook = None  # routes selected splitting ops to one FX node while Dynamo traces
         self._graph_fn = None  # the forward for the graph path, its own code object
         self._graph_code = None
@@ -123,10 +122,10 @@ class DynamoStrategy:
     def warmup(self, args, kwargs, padded, sig):
         """Run the graph path without graphs; returns the outputs (the core ignores them, tests compare them)."""
         self._mark_dynamic(args, kwargs, sig)
-        return self._graph_path(Mode.WARMUP, self._key(sig, padded), args, kwargs)[0]
+        return self._graph_path(Mode.WARMUP, sig.key(padded), args, kwargs)[0]
 
     def capture(self, args, kwargs, padded, sig, pool) -> Captured:
-        key = self._key(sig, padded)
+        key = sig.key(padded)
         self._mark_dynamic(args, kwargs, sig)
         outputs, ran = self._graph_path(Mode.CAPTURE, key, args, kwargs, pool, simulation_enabled())
         if not ran:
@@ -154,17 +153,11 @@ class DynamoStrategy:
             forward.release()
 
     # -- internals ---------------------------------------------------------------------------------
-    def _key(self, sig, padded: int) -> int:
-        sig_id = self._sig_ids.setdefault(id(sig), len(self._sig_ids) + 1)
-        return sig_id * (1 << 20) + padded
-
     def _mark_dynamic(self, args, kwargs, sig) -> None:
-        leaves, _ = flatten((args, kwargs), self.adapter.is_tensor)
-        for leaf, dim in zip(leaves, sig.dims):
-            if dim is not None:
-                # One dynamic trace serves every size >= 2 (Dynamo specialises sizes 0 and 1, so
-                # size 1 is traced once more); "maybe": a forward that specialises the dim still works.
-                torch._dynamo.maybe_mark_dynamic(leaf, dim)
+        for leaf, dim in sig.dynamic_leaves(args, kwargs, self.adapter.is_tensor):
+            # One dynamic trace serves every size >= 2 (Dynamo specialises sizes 0 and 1, so
+            # size 1 is traced once more); "maybe": a forward that specialises the dim still works.
+            torch._dynamo.maybe_mark_dynamic(leaf, dim)
 
     def _ensure_graph_path(self) -> None:
         if self._compiled is not None:
