@@ -1,11 +1,11 @@
 """Seed 001 on torch: a custom all-reduce that branches on is_capturing() must be replayed on its
 capture branch, which needs tracing and warmup inside the capture phase."""
-import types
 
 import pytest
 import torch
 
 import graph_opt
+from graph_opt.cudagraph import Signature
 from graph_opt.backends.torch.adapter import ADAPTER
 from graph_opt.backends.torch.dynamo import DynamoStrategy, graphs_compiled
 from torch_models import COMM, SIZES, Reduced, make_x
@@ -41,8 +41,8 @@ def test_replay_runs_the_capture_branch_of_the_custom_allreduce(comm, level, ful
 def _strategy_call(m, inside_capture_phase):
     """Warm up and capture size 4 through the Dynamo strategy, inside the capture phase or not."""
     strategy = DynamoStrategy(m, Reduced.forward, m._graph_opt_state.config, ADAPTER, None)
-    sig = types.SimpleNamespace(dims=[0])
     args = (make_x(4),)
+    sig = Signature(1, None, list(args), [0], (args, {}))
     with graph_opt.testing.simulate_cuda_graphs(), torch.no_grad():
         if inside_capture_phase:
             with graph_opt.sot_warmup_guard(True), graph_opt.capture_custom_allreduce():
