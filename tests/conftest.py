@@ -1,3 +1,9 @@
+"""Shared fixtures.
+
+The framework test folders are named paddle_tests/ and torch_tests/, not paddle/ and torch/: pytest puts
+tests/ on sys.path for this conftest, and a folder named like a framework would then import as that
+framework (a namespace package) on a machine that lacks it, instead of the tests skipping.
+"""
 import logging
 import os
 
