@@ -585,7 +585,7 @@ class EagerStrategy:
         steps = tuple(recorder.steps)
         replay = steps[0] if len(steps) == 1 else _run_all(steps)
         pieces = len(recorder.graphs)
-        return Captured(outputs, replay, True, pieces, pieces, keepalive=list(recorder.graphs))
+        return Captured(outputs, replay, True, pieces, pieces, keepalive=list(recorder.graphs) + recorder.splits)
 
     def _capture_simulated(self, args, kwargs) -> Captured:
         splits = [0]

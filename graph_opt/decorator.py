@@ -66,7 +66,14 @@ class GraphOptState:
             if self.config.graph_opt_level == 0 or self.disabled:
                 self.plain = self._eager_call
             else:
-                self.plain = self.backend.static_call(self.model, self.forward_fn, self.config)
+                # Level >= 1 without graphs: the strategy's plain static path (SOT / torch.compile).
+                strategy = self.backend.static_strategy(self.model, self.forward_fn, self.config, None)
+
+                def static_call(*args, **kwargs):
+                    return strategy.run(args, kwargs)
+
+                static_call.strategy = strategy
+                self.plain = static_call
         return self.plain
 
     def ensure_runner(self) -> Optional[GraphRunner]:

@@ -199,3 +199,46 @@ def test_import_graph_opt_imports_no_framework():
     code = "import sys, graph_opt; print('paddle' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+ENV_OVERRIDES = [
+    ("GRAPH_OPT_LEVEL", "2", "graph_opt_level", 2),
+    ("GRAPH_OPT_USE_CUDAGRAPH", "off", "use_cudagraph", False),
+    ("GRAPH_OPT_FULL_CUDA_GRAPH", "no", "full_cuda_graph", False),
+    ("GRAPH_OPT_CAPTURE_SIZES", "2,4", "cudagraph_capture_sizes", [2, 4]),
+    ("GRAPH_OPT_MAX_CAPTURE_SIZE", "64", "max_capture_size", 64),
+    ("GRAPH_OPT_NUM_WARMUPS", "3", "cudagraph_num_of_warmups", 3),
+    ("GRAPH_OPT_SPLITTING_OPS", "attention, pd_op.softmax", "cudagraph_splitting_ops", ["attention", "pd_op.softmax"]),
+    ("GRAPH_OPT_USE_UNIQUE_MEMORY_POOL", "false", "use_unique_memory_pool", False),
+    ("GRAPH_OPT_COPY_INPUTS", "0", "cudagraph_copy_inputs", False),
+]
+
+
+@pytest.mark.parametrize("var, raw, field, value", ENV_OVERRIDES, ids=[e[0] for e in ENV_OVERRIDES])
+def test_every_config_variable_overrides_its_field(var, raw, field, value):
+    cfg = load_config(environ={var: raw})
+    assert getattr(cfg, field) == value
+    assert cfg.sources[field] == f"env:{var}"
+
+
+def test_log_level_variable_sets_the_graph_opt_logger():
+    import logging
+
+    logger = logging.getLogger("graph_opt")
+    old = logger.level
+    try:
+        load_config(environ={"GRAPH_OPT_LOG_LEVEL": "debug"})
+        assert logger.level == logging.DEBUG
+    finally:
+        logger.setLevel(old)
+
+
+def test_simulate_variable_turns_simulation_on():
+    from graph_opt import env, testing
+
+    assert env.simulate_requested({"GRAPH_OPT_SIMULATE_CUDAGRAPH": "1"})
+    assert not env.simulate_requested({})
+    assert not testing.simulation_enabled()
+    with testing.simulate_cuda_graphs():
+        assert testing.simulation_enabled()
+    assert not testing.simulation_enabled()

@@ -23,7 +23,7 @@ def framework_of(cls: type) -> str:
 
 
 def load(framework: str) -> Any:
-    """The backend module of a framework: it exposes ADAPTER, check_version(), static_strategy(), static_call()."""
+    """The backend module of a framework: it exposes ADAPTER, check_version() and static_strategy()."""
     module = importlib.import_module(f"{__name__}.{framework}.backend")
     module.check_version()
     return module

@@ -196,3 +196,13 @@ def test_grad_enabled_calls_run_without_graphs(graph_opt_warnings):
         assert not out.stop_gradient or any(not p.stop_gradient for p in model.parameters())
         assert graph_opt.stats(model).fallbacks == 1
         assert len([w for w in graph_opt_warnings() if "autograd is enabled" in w]) == 1
+
+
+def test_simulate_environment_variable_captures_without_the_context_manager(monkeypatch):
+    monkeypatch.setenv("GRAPH_OPT_SIMULATE_CUDAGRAPH", "1")
+    with paddle.no_grad():
+        model, reference = decoder(config(graph_opt_level=1))
+        assert capture(model).captured_sizes == SIZES
+        x = inputs(5, seed=3)
+        assert max_diff(model(x), reference(x)) <= ROW_TOLERANCE
+        assert graph_opt.stats(model).replays == 1

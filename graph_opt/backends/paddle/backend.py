@@ -28,15 +28,3 @@ def static_strategy(model, forward_fn, config, selection):
 
     return SotStrategy(model, forward_fn, config, ADAPTER, selection)
 
-
-def static_call(model, forward_fn, config):
-    """Level >= 1 without graphs: the forward through SOT, with the plugin's program passes."""
-    from .sot import SotStrategy
-
-    strategy = SotStrategy(model, forward_fn, config, ADAPTER, None)
-
-    def call(*args, **kwargs):
-        return strategy.run(args, kwargs)
-
-    call.strategy = strategy
-    return call

@@ -24,15 +24,3 @@ def static_strategy(model, forward_fn, config, selection):
 
     return DynamoStrategy(model, forward_fn, config, ADAPTER, selection)
 
-
-def static_call(model, forward_fn, config):
-    """Level >= 1 without graphs: the forward through torch.compile (level 1 runs the traced graph, level 2 Inductor)."""
-    from .dynamo import DynamoStrategy
-
-    strategy = DynamoStrategy(model, forward_fn, config, ADAPTER, None)
-
-    def call(*args, **kwargs):
-        return strategy.run(args, kwargs)
-
-    call.strategy = strategy
-    return call
