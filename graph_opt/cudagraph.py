@@ -52,8 +52,6 @@ class CapturedSize:
     copy_inputs: bool
     input_ptrs: List[int]
     captured: Captured
-    out_spec: Any
-    out_leaves: List[Any]
     out_sliced: List[bool]  # output leaves whose first dim is the padded size: returned sliced to real rows
     capture_ms: float
     memory_bytes: Optional[int]
@@ -102,13 +100,12 @@ class CapturedSize:
         self.captured.keepalive.clear()
         self.views.clear()
         self.inputs = []
-        self.out_leaves = []
 
 
 class Signature:
     """One call structure: its non-tensor arguments, where its tensors are, their static buffers."""
 
-    def __init__(self, index: int, spec, leaves, dims: List[Optional[int]], template):
+    def __init__(self, index: int, spec, dims: List[Optional[int]], template):
         self.index = index  # 1, 2, ...: this signature's number in its runner
         self.spec = spec
         self.dims = dims
@@ -169,7 +166,7 @@ class GraphRunner:
         self.strategy = strategy
         self.eager = eager  # the plain eager forward: what runs once a capture has failed
         self.dynamic_arg_dims = dynamic_arg_dims  # None: dim 0 of every tensor argument
-        # forward's positional-or-keyword parameters after self: (name, default or _REQUIRED)
+        # forward's positional-or-keyword parameters after self: (name, default or REQUIRED)
         self.params = list(params)
         self.arg_names = [name for name, _ in self.params]
         self.name = name
@@ -254,7 +251,7 @@ class GraphRunner:
         dims = self._dynamic_dims(spec, leaves)
         if not any(d is not None for d in dims):
             return None
-        sig = Signature(len(self.signatures) + 1, spec, leaves, dims, (args, kwargs))
+        sig = Signature(len(self.signatures) + 1, spec, dims, (args, kwargs))
         self.signatures[spec] = sig
         return sig
 
@@ -358,7 +355,7 @@ class GraphRunner:
         capture_ms = (time.perf_counter() - start) * 1e3
         mem_after = None if mem_before is None else adapter.memory_in_use()
         memory = None if mem_before is None or mem_after is None else max(0, mem_after - mem_before)
-        out_leaves, out_spec = flatten(captured.outputs, adapter.is_tensor)
+        out_leaves, _ = flatten(captured.outputs, adapter.is_tensor)
         entry = CapturedSize(
             padded_size=padded,
             inputs=static,
@@ -366,8 +363,6 @@ class GraphRunner:
             copy_inputs=self.config.cudagraph_copy_inputs,
             input_ptrs=[adapter.data_ptr(t) for t in static],
             captured=captured,
-            out_spec=out_spec,
-            out_leaves=out_leaves,
             out_sliced=[len(adapter.shape(t)) > 0 and adapter.shape(t)[0] == padded for t in out_leaves],
             capture_ms=capture_ms,
             memory_bytes=memory,

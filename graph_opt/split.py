@@ -147,7 +147,3 @@ def active_hook(hook: Optional[Callable]):
             _split_hook = old
 
     return scope()
-
-
-def call_unhooked(op: SplittingOp, args, kwargs) -> Any:
-    return op.fn(*args, **kwargs)

@@ -42,7 +42,7 @@ def _strategy_call(m, inside_capture_phase):
     """Warm up and capture size 4 through the Dynamo strategy, inside the capture phase or not."""
     strategy = DynamoStrategy(m, Reduced.forward, m._graph_opt_state.config, ADAPTER, None)
     args = (make_x(4),)
-    sig = Signature(1, None, list(args), [0], (args, {}))
+    sig = Signature(1, None, [0], (args, {}))
     with graph_opt.testing.simulate_cuda_graphs(), torch.no_grad():
         if inside_capture_phase:
             with graph_opt.sot_warmup_guard(True), graph_opt.capture_custom_allreduce():

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import paddle
-from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer, replace_run_impl_guard
+from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer
 from paddle.jit.dy2static.utils import CUDAGraphState
 from paddle.jit.sot import psdb
 from paddle.jit.sot.opcode_translator import eval_frame_callback
 from paddle.jit.sot.opcode_translator.custom_code import CustomCode
 from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
 from paddle.jit.sot.utils import StepInfoManager
-from paddle.jit.sot.utils.envs import ENV_MIN_GRAPH_SIZE, min_graph_size_guard
+from paddle.jit.sot.utils.envs import ENV_MIN_GRAPH_SIZE
 
 from ... import split
 from .. import private_copy
@@ -231,9 +231,8 @@ class SotStrategy:
         self._cache = OpcodeExecutorCache()
         self.blacklist = self._blacklist_names()
         self.split_names = frozenset(
-            w.__graph_opt_split__.name for w in split.registered().values()
-            if selection is not None and selection.matches_function(w.__graph_opt_split__)
-        )
+            w.__graph_opt_split__.name for w in selection.selected_functions()
+        ) if selection is not None else frozenset()
 
     # -- strategy protocol -------------------------------------------------------------------------
     def run(self, args, kwargs):
@@ -310,8 +309,8 @@ class SotStrategy:
         before = translate_count()
         self.hook.begin(state, record, simulate)
         try:
-            with min_graph_size_guard(0), self._blacklist_scope(), replace_run_impl_guard(self.hook), \
-                    _split_scope(self.split_names), StepInfoManager().step_guard(self.forward_fn.__code__):
+            with _Scope(self.hook, self.split_names, min_graph_size=True), self._blacklist_scope(), \
+                    StepInfoManager().step_guard(self.forward_fn.__code__):
                 old = paddle.framework.core.set_eval_frame(callback)
                 try:
                     return self.forward_fn(self.model, *args, **kwargs)
@@ -436,19 +435,6 @@ def _sot_split_hook(op, args, kwargs):
     if op.name in _sot_split_names:
         return _split_at(op, args, kwargs)
     return op.fn(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _split_scope(names: frozenset):
-    """Splitting ops break SOT's graph inside this block when `names` is not empty."""
-    global _sot_split_names
-    old = _sot_split_names
-    _sot_split_names = names
-    try:
-        with split.active_hook(_sot_split_hook if names else None):
-            yield
-    finally:
-        _sot_split_names = old
 
 
 _warned_no_cinn = False
