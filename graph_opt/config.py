@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from . import env
 from .errors import GraphOptConfigError
 from .sizes import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
+from .passes import KNOWN_PASSES
 
 NESTED_KEY = "graph_opt_config"
 
@@ -31,7 +32,8 @@ class GraphOptConfig:
     use_unique_memory_pool: all sizes of one model share one graph memory pool (captured largest first).
     cudagraph_copy_inputs: copy inputs into plugin-owned static buffers; False means the caller passes
         views of the same buffers at every call (checked), and nothing is copied.
-    program_passes: PIR passes run on every static program before its first run (level >= 1, Paddle).
+    program_passes: PIR passes run on every static program before its first run (level >= 1, Paddle);
+        by default protect_inplace_writes (the safety pass, first) then remove_loop_carried_copies.
     """
 
     graph_opt_level: int = 0
@@ -43,7 +45,7 @@ class GraphOptConfig:
     cudagraph_splitting_ops: Optional[List[str]] = None
     use_unique_memory_pool: bool = True
     cudagraph_copy_inputs: bool = True
-    program_passes: List[str] = field(default_factory=lambda: ["remove_loop_carried_copies"])
+    program_passes: List[str] = field(default_factory=lambda: list(KNOWN_PASSES))
     sources: Dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -203,8 +205,6 @@ def validate(cfg: GraphOptConfig) -> None:
         if len(set(names)) != len(names):
             fail(name, "names must be unique")
     if cfg.program_passes:
-        from .passes import KNOWN_PASSES
-
         for name in cfg.program_passes:
             if name not in KNOWN_PASSES:
                 fail("program_passes", f"unknown pass {name!r}; known passes are {', '.join(KNOWN_PASSES)}")

@@ -3,15 +3,27 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
-# Names accepted by the config's program_passes; the implementations live in backends/paddle/passes.py.
-KNOWN_PASSES = ("remove_loop_carried_copies",)
+# Names accepted by the config's program_passes, in the order they run by default; the
+# implementations live in backends/paddle/passes.py. The safety pass comes first.
+KNOWN_PASSES = ("protect_inplace_writes", "remove_loop_carried_copies")
+SEMANTICS = ("static", "eager")
 
 
-def optimize_program(program, passes: Optional[Sequence[str]] = None) -> Dict[str, int]:
-    """Run program passes on a Paddle PIR program in place; returns {pass name: rewrites}.
+def optimize_program(program, passes: Optional[Sequence[str]] = None, semantics: str = "static",
+                     fetch_list: Optional[Sequence] = None) -> Dict[str, int]:
+    """Run program passes on a Paddle PIR program in place; returns what they did.
 
-    `program` may be a pir Program, or a directory / path prefix of a saved inference model, which is
-    loaded, rewritten and returned counts only (save it again to keep the result).
+    The result counts ``copies_inserted`` (loop operands copied so that every schedule gives the
+    program's meaning), ``reads_rewired`` and ``copies_removed`` (loop-carried copies dropped).
+
+    semantics: "static" for programs built with the static API (a loop's operand keeps its value),
+    "eager" for programs traced from dygraph code, where in-place writes are seen by later reads;
+    the plugin uses "eager" for the programs SOT builds. `program` may also be a program from
+    ``paddle.static.load_inference_model`` (save it again to keep the result).
+
+    fetch_list: the values you will fetch, if known. Without it any value may be fetched, so every
+    loop operand the loop writes is copied (with static semantics); with it, only those something
+    can still see.
     """
     from .backends.paddle import passes as impl
 
@@ -19,4 +31,6 @@ def optimize_program(program, passes: Optional[Sequence[str]] = None) -> Dict[st
     for name in names:
         if name not in KNOWN_PASSES:
             raise ValueError(f"unknown pass {name!r}; known passes are {', '.join(KNOWN_PASSES)}")
-    return impl.run_passes(program, names)
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics={semantics!r}: must be one of {', '.join(SEMANTICS)}")
+    return impl.run_passes(program, names, semantics, fetch_list).as_dict()

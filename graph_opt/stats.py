@@ -13,7 +13,6 @@ class Counters:
     lazy_captures: int = 0  # sizes first captured at call time, after capture_model
     capture_failures: int = 0
     translations: int = 0  # SOT / Dynamo translations done for this model
-    copies_removed: int = 0  # loop-carried copies removed by program passes
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,9 @@ class Stats:
     lazy_captures: int
     capture_failures: int
     translations: int
-    copies_removed: int
+    copies_inserted: int  # copies the safety pass inserted (program passes, Paddle level >= 1)
+    reads_rewired: int  # reads after a loop it moved to the loop's result
+    copies_removed: int  # loop-carried copies removed
     captured_sizes: List[int]
     pieces: Dict[int, int]  # padded size -> pieces in its graph
     graphs: Dict[int, int]  # padded size -> device graphs captured for it

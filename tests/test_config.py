@@ -136,7 +136,7 @@ BAD_CONFIGS = [
     ({"cudagraph_splitting_ops": "attention"}, "cudagraph_splitting_ops='attention'"),
     ({"cudagraph_splitting_ops": ["a", ""]}, "must be a list of non-empty names"),
     ({"cudagraph_splitting_ops": ["a", "a"]}, "names must be unique"),
-    ({"program_passes": ["no_such_pass"]}, "unknown pass 'no_such_pass'; known passes are remove_loop_carried_copies"),
+    ({"program_passes": ["no_such_pass"]}, "unknown pass 'no_such_pass'; known passes are protect_inplace_writes, remove_loop_carried_copies"),
     ({"program_passes": "remove_loop_carried_copies"}, "program_passes='remove_loop_carried_copies'"),
     ({"graph_opt_config": {"graph_opt_level": 1}, "extra": 1}, "unknown key 'extra' next to 'graph_opt_config'"),
     ({"graph_opt_config": [1, 2]}, "graph_opt_config must be a mapping"),

@@ -55,20 +55,25 @@ def _run(main, startup, fetch, feed, serial=False):
     return out
 
 
-def _check(make, feed, removed, seeds=(0, 1), serial=False):
-    """Build the program twice, rewrite one; check the count, the text and bit-identical outputs.
+def _check(make, feed, removed, seeds=(0, 1), semantics="static"):
+    """Build the program twice; give both the safety pass, and one also the copy removal.
 
-    Both programs run on the default multi-threaded executor and on the serial one; serial=True
-    keeps only the serial one, for programs whose unmodified form already races.
+    The safety pass alone gives the program's meaning (test_pass_stress shows it under load), so
+    it is the reference. Check the count, the text and bit-identical outputs. Static programs run
+    on the multi-threaded executor and the serial one; eager ones (program order is their meaning,
+    and run_program traces it) on the serial one.
     """
     ref = make()
     opt = make()
+    with paddle.pir.core.program_guard(ref[0]):
+        passes.protect_inplace_writes(ref[0], semantics)
     before = str(opt[0]).count(COPY)
-    assert passes.remove_loop_carried_copies(opt[0]) == removed
-    assert str(opt[0]).count(COPY) == before - removed
+    result = passes.run_passes(opt[0], ["protect_inplace_writes", "remove_loop_carried_copies"], semantics)
+    assert result.copies_removed == removed
+    assert str(opt[0]).count(COPY) == before - removed + result.copies_inserted  # safety copies use it too
     for seed in seeds:
         f = _feed(seed, tuple(feed))
-        for run_serially in (True,) if serial else (False, True):
+        for run_serially in (True, False) if semantics == "static" else (True,):
             want = _run(*ref, f, serial=run_serially)
             got = _run(*opt, f, serial=run_serially)
             assert len(want) == len(got)
@@ -131,8 +136,8 @@ def test_brief_pattern_all_three_copies_removed():
 
 def test_pass_is_idempotent_and_counts_per_program():
     main, _, _ = _build(_brief_body, lambda: (_data("c", "h"), []))
-    assert passes.remove_loop_carried_copies(main) == 3
-    assert passes.remove_loop_carried_copies(main) == 0
+    assert passes.remove_loop_carried_copies(main).copies_removed == 3
+    assert passes.remove_loop_carried_copies(main).copies_removed == 0
 
 
 def test_constant_source_and_matmul_source():
@@ -185,21 +190,29 @@ def test_slot_read_after_copy_is_kept():
     assert _copies_in(_loops(prog)[0]) == [1]
 
 
-def test_outer_value_read_after_loop_is_kept():
-    # The loop's first block argument shares the operand's buffer, so c's copy writes into the
-    # fed c: run serially, exp(c) after the loop sees the final state. (The multi-threaded
-    # executor does not order exp(c) against the loop, so it races.) Only i's and h's copies go.
+@pytest.mark.parametrize("semantics, removed, kept", [("static", 3, []), ("eager", 3, [])])
+def test_outer_value_read_after_loop(semantics, removed, kept):
+    # The loop's first block argument shares the operand's buffer, so c's copy writes into c.
+    # Eager: exp(c) after the loop is meant to see that; the safety pass has it read the loop's
+    # result (the same buffer), and then c's copy can go. Static: exp(c) means the value that
+    # fed the loop, and dropping the copy gives exactly that. c and h are loop-local (c * 1.0).
     def init():
         c, h = _data("c", "h")
+        c, h = c * 1.0, h * 1.0
         return [c, h], [lambda out: paddle.exp(c)]
 
-    prog = _check(lambda: _build(_brief_body, init), ["c", "h"], removed=2, serial=True)
-    assert _copies_in(_loops(prog)[0]) == [1]
+    prog = _check(lambda: _build(_brief_body, init), ["c", "h"], removed=removed, semantics=semantics)
+    assert _copies_in(_loops(prog)[0]) == kept
 
 
-def test_outer_value_read_inside_body_is_kept():
+@pytest.mark.parametrize("semantics, removed, kept", [("static", 3, []), ("eager", 2, [1])])
+def test_outer_value_read_inside_body(semantics, removed, kept):
+    # The body reads the operand c itself while its argument, sharing c's buffer, is written.
+    # Eager: later iterations are meant to see those writes, so c's copy stays; static: the
+    # safety pass gives the loop its own copy of c, and c's loop copy goes.
     def init():
         c, h = _data("c", "h")
+        c, h = c * 1.0, h * 1.0
         init.c = c
         return [c, h], []
 
@@ -210,8 +223,8 @@ def test_outer_value_read_inside_body_is_kept():
             paddle.assign(paddle.tanh(h), output=h),
         ]
 
-    prog = _check(lambda: _build(body, init), ["c", "h"], removed=2)
-    assert _copies_in(_loops(prog)[0]) == [1]
+    prog = _check(lambda: _build(body, init), ["c", "h"], removed=removed, semantics=semantics)
+    assert _copies_in(_loops(prog)[0]) == kept
 
 
 def test_inplace_state_without_block_args_is_untouched():
@@ -233,14 +246,16 @@ def test_inplace_state_without_block_args_is_untouched():
     (loop,) = _loops(main)
     assert len(list(loop.blocks())[0].args()) == 0 and loop.num_results() == 0
     before = str(main)
-    assert passes.remove_loop_carried_copies(main) == 0
+    assert passes.remove_loop_carried_copies(main).copies_removed == 0
     assert str(main) == before and before.count(COPY) == 2
     _check(make, ["c"], removed=0)
 
 
-def test_persistable_outer_value_is_kept():
-    # Paddle 3.3.1 frees the parameter's buffer once the loop has taken it, so the outputs alone
-    # would not reveal a wrong rewrite here; the kept copy is asserted directly.
+@pytest.mark.parametrize("semantics, removed, kept", [("static", 3, []), ("eager", 2, [2])])
+def test_persistable_outer_value(semantics, removed, kept):
+    # Paddle 3.3.1 frees a persistable operand's buffer once the loop has taken it, so the safety
+    # pass always gives the loop a copy of it, and p's loop copy then goes. Eager keeps h's: h is
+    # fed, and a fed tensor is the caller's under run_program.
     def init():
         const = paddle.nn.initializer.Constant(0.25)
         p = paddle.create_parameter([N], "float32", default_initializer=const)
@@ -254,8 +269,8 @@ def test_persistable_outer_value_is_kept():
             paddle.assign(paddle.tanh(h), output=h),
         ]
 
-    prog = _check(lambda: _build(body, init), ["h"], removed=2)
-    assert _copies_in(_loops(prog)[0]) == [1]
+    prog = _check(lambda: _build(body, init), ["h"], removed=removed, semantics=semantics)
+    assert _copies_in(_loops(prog)[0]) == kept
 
 
 def test_source_written_in_place_after_copy_is_kept():
@@ -322,20 +337,27 @@ def test_nested_loops_inner_and_outer_copies_removed():
     assert _copies_in(outer) == [] and _copies_in(inner) == []
 
 
-def test_nested_outer_argument_read_after_inner_loop_keeps_inner_copy():
-    # `s + c` reads the inner loop's operand after the inner loop, whose kept copy writes that
-    # buffer: the unmodified program already races under the multi-threaded executor.
-    prog = _check(_nested("read_outer_arg"), ["c"], removed=4, serial=True)
+@pytest.mark.parametrize("semantics, removed", [("static", 5), ("eager", 3)])
+def test_nested_outer_argument_read_after_inner_loop(semantics, removed):
+    # `s + c` reads the inner loop's operand after the inner loop, whose copy writes that buffer
+    # (the unmodified program races under the multi-threaded executor). Eager: that write is
+    # meant; `s + c` is rewired to the inner result and c2's copy stays, and so does the outer
+    # c's (its operand is fed: the caller's tensor). Static: `s + c` means the old c; all go.
+    prog = _check(_nested("read_outer_arg"), ["c"], removed=removed, semantics=semantics)
     outer, inner = _loops(prog)
-    assert _copies_in(outer) == [] and _copies_in(inner) == [1]  # inner (j, c2): c2's copy stays
+    kept = [] if semantics == "static" else [1]
+    assert _copies_in(outer) == kept and _copies_in(inner) == kept
 
 
-def test_nested_inner_result_read_after_outer_copy_keeps_both_copies():
-    # c3 shares c's buffer, which the outer copy writes before `s + c3` reads it; the executor
-    # does not order the two, so the unmodified program races unless run serially.
-    prog = _check(_nested("read_inner_result_after_copy"), ["c"], removed=3, serial=True)
-    outer, inner = _loops(prog)  # inner j, outer i and s went; outer c and inner c2 stay
-    assert _copies_in(outer) == [1] and _copies_in(inner) == [1]
+@pytest.mark.parametrize("semantics, removed", [("static", 5), ("eager", 3)])
+def test_nested_inner_result_read_after_outer_copy(semantics, removed):
+    # c3 shares c's buffer, which the outer copy writes before `s + c3` reads it. Eager: that is
+    # meant, and both c copies stay. Static: `s + c3` means the inner loop's value; the inner
+    # loop gets its own copy of c, both c copies go, and then the inner one is not needed.
+    prog = _check(_nested("read_inner_result_after_copy"), ["c"], removed=removed, semantics=semantics)
+    outer, inner = _loops(prog)
+    kept = [] if semantics == "static" else [1]
+    assert _copies_in(outer) == kept and _copies_in(inner) == kept
 
 
 # --- guards and the pass registry ----------------------------------------------------------------
@@ -346,10 +368,10 @@ def test_no_rewrite_when_garbage_collection_is_off():
     old = paddle.get_flags(["FLAGS_eager_delete_tensor_gb"])
     paddle.set_flags({"FLAGS_eager_delete_tensor_gb": -1.0})
     try:
-        assert passes.remove_loop_carried_copies(main) == 0
+        assert passes.remove_loop_carried_copies(main).copies_removed == 0
     finally:
         paddle.set_flags(old)
-    assert passes.remove_loop_carried_copies(main) == 3
+    assert passes.remove_loop_carried_copies(main).copies_removed == 3
 
 
 def test_rejects_a_non_pir_program():
@@ -362,13 +384,16 @@ def test_program_without_loops():
     with paddle.static.program_guard(main, startup):
         (c,) = _data("c")
         paddle.assign(c * 2.0, output=paddle.zeros([N], "float32"))
-    assert passes.remove_loop_carried_copies(main) == 0
+    assert passes.remove_loop_carried_copies(main).copies_removed == 0
 
 
 def test_run_passes_and_registry():
-    assert set(passes.PROGRAM_PASSES) == {"remove_loop_carried_copies"}
+    assert set(passes.PROGRAM_PASSES) == {"protect_inplace_writes", "remove_loop_carried_copies"}
     main = _build(_brief_body, lambda: (_data("c", "h"), []))[0]
-    assert passes.run_passes(main, ["remove_loop_carried_copies"]) == {"remove_loop_carried_copies": 3}
-    assert passes.run_passes(main, []) == {}
+    assert passes.run_passes(main, ["remove_loop_carried_copies"]).as_dict() == {
+        "copies_inserted": 0, "reads_rewired": 0, "copies_removed": 3}
+    assert passes.run_passes(main, []).as_dict() == {"copies_inserted": 0, "reads_rewired": 0, "copies_removed": 0}
     with pytest.raises(ValueError, match="no_such_pass.*remove_loop_carried_copies"):
         passes.run_passes(main, ["remove_loop_carried_copies", "no_such_pass"])
+    with pytest.raises(ValueError, match="semantics='lazy'.*static, eager"):
+        passes.run_passes(main, [], semantics="lazy")

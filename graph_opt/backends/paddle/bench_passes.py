@@ -1,11 +1,12 @@
-"""Benchmark remove_loop_carried_copies on a while loop that carries its state through copies.
+"""Benchmark the program passes on a while loop that carries its state through copies.
 
-    python -m graph_opt.backends.paddle.bench_passes [--mb 64] [--iters 64] [--repeats 3]
+    python -m graph_opt bench passes [--mb 64] [--iters 64] [--repeats 3]
 
 The loop carries a counter i and two float32 tensors c and h (together --mb MB), each updated
-with ``paddle.assign(new, output=var)``. The same program is built twice, one copy is rewritten,
-and both run in this process, alternating, on the CPU executor. Exit status 1 when the outputs
-are not bit-identical.
+with ``paddle.assign(new, output=var)``. The same program is built three times: as written, after
+the safety pass alone (protect_inplace_writes, which copies each operand the loop writes, since any
+of them may be fetched), and after both default passes. All three run in this process,
+alternating, on the CPU executor. Exit status 1 when the outputs are not bit-identical.
 """
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import argparse
 import statistics
 import sys
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import paddle
 
-from .passes import remove_loop_carried_copies
+from .passes import run_passes
 
 
 def _build(numel: int, iters: int):
@@ -50,7 +51,7 @@ def _timed_run(exe, program, fetch, feed) -> tuple:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m graph_opt.backends.paddle.bench_passes", description=__doc__.split("\n")[0]
+        prog="python -m graph_opt bench passes", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--mb", type=float, default=64.0, help="MB of float32 state in c and h (default 64)")
     parser.add_argument("--iters", type=int, default=64, help="loop iterations (default 64)")
@@ -66,43 +67,43 @@ def main(argv: Optional[List[str]] = None) -> int:
         rng = np.random.default_rng(0)
         feed = {name: rng.standard_normal(numel, dtype=np.float32) for name in ("c", "h")}
 
-        ref_prog, ref_fetch = _build(numel, args.iters)
-        opt_prog, opt_fetch = _build(numel, args.iters)
-        removed = remove_loop_carried_copies(opt_prog)
+        variants = {"as written": [], "safety pass": ["protect_inplace_writes"],
+                    "both passes": ["protect_inplace_writes", "remove_loop_carried_copies"]}
+        built, done = {}, {}
+        for name, passes in variants.items():
+            built[name] = _build(numel, args.iters)
+            done[name] = run_passes(built[name][0], passes)
 
         exe = paddle.static.Executor(paddle.CPUPlace())
         # The first run of each program builds its interpreter; it is checked but not timed.
-        _, ref_out = _timed_run(exe, ref_prog, ref_fetch, feed)
-        _, opt_out = _timed_run(exe, opt_prog, opt_fetch, feed)
-        identical = all(np.array_equal(a, b) for a, b in zip(ref_out, opt_out))
-
-        before, after = [], []
+        first = {name: _timed_run(exe, prog, fetch, feed)[1] for name, (prog, fetch) in built.items()}
+        reference = first["as written"]
+        identical = all(_same(out, reference) for out in first.values())
+        times: Dict[str, List[float]] = {name: [] for name in built}
         for _ in range(args.repeats):
-            t, out = _timed_run(exe, ref_prog, ref_fetch, feed)
-            before.append(t)
-            t, out2 = _timed_run(exe, opt_prog, opt_fetch, feed)
-            after.append(t)
-            identical = identical and all(np.array_equal(a, b) for a, b in zip(out, out2))
+            for name, (prog, fetch) in built.items():
+                t, out = _timed_run(exe, prog, fetch, feed)
+                times[name].append(t)
+                identical = identical and _same(out, reference)
     finally:
         if was_dynamic:
             paddle.disable_static()
 
-    t_before, t_after = statistics.median(before), statistics.median(after)
     state_mb = 2 * numel * 4 / 2**20
-    rows = [
-        ("loop state", f"{state_mb:.1f} MB float32 + int64 counter, {args.iters} iterations"),
-        ("copies removed", f"{removed}"),
-        ("copies removed per iteration", f"{removed} ({removed * args.iters} per run)"),
-        (f"median before, s ({args.repeats} runs)", f"{t_before:.3f}"),
-        (f"median after, s ({args.repeats} runs)", f"{t_after:.3f}"),
-        ("speedup (before / after)", f"{t_before / t_after:.2f}x"),
-        ("outputs bit-identical", "yes" if identical else "NO"),
-    ]
-    width = max(len(name) for name, _ in rows)
-    print("remove_loop_carried_copies benchmark (CPU executor)")
-    for name, value in rows:
-        print(f"  {name:<{width}}  {value}")
+    base = statistics.median(times["as written"])
+    print(f"program passes on a while loop: {state_mb:.1f} MB float32 state + int64 counter, "
+          f"{args.iters} iterations, CPU executor, median of {args.repeats} runs")
+    print(f"  {'program':<12} {'copies inserted':>15} {'copies removed':>14} {'median s':>9} {'vs as written':>13}")
+    for name in built:
+        t = statistics.median(times[name])
+        print(f"  {name:<12} {done[name].copies_inserted:>15} {done[name].copies_removed:>14} "
+              f"{t:>9.3f} {base / t:>12.2f}x")
+    print(f"  outputs bit-identical: {'yes' if identical else 'NO'}")
     return 0 if identical else 1
+
+
+def _same(out, reference) -> bool:
+    return all(np.array_equal(a, b) for a, b in zip(out, reference))
 
 
 if __name__ == "__main__":

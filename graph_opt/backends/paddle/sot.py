@@ -125,7 +125,9 @@ class ProgramHook:
         if self.pass_names:
             from .passes import run_passes
 
-            counts = run_passes(layer.program.forward_program, self.pass_names)
+            # SOT traced this program from dygraph code: in-place writes are seen by later reads
+            # of the same tensor, in program order, as run_program traces it.
+            counts = run_passes(layer.program.forward_program, self.pass_names, semantics="eager").as_dict()
         self.on_new_program(layer, counts)
 
     def __call__(self, run_impl, inputs, params, attrs):
@@ -222,7 +224,7 @@ class SotStrategy:
         self.selection = selection
         self.sot_kwargs = {"training": False, "backend": _backend(config), "build_strategy": None}
         self.translations = 0
-        self.copies_removed = 0
+        self.pass_counts: Dict[str, int] = {}
         self.program_ops: Dict[int, List[str]] = {}  # id(layer) -> op names of its forward program
         self.hook = ProgramHook(adapter, list(config.program_passes), self._on_new_program)
         self.records: Dict[Any, SizeRecord] = {}
@@ -375,7 +377,8 @@ class SotStrategy:
         return replay
 
     def _on_new_program(self, layer, counts: Dict[str, int]) -> None:
-        self.copies_removed += sum(counts.values())
+        for name, n in counts.items():
+            self.pass_counts[name] = self.pass_counts.get(name, 0) + n
         ops = [op.name() for op in layer.program.forward_program.global_block().ops]
         self.program_ops[id(layer)] = ops
         if self.blacklist:

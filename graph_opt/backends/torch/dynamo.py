@@ -93,7 +93,7 @@ class DynamoStrategy:
         self.selection = selection
         self.level = config.graph_opt_level
         self.translations = 0
-        self.copies_removed = 0  # no program passes on torch
+        self.pass_counts = {}  # no program passes on torch
         self.state = GraphState()
         self.forwards: List[CompiledForward] = []
         self._pending: List[CompiledForward] = []  # compiled by the backend, bytecode not seen yet
