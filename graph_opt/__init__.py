@@ -14,7 +14,7 @@ Importing graph_opt imports neither paddle nor torch.
 from . import testing
 from .config import GraphOptConfig, load_config
 from .decorator import capture_model, clear_graphs, stats, support_graph_optimization
-from .errors import CaptureError, GraphOptConfigError, GraphOptError, ReplayDivergence
+from .errors import CaptureError, GraphOptConfigError, GraphOptError, GraphOptInputError, ReplayDivergence
 from .guards import (
     capture_custom_allreduce,
     in_sot_warmup_mode,
@@ -51,6 +51,7 @@ __all__ = [
     "testing",
     "GraphOptError",
     "GraphOptConfigError",
+    "GraphOptInputError",
     "CaptureError",
     "ReplayDivergence",
 ]

@@ -28,6 +28,8 @@ class Adapter(Protocol):
 
     def shape(self, t) -> Sequence[int]: ...
 
+    def dtype(self, t) -> Any: ...  # compared with != on every replayed leaf: keep it a plain attribute read
+
     def zeros_like(self, t, dim: Optional[int], size: int): ...  # like t, with t.shape[dim] = size
 
     def narrow(self, t, dim: int, length: int): ...  # a view of the first `length` rows along dim

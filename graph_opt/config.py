@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
 from . import env
 from .errors import GraphOptConfigError
-from .sizes import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
 from .passes import KNOWN_PASSES
+from .sizes import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
 
 NESTED_KEY = "graph_opt_config"
 
@@ -104,6 +105,19 @@ class GraphOptConfig:
         return "\n".join(f"{n:<{width}}  {v:<{vwidth}}  {s}" for n, v, s in rows)
 
 
+_dataclass_init = GraphOptConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args, **kwargs):
+    # The generated __init__ would reject an unknown keyword with a bare TypeError; name the allowed keys.
+    _check_keys([key for key in kwargs if key != "sources"], "GraphOptConfig()")
+    _dataclass_init(self, *args, **kwargs)
+
+
+GraphOptConfig.__init__ = _init
+
+
 def field_names() -> List[str]:
     return [f.name for f in dataclasses.fields(GraphOptConfig) if f.name != "sources"]
 
@@ -112,20 +126,33 @@ def _copy_value(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
-def read_yaml(path: str) -> Mapping[str, Any]:
+def read_yaml(path: str, via: str = "") -> Mapping[str, Any]:
+    """The mapping in a YAML file. `via` names where the path came from (" (GRAPH_OPT_CONFIG)") in errors."""
     import yaml
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise GraphOptConfigError(
+            f"config file{via}: expected the path of a YAML file (a str or os.PathLike), got {type(path).__name__}"
+        )
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise GraphOptConfigError(f"config file {path!r} does not exist{via}: expected the path of a YAML file")
     if not os.path.isfile(path):
-        raise GraphOptConfigError(f"config file {path!r} does not exist")
+        raise GraphOptConfigError(f"config file {path!r} is not a file{via}: expected the path of a YAML file")
     with open(path, encoding="utf-8") as fh:
         try:
             data = yaml.safe_load(fh)
         except yaml.YAMLError as exc:
-            raise GraphOptConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
+            raise GraphOptConfigError(
+                f"config file {path!r}{via} is not valid YAML (expected a mapping of graph_opt_config keys): {exc}"
+            ) from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):
-        raise GraphOptConfigError(f"config file {path!r} must hold a mapping, got {type(data).__name__}")
+        raise GraphOptConfigError(
+            f"config file {path!r}{via} must hold a mapping, got {type(data).__name__}; expected "
+            f"graph_opt_config keys (bare or nested under {NESTED_KEY}:)"
+        )
     return data
 
 
@@ -219,7 +246,7 @@ def load_config(path: Optional[str] = None, *, environ: Optional[Mapping[str, st
     yaml_path = path if path is not None else env.read("GRAPH_OPT_CONFIG", environ)
     if yaml_path is not None:
         label = f"yaml:{yaml_path}" if path is not None else f"yaml:{yaml_path} (GRAPH_OPT_CONFIG)"
-        data = _unwrap(read_yaml(yaml_path), label)
+        data = _unwrap(read_yaml(yaml_path, "" if path is not None else " (GRAPH_OPT_CONFIG)"), label)
         _check_keys(data, label)
         for key, value in data.items():
             values[key] = _copy_value(value)

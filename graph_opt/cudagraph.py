@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import guards, split
-from .errors import CaptureError, GraphOptConfigError, ReplayDivergence
+from .errors import CaptureError, GraphOptConfigError, GraphOptInputError, ReplayDivergence
 from .pytree import TENSOR, flatten, tensor_leaf_owners, unflatten
 from .sizes import PaddingTable
 from .stats import Counters
@@ -55,22 +56,23 @@ class CapturedSize:
     out_sliced: List[bool]  # output leaves whose first dim is the padded size: returned sliced to real rows
     capture_ms: float
     memory_bytes: Optional[int]
-    views: Dict[int, Tuple[list, list, Any]] = field(default_factory=dict)
+    views: Dict[int, Tuple[list, list, list, Any]] = field(default_factory=dict)
 
     def run(self, adapter, leaves: Sequence[Any], real: int):
         views = self.views.get(real)
         if views is None:
             views = self._views_for(adapter, real)
-        dsts, shapes, output = views
+        dsts, shapes, dtypes, output = views
         if self.copy_inputs:
-            for dst, shape, src in zip(dsts, shapes, leaves):
+            # The dtype check matters: copy_ would cast silently (torch) or fail inside the framework (Paddle).
+            for dst, shape, dtype, src in zip(dsts, shapes, dtypes, leaves):
                 if src is not dst:
-                    if adapter.shape(src) != shape:
+                    if adapter.shape(src) != shape or adapter.dtype(src) != dtype:
                         return _MISMATCH
                     adapter.copy_(dst, src)
         else:
-            for ptr, shape, src in zip(self.input_ptrs, shapes, leaves):
-                if adapter.data_ptr(src) != ptr or adapter.shape(src) != shape:
+            for ptr, shape, dtype, src in zip(self.input_ptrs, shapes, dtypes, leaves):
+                if adapter.data_ptr(src) != ptr or adapter.shape(src) != shape or adapter.dtype(src) != dtype:
                     return _MISMATCH
         fresh = self.captured.replay()
         if self.captured.stable_outputs:
@@ -80,8 +82,9 @@ class CapturedSize:
     def _views_for(self, adapter, real: int):
         dsts = [t if d is None else adapter.narrow(t, d, real) for t, d in zip(self.inputs, self.dims)]
         shapes = [adapter.shape(t) for t in dsts]
+        dtypes = [adapter.dtype(t) for t in dsts]
         output = self._slice_outputs(adapter, self.captured.outputs, real) if self.captured.stable_outputs else None
-        views = (dsts, shapes, output)
+        views = (dsts, shapes, dtypes, output)
         self.views[real] = views
         return views
 
@@ -105,11 +108,14 @@ class CapturedSize:
 class Signature:
     """One call structure: its non-tensor arguments, where its tensors are, their static buffers."""
 
-    def __init__(self, index: int, spec, dims: List[Optional[int]], template):
+    def __init__(self, index: int, spec, dims: List[Optional[int]], template,
+                 layout: Optional[List[Tuple[Any, list]]] = None):
         self.index = index  # 1, 2, ...: this signature's number in its runner
         self.spec = spec
         self.dims = dims
         self.template = template  # the first call's (args, kwargs), to rebuild dataclass arguments
+        # (dtype, shape with None at the dynamic dim) of each tensor leaf: what every call must match
+        self.layout = layout or []
         self.dynamic = [i for i, d in enumerate(dims) if d is not None]
         self.entries: Dict[int, CapturedSize] = {}
         self.buffers: Optional[List[Any]] = None  # static input buffers at the max size (copy_inputs)
@@ -124,7 +130,7 @@ class Signature:
         return [(leaf, dim) for leaf, dim in zip(leaves, self.dims) if dim is not None]
 
     def batch_size(self, adapter, leaves) -> int:
-        """The common size of every dynamic dim, or -1 when they disagree."""
+        """The common size of every dynamic dim, or -1 when they disagree (IndexError: a leaf's rank is too low)."""
         dyn = self.dynamic
         dims = self.dims
         real = adapter.shape(leaves[dyn[0]])[dims[dyn[0]]]
@@ -173,6 +179,7 @@ class GraphRunner:
         self.table = PaddingTable(config.capture_sizes)
         self.max_size = self.table.max_size
         self.signatures: Dict[Any, Signature] = {}
+        self._sig_numbers = itertools.count(1)  # not reused for a signature dropped unused (restarts on release)
         self.counters = Counters()
         self.capture_seconds = 0.0
         self.memory_bytes: Optional[int] = None
@@ -196,14 +203,26 @@ class GraphRunner:
             sig = self._new_signature(spec, leaves, args, kwargs)
             if sig is None:
                 return self._fallback(args, kwargs, "new_signature")
-        real = sig.batch_size(self.adapter, leaves)
+        try:
+            real = sig.batch_size(self.adapter, leaves)
+        except IndexError:  # a tensor with fewer dimensions than its dynamic dim
+            real = -1
         padded = self.table.padded_size(real) if real > 0 else 0
         if not padded:
+            if real < 0:
+                if not sig.entries:  # nothing captured with it: the next call may define it afresh
+                    del self.signatures[spec]
+                raise self._bad_call(sig, leaves, self._misfit(sig, leaves, "argument"))
             return self._fallback(args, kwargs, None)
         if self.adapter.grad_enabled():
             return self._fallback(args, kwargs, "grad")
         entry = sig.entries.get(padded)
         if entry is None:
+            misfit = self._misfit(sig, leaves, "argument")
+            if misfit is not None:
+                if misfit[0] != "shape":
+                    raise self._bad_call(sig, leaves, misfit)
+                return self._fallback(args, kwargs, "mismatch")
             entry = self._capture_lazily(sig, padded, real, leaves)
             if entry is None:
                 return self._fallback(args, kwargs, None)
@@ -213,6 +232,11 @@ class GraphRunner:
             self._warn_once("divergence", f"{exc}; this call runs without graphs")
             return self._fallback(args, kwargs, None)
         if out is _MISMATCH:
+            # The slow path: a rank or dtype the graph cannot take is the caller's error; another
+            # non-batch shape (or, without copied inputs, another address) runs without graphs.
+            misfit = self._misfit(sig, leaves, "argument")
+            if misfit is not None and misfit[0] != "shape":
+                raise self._bad_call(sig, leaves, misfit)
             return self._fallback(args, kwargs, "mismatch")
         self.counters.replays += 1
         return out
@@ -242,6 +266,63 @@ class GraphRunner:
             self._warned.add(key)
             logger.warning("%s: %s", self.name, message)
 
+    # -- inputs that do not fit (slow paths only) ---------------------------------------------------
+    def _leaf_names(self, spec) -> List[str]:
+        """A readable name per tensor leaf: the forward argument it belongs to."""
+        owners = tensor_leaf_owners(spec)
+        names = []
+        for i, owner in enumerate(owners):
+            if isinstance(owner, int):
+                name = repr(self.arg_names[owner]) if owner < len(self.arg_names) else f"positional argument {owner}"
+            else:
+                name = repr(owner)
+            if owners.count(owner) > 1:
+                name += f" (tensor {owners[:i].count(owner) + 1} of {owners.count(owner)} in it)"
+            names.append(name)
+        return names
+
+    def _describe(self, shape, dim) -> str:
+        dims = ", ".join("batch" if i == dim else str(n) for i, n in enumerate(shape))
+        return f"a {len(shape)}-dimensional tensor of shape [{dims}]"
+
+    def _misfit(self, sig: Signature, leaves, what: str, size: Optional[int] = None) -> Optional[Tuple[str, str]]:
+        """(kind, message) saying why `leaves` cannot use `sig`'s graphs and buffers, or None when they can.
+
+        kind "rank" or "dtype" is the caller's error; "rows" (capture only: not `size` rows) too; "shape"
+        (another non-batch dimension) is reported only when nothing worse is found: a call runs it
+        without graphs."""
+        adapter = self.adapter
+        names = self._leaf_names(sig.spec)
+        found = None
+        for name, leaf, dim, (dtype, shape) in zip(names, leaves, sig.dims, sig.layout):
+            got = list(adapter.shape(leaf))
+            if len(got) != len(shape):
+                return "rank", (f"{what} {name} has {len(got)} dimensions (shape {got}); "
+                                f"{self.name} takes {self._describe(shape, dim)} there")
+            if adapter.dtype(leaf) != dtype:
+                return "dtype", f"{what} {name} has dtype {adapter.dtype(leaf)}; {self.name} takes dtype {dtype} there"
+            if dim is not None and size is not None and got[dim] != size:
+                return "rows", (f"{what} {name} has {got[dim]} rows in its batch dimension {dim} (shape {got}); "
+                                f"expected {size}, the size being captured")
+            bad = [i for i, (g, s) in enumerate(zip(got, shape)) if i != dim and g != s]
+            if bad and found is None:
+                found = "shape", (f"{what} {name} has shape {got}, dimension {bad[0]} differs; "
+                                  f"{self.name} takes {self._describe(shape, dim)} there")
+        return found
+
+    def _bad_call(self, sig: Signature, leaves, misfit) -> GraphOptInputError:
+        """The error for a call whose tensors cannot replay; raised before anything is copied or replayed."""
+        if misfit is None or misfit[0] == "shape":
+            return GraphOptInputError(f"{self.name}: {self._disagreement(sig, leaves)}")
+        return GraphOptInputError(f"{self.name}: {misfit[1]}")
+
+    def _disagreement(self, sig: Signature, leaves) -> str:
+        names = self._leaf_names(sig.spec)
+        sizes = [f"{names[i]} has {self.adapter.shape(leaves[i])[sig.dims[i]]} (dim {sig.dims[i]})" for i in sig.dynamic]
+        return ("the batch dimensions of the arguments disagree: " + ", ".join(sizes) + "; every dynamic dimension "
+                "(dynamic_arg_dims, by default dim 0 of every tensor argument) must have the same size. "
+                "Pass dynamic_arg_dims={'arg': dim} to @support_graph_optimization to name only the batch dimensions")
+
     # -- signatures --------------------------------------------------------------------------------
     def _new_signature(self, spec, leaves, args, kwargs) -> Optional[Signature]:
         if self.capture_model_done and self.signatures:
@@ -251,7 +332,10 @@ class GraphRunner:
         dims = self._dynamic_dims(spec, leaves)
         if not any(d is not None for d in dims):
             return None
-        sig = Signature(len(self.signatures) + 1, spec, dims, (args, kwargs))
+        adapter = self.adapter
+        layout = [(adapter.dtype(t), [None if i == d else n for i, n in enumerate(adapter.shape(t))])
+                  for t, d in zip(leaves, dims)]
+        sig = Signature(next(self._sig_numbers), spec, dims, (args, kwargs), layout)
         self.signatures[spec] = sig
         return sig
 
@@ -267,7 +351,11 @@ class GraphRunner:
                 dim = self.dynamic_arg_dims.get(name)
                 if dim is not None and not -ndim <= dim < ndim:
                     raise GraphOptConfigError(
-                        f"dynamic_arg_dims[{name!r}]={dim} is out of range for a tensor with {ndim} dimensions"
+                        f"{self.name}: dynamic_arg_dims[{name!r}]={dim} is out of range for argument {name!r} of "
+                        f"shape {list(self.adapter.shape(leaf))}: a dim of a {ndim}-dimensional tensor must be in "
+                        f"{-ndim}..{ndim - 1}" if ndim else
+                        f"{self.name}: dynamic_arg_dims[{name!r}]={dim} names a dimension of argument {name!r}, "
+                        "which is a 0-dimensional tensor: a dynamic argument must have at least one dimension"
                     )
                 if dim is not None and dim < 0:
                     dim += ndim
@@ -277,20 +365,39 @@ class GraphRunner:
     # -- capture -----------------------------------------------------------------------------------
     def capture(self, args, kwargs, size: int) -> CapturedSize:
         """Capture `size` for the call structure of (args, kwargs); inputs must have `size` rows."""
+        sig, leaves = self.check_capture_inputs(args, kwargs, size)
+        return self.capture_checked(sig, leaves, size)
+
+    def check_capture_inputs(self, args, kwargs, size: int):
+        """(signature, tensor leaves) for capturing `size` from these inputs; GraphOptInputError (or
+        GraphOptConfigError for dynamic_arg_dims) when they cannot be captured. Changes nothing then."""
         args, kwargs = self.canonical(args, kwargs)
         leaves, spec = flatten((args, kwargs), self._is_tensor)
-        sig = self.signatures.get(spec) or self._new_signature(spec, leaves, args, kwargs)
+        sig = self.signatures.get(spec)
+        new = sig is None
+        if new:
+            sig = self._new_signature(spec, leaves, args, kwargs)
         if sig is None:
-            raise CaptureError(
-                f"{self.name}: the inputs have no tensor with a dynamic dimension; "
-                "pass dynamic_arg_dims={'arg': dim} to @support_graph_optimization"
+            raise GraphOptInputError(
+                f"{self.name}: make_inputs({size}) returned no tensor with a batch dimension; it must return the "
+                f"forward's tensors with {size} rows (dim 0 of every tensor argument, or the dims named by "
+                "dynamic_arg_dims={'arg': dim} on @support_graph_optimization)"
             )
-        real = sig.batch_size(self.adapter, leaves)
-        if real != size:
-            raise CaptureError(
-                f"{self.name}: make_inputs({size}) returned inputs whose dynamic dimensions have "
-                f"{'different sizes' if real < 0 else f'{real} rows'}; expected {size}"
-            )
+        reason = None
+        misfit = self._misfit(sig, leaves, f"make_inputs({size}): argument", size)
+        if misfit is not None:
+            reason = misfit[1]
+            if misfit[0] in ("rank", "dtype", "shape") and sig.entries:
+                reason += ", as make_inputs gave it for the sizes captured before (every size must agree)"
+        elif sig.batch_size(self.adapter, leaves) != size:
+            reason = f"make_inputs({size}) returned inputs where {self._disagreement(sig, leaves)}"
+        if reason is not None:
+            if new:
+                del self.signatures[spec]
+            raise GraphOptInputError(f"{self.name}: {reason}")
+        return sig, leaves
+
+    def capture_checked(self, sig: Signature, leaves, size: int) -> CapturedSize:
         return sig.entries.get(size) or self._capture_size(sig, size, leaves)
 
     def _capture_lazily(self, sig: Signature, padded: int, real: int, leaves) -> Optional[CapturedSize]:
@@ -395,6 +502,7 @@ class GraphRunner:
             sig.entries.clear()
             sig.buffers = None
         self.signatures.clear()
+        self._sig_numbers = itertools.count(1)
         self.strategy.release()
         self.pool = None
         self.memory_bytes = None

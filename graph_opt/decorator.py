@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from . import backends, config as config_mod, env, split
 from .cudagraph import REQUIRED, EagerStrategy, GraphRunner, frozen_gc
-from .errors import CaptureError, GraphOptConfigError
+from .errors import GraphOptConfigError, GraphOptInputError
 from .stats import CaptureReport, SizeReport, Stats
 from .testing import simulation_enabled
 
@@ -124,7 +124,10 @@ def _check_dynamic_arg_dims(cls, dynamic_arg_dims) -> Optional[Dict[str, int]]:
     if dynamic_arg_dims is None:
         return None
     if not isinstance(dynamic_arg_dims, dict) or not dynamic_arg_dims:
-        raise GraphOptConfigError("dynamic_arg_dims must be a non-empty dict of forward argument name -> dim")
+        raise GraphOptConfigError(
+            f"dynamic_arg_dims must be a non-empty dict of forward argument name -> dim, e.g. {{'x': 0}}, "
+            f"got {dynamic_arg_dims!r}"
+        )
     params = list(inspect.signature(cls.forward).parameters)[1:]
     accepts_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(cls.forward).parameters.values())
     for name, dim in dynamic_arg_dims.items():
@@ -134,7 +137,10 @@ def _check_dynamic_arg_dims(cls, dynamic_arg_dims) -> Optional[Dict[str, int]]:
                 f"its arguments are {', '.join(params)}"
             )
         if not isinstance(dim, int) or isinstance(dim, bool):
-            raise GraphOptConfigError(f"dynamic_arg_dims[{name!r}] must be an int dimension, got {dim!r}")
+            raise GraphOptConfigError(
+                f"dynamic_arg_dims[{name!r}] must be an int dimension of argument {name!r} (0 for the first, "
+                f"-1 for the last), got {dim!r}"
+            )
     return dict(dynamic_arg_dims)
 
 
@@ -199,6 +205,30 @@ def _as_call(inputs, size: int):
     return (inputs,), {}
 
 
+_ACCEPTS = "a dict of forward's arguments, a tuple of positional arguments, or one tensor"
+
+
+def _inputs_for(state: GraphOptState, make_inputs, size: int):
+    """(args, kwargs) from make_inputs(size), checked against forward's signature before anything runs."""
+    inputs = make_inputs(size)
+    forward = inspect.signature(state.forward_fn)
+    shown = f"{state.name}.forward({', '.join(list(forward.parameters)[1:])})"
+    if inputs is None:
+        raise GraphOptInputError(f"{state.name}: make_inputs({size}) returned None; it must return {_ACCEPTS} "
+                                 f"for {shown}, with {size} rows")
+    if isinstance(inputs, dict) and any(not isinstance(k, str) for k in inputs):
+        bad = next(k for k in inputs if not isinstance(k, str))
+        raise GraphOptInputError(f"{state.name}: make_inputs({size}) returned a dict with key {bad!r}; "
+                                 f"its keys must be argument names of {shown}")
+    args, kwargs = _as_call(inputs, size)
+    try:
+        forward.bind(state.model, *args, **kwargs)
+    except TypeError as exc:
+        raise GraphOptInputError(f"{state.name}: make_inputs({size}) returned inputs that do not fit {shown}: "
+                                 f"{exc}; it must return {_ACCEPTS}") from None
+    return args, kwargs
+
+
 def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequence[int]] = None,
                   progress: bool = True) -> CaptureReport:
     """Capture one graph per padded size, largest first, and return what was done.
@@ -211,6 +241,11 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
     says why, and report.failed holds the reason.
     """
     state = state_of(model)
+    if not callable(make_inputs):
+        raise TypeError(
+            f"capture_model(make_inputs=...) must be a callable size -> inputs ({_ACCEPTS} with that many rows), "
+            f"got {type(make_inputs).__name__}"
+        )
     cfg = state.config
     report = CaptureReport(mode=state.mode)
     start = time.perf_counter()
@@ -219,7 +254,7 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
         report.notes.extend(state.notes or [f"nothing to capture in mode {state.mode}"])
         if cfg.graph_opt_level >= 1 and not state.disabled:
             # Translate now rather than on the first real call.
-            args, kwargs = _as_call(make_inputs(cfg.effective_max_capture_size), cfg.effective_max_capture_size)
+            args, kwargs = _inputs_for(state, make_inputs, cfg.effective_max_capture_size)
             with state.adapter.no_grad():
                 state.plain_call()(*args, **kwargs)
         report.seconds = time.perf_counter() - start
@@ -234,9 +269,11 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
     with frozen_gc(), tqdm(total=len(order), desc=f"graph_opt capture {state.name}", unit="size",
                            disable=not progress, leave=False) as bar:
         for size in order:
-            args, kwargs = _as_call(make_inputs(size), size)
+            # Inputs that cannot be captured are the caller's error: raised before anything of this
+            # size runs (sizes captured before stay captured), not reported as a capture failure.
+            sig, leaves = runner.check_capture_inputs(*_inputs_for(state, make_inputs, size), size)
             try:
-                entry = runner.capture(args, kwargs, size)
+                entry = runner.capture_checked(sig, leaves, size)
             except Exception as exc:  # keep the model working; say why once
                 runner.capture_failed(exc, size)
                 report.failed = runner.disabled_reason
@@ -261,8 +298,17 @@ def _check_sizes(sizes, runner) -> list:
     allowed = runner.table.sizes
     if sizes is None:
         return list(allowed)
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise GraphOptConfigError(
+            f"capture_model(sizes={sizes!r}): expected a list of capture sizes, or None for all; "
+            f"capture sizes are {allowed}"
+        )
     sizes = list(sizes)
     for s in sizes:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+            raise GraphOptConfigError(
+                f"capture_model(sizes=...): {s!r} is not a positive integer; capture sizes are {allowed}"
+            )
         if s not in allowed:
             raise GraphOptConfigError(
                 f"capture_model(sizes=...): {s!r} is not a capture size; capture sizes are {allowed}"
@@ -283,6 +329,12 @@ def clear_graphs(model) -> None:
         state.runner.disabled_reason = None
 
 
+def _pass_counts(strategy) -> dict:
+    """What the program passes did to the strategy's programs (zeros where none ran)."""
+    counts = getattr(strategy, "pass_counts", None) or {}
+    return {name: counts.get(name, 0) for name in ("copies_inserted", "reads_rewired", "copies_removed")}
+
+
 def stats(model) -> Stats:
     state = state_of(model)
     runner = state.runner
@@ -301,9 +353,3 @@ def stats(model) -> Stats:
         capture_seconds=runner.capture_seconds, graph_memory_bytes=runner.memory_bytes,
         static_buffer_bytes=runner.buffer_bytes(), disabled_reason=runner.disabled_reason,
     )
-def _pass_counts(strategy) -> dict:
-    """What the program passes did to the strategy's programs (zeros where none ran)."""
-    counts = getattr(strategy, "pass_counts", None) or {}
-    return {name: counts.get(name, 0) for name in ("copies_inserted", "reads_rewired", "copies_removed")}
-
-

@@ -30,7 +30,9 @@ def parse_int(name: str, raw: str) -> int:
     try:
         return int(raw.strip())
     except ValueError:
-        raise GraphOptConfigError(f"{name}={raw!r}: expected an integer") from None
+        var = ENV_BY_NAME.get(name)
+        accepts = f" ({var.doc})" if var is not None else ""
+        raise GraphOptConfigError(f"{name}={raw!r}: expected an integer{accepts}") from None
 
 
 def parse_int_list(name: str, raw: str) -> list:
@@ -76,12 +78,12 @@ class EnvVar:
 ENV_VARS = (
     EnvVar("GRAPH_OPT_CONFIG", None, parse_path, "YAML file with the graph_opt_config (bare or nested)"),
     EnvVar("GRAPH_OPT_DISABLE", None, parse_bool, "kill switch: models run plain eager, nothing is captured"),
-    EnvVar("GRAPH_OPT_LEVEL", "graph_opt_level", parse_int, "graph_opt_level: 0 eager, 1 static, 2 static+compiler"),
+    EnvVar("GRAPH_OPT_LEVEL", "graph_opt_level", parse_int, "graph_opt_level: 0, 1 or 2 for eager, static, static+compiler"),
     EnvVar("GRAPH_OPT_USE_CUDAGRAPH", "use_cudagraph", parse_bool, "use_cudagraph"),
     EnvVar("GRAPH_OPT_FULL_CUDA_GRAPH", "full_cuda_graph", parse_bool, "full_cuda_graph"),
     EnvVar("GRAPH_OPT_CAPTURE_SIZES", "cudagraph_capture_sizes", parse_int_list, "capture sizes, e.g. '1,2,4,8'"),
-    EnvVar("GRAPH_OPT_MAX_CAPTURE_SIZE", "max_capture_size", parse_int, "max_capture_size"),
-    EnvVar("GRAPH_OPT_NUM_WARMUPS", "cudagraph_num_of_warmups", parse_int, "cudagraph_num_of_warmups"),
+    EnvVar("GRAPH_OPT_MAX_CAPTURE_SIZE", "max_capture_size", parse_int, "max_capture_size, a positive integer"),
+    EnvVar("GRAPH_OPT_NUM_WARMUPS", "cudagraph_num_of_warmups", parse_int, "cudagraph_num_of_warmups, an integer >= 0"),
     EnvVar("GRAPH_OPT_SPLITTING_OPS", "cudagraph_splitting_ops", parse_str_list, "splitting ops, comma list"),
     EnvVar("GRAPH_OPT_USE_UNIQUE_MEMORY_POOL", "use_unique_memory_pool", parse_bool, "use_unique_memory_pool"),
     EnvVar("GRAPH_OPT_COPY_INPUTS", "cudagraph_copy_inputs", parse_bool, "cudagraph_copy_inputs"),
@@ -101,12 +103,18 @@ def read(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
 
 
 def config_overrides(environ: Optional[Mapping[str, str]] = None) -> dict:
-    """{field: (value, variable name)} for every set variable that overrides a config field."""
+    """{field: (value, variable name)} for every set variable that overrides a config field.
+
+    Every set GRAPH_OPT_* variable is parsed here, the process-wide switches too, so a bad value of
+    GRAPH_OPT_DISABLE or GRAPH_OPT_SIMULATE_CUDAGRAPH is an error when the config is loaded, not at
+    some later call that happens to read it."""
     environ = os.environ if environ is None else environ
     found = {}
     for var in ENV_VARS:
-        if var.field is not None and var.name in environ:
-            found[var.field] = (var.parse(var.name, environ[var.name]), var.name)
+        if var.name in environ:
+            value = var.parse(var.name, environ[var.name])
+            if var.field is not None:
+                found[var.field] = (value, var.name)
     unknown = sorted(k for k in environ if k.startswith("GRAPH_OPT_") and k not in ENV_BY_NAME)
     if unknown:
         raise GraphOptConfigError(

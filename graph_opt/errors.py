@@ -15,3 +15,9 @@ class CaptureError(GraphOptError, RuntimeError):
 
 class ReplayDivergence(GraphOptError, RuntimeError):
     """A replay reached code that was not recorded at capture; the call runs without graphs."""
+
+
+class GraphOptInputError(GraphOptError, ValueError):
+    """Inputs that do not fit the model: what make_inputs returned to capture_model, or a call's tensors
+    against what was captured. The message names the argument and what it accepts; nothing was captured
+    or replayed with them, and the model answers a correct call as before."""

@@ -68,6 +68,9 @@ class FakeAdapter:
     def shape(self, t):
         return t.a.shape
 
+    def dtype(self, t):
+        return t.a.dtype
+
     def zeros_like(self, t, dim, size):
         shape = list(t.a.shape)
         if dim is not None:

@@ -152,11 +152,13 @@ def test_capture_model_rejects_sizes_that_are_not_capture_sizes():
             capture(model, sizes=[3])
 
 
-def test_make_inputs_with_wrong_batch_is_a_clear_capture_failure():
+def test_make_inputs_with_wrong_batch_is_a_clear_error_and_captures_nothing():
     with graph_opt.testing.simulate_cuda_graphs(), paddle.no_grad():
         model, reference = decoder(config(graph_opt_level=0))
-        report = graph_opt.capture_model(model, lambda bs: {"x": inputs(bs + 1)}, progress=False)
-        assert "make_inputs(8) returned inputs whose dynamic dimensions have 9 rows; expected 8" in report.failed
+        with pytest.raises(graph_opt.GraphOptInputError,
+                           match=r"make_inputs\(8\): argument 'x' has 9 rows .*; expected 8, the size being captured"):
+            graph_opt.capture_model(model, lambda bs: {"x": inputs(bs + 1)}, progress=False)
+        assert graph_opt.stats(model).captured_sizes == [] and graph_opt.stats(model).disabled_reason is None
         x = inputs(2, seed=1)
         assert max_diff(model(x), reference(x)) <= ROW_TOLERANCE
 

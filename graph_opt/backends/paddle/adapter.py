@@ -51,6 +51,9 @@ class PaddleAdapter:
     def shape(self, t):
         return t.shape
 
+    def dtype(self, t):
+        return t.dtype
+
     def zeros_like(self, t, dim, size):
         shape = list(t.shape)
         if dim is not None:

@@ -59,6 +59,9 @@ class TorchAdapter:
     def shape(self, t):
         return t.shape
 
+    def dtype(self, t):
+        return t.dtype
+
     def zeros_like(self, t, dim, size):
         shape = list(t.shape)
         if dim is not None:
