@@ -14,12 +14,13 @@ import contextlib
 import gc
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import guards, split
-from .errors import CaptureError, GraphOptConfigError, GraphOptInputError, ReplayDivergence
+from .errors import CaptureError, GraphOptConfigError, GraphOptError, GraphOptInputError, ReplayDivergence
 from .pytree import TENSOR, flatten, tensor_leaf_owners, unflatten
 from .sizes import PaddingTable
 from .stats import Counters
@@ -188,13 +189,28 @@ class GraphRunner:
         self.pool = None
         self._warned: set = set()
         self._is_tensor = adapter.is_tensor
+        # Held by the call (and capture_model, clear_graphs) using the static buffers. Calls from two
+        # threads at once would copy into and replay from the same buffers, and each returns views of
+        # the same output tensors: the second one is refused (non-blocking acquire: no waiting, no
+        # allocation). Re-entrant, so the forward or make_inputs may call the model on the same thread.
+        self.guard = threading.RLock()
+        self._acquire = self.guard.acquire
+        self._release = self.guard.release
 
     # -- hot path ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self.disabled_reason is not None:
-            # After a failed capture the translated path is suspect too: run the plain forward.
+            # After a failed capture or replay the translated path is suspect too: run the plain forward.
             self.counters.fallbacks += 1
             return self.eager(*args, **kwargs)
+        if not self._acquire(False):
+            raise self.busy_error()
+        try:
+            return self._dispatch(args, kwargs)
+        finally:
+            self._release()
+
+    def _dispatch(self, args, kwargs):
         if kwargs or len(args) < len(self.params):
             args, kwargs = self.canonical(args, kwargs)
         leaves, spec = flatten((args, kwargs), self._is_tensor)
@@ -231,6 +247,8 @@ class GraphRunner:
         except ReplayDivergence as exc:
             self._warn_once("divergence", f"{exc}; this call runs without graphs")
             return self._fallback(args, kwargs, None)
+        except Exception as exc:
+            return self._replay_failed(exc, padded, args, kwargs)
         if out is _MISMATCH:
             # The slow path: a rank or dtype the graph cannot take is the caller's error; another
             # non-batch shape (or, without copied inputs, another address) runs without graphs.
@@ -260,6 +278,30 @@ class GraphRunner:
         if why is not None:
             self._warn_once(why, _FALLBACK_REASONS[why])
         return self.strategy.run(args, kwargs)
+
+    def _replay_failed(self, exc: Exception, padded: int, args, kwargs):
+        """A replay raised. The call is answered by the plain eager forward; if that raises too, the
+        inputs are at fault: its error propagates and the graphs stay. Otherwise the graphs are: they are
+        dropped, as after a failed capture (one warning, stats().disabled_reason), until clear_graphs()
+        and capture_model() capture again."""
+        self.counters.fallbacks += 1
+        try:
+            out = self.eager(*args, **kwargs)
+        except Exception as eager_exc:
+            raise eager_exc from None  # the caller's error, as without graphs; not chained to the replay's
+        self.counters.replay_failures += 1
+        self.release()
+        self.disabled_reason = f"replay of size {padded} failed: {type(exc).__name__}: {exc}"
+        logger.warning("%s: %s; running without graphs (clear_graphs() and capture_model() capture again)",
+                       self.name, self.disabled_reason)
+        return out
+
+    def busy_error(self) -> GraphOptError:
+        return GraphOptError(
+            f"{self.name} is being called from two threads at once; graph replay is not thread-safe: every call "
+            "copies into the same static input buffers and returns views of the same captured outputs. Serialize "
+            "the calls (one lock around each call and the use of its outputs) or give each thread its own model"
+        )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -322,6 +364,19 @@ class GraphRunner:
         return ("the batch dimensions of the arguments disagree: " + ", ".join(sizes) + "; every dynamic dimension "
                 "(dynamic_arg_dims, by default dim 0 of every tensor argument) must have the same size. "
                 "Pass dynamic_arg_dims={'arg': dim} to @support_graph_optimization to name only the batch dimensions")
+
+    def batch_disagreement(self, args, kwargs) -> Optional[str]:
+        """Why the batch dimensions of (args, kwargs) disagree, or None when they agree. For a call that
+        failed on a path without graphs, to name the arguments instead of the framework's kernel."""
+        args, kwargs = self.canonical(args, kwargs)
+        leaves, spec = flatten((args, kwargs), self._is_tensor)
+        try:
+            sig = Signature(0, spec, self._dynamic_dims(spec, leaves), (args, kwargs))
+            if not sig.dynamic or sig.batch_size(self.adapter, leaves) >= 0:
+                return None
+        except (GraphOptConfigError, IndexError):
+            return None
+        return self._disagreement(sig, leaves)
 
     # -- signatures --------------------------------------------------------------------------------
     def _new_signature(self, spec, leaves, args, kwargs) -> Optional[Signature]:
@@ -520,8 +575,10 @@ _FALLBACK_REASONS = {
 
 @contextlib.contextmanager
 def _capture_phase(adapter):
-    """Warmups and capture of one size: SOT/Dynamo translate here, on the capture branch of is_capturing()."""
-    with guards.sot_warmup_guard(True), guards.capture_custom_allreduce(), adapter.no_grad(), adapter.capture_stream():
+    """Warmups and capture of one size: SOT/Dynamo translate here, on the capture branch of is_capturing().
+    One size at a time in the process (guards.state_lock): the flags it sets are process-wide."""
+    with guards.state_lock, guards.sot_warmup_guard(True), guards.capture_custom_allreduce(), adapter.no_grad(), \
+            adapter.capture_stream():
         yield
 
 
@@ -616,6 +673,7 @@ class _PieceRecorder:
         self.graphs: List[Any] = []
         self.splits: List[_SplitStep] = []
         self._open = None
+        self.thread = threading.get_ident()  # the split hook is process-wide; other threads run plain
 
     def begin(self) -> None:
         graph = self.adapter.new_graph(self.pool)
@@ -641,7 +699,8 @@ class _PieceRecorder:
                 g.reset()
 
     def on_split(self, op, args, kwargs):
-        if self.selection is None or not self.selection.matches_function(op):
+        selected = self.selection is not None and self.selection.matches_function(op)
+        if not selected or threading.get_ident() != self.thread:
             return op.fn(*args, **kwargs)
         self.selection.mark_seen(op.name)
         self.end()
@@ -693,9 +752,11 @@ class EagerStrategy:
     def _capture_simulated(self, args, kwargs) -> Captured:
         splits = [0]
         selection = self.selection
+        # The split hook is process-wide: a splitting op another thread calls meanwhile runs plain.
+        owner = [threading.get_ident()]
 
         def count_split(op, a, k):
-            if selection is not None and selection.matches_function(op):
+            if selection is not None and selection.matches_function(op) and threading.get_ident() == owner[0]:
                 selection.mark_seen(op.name)
                 splits[0] += 1
             return op.fn(*a, **k)
@@ -705,16 +766,19 @@ class EagerStrategy:
         out_leaves, _ = flatten(outputs, self.adapter.is_tensor)
 
         def eager_split(op, a, k):
-            if selection is None or not selection.matches_function(op):
+            if selection is None or not selection.matches_function(op) or threading.get_ident() != owner[0]:
                 return op.fn(*a, **k)
             with guards.sot_warmup_guard(False), guards._capture_phase_guard(False):
                 return op.fn(*a, **k)
 
         def rerun():
             # Re-run with the capture-time flags: pieces see is_capturing() true, splitting ops false.
-            with guards.sot_warmup_guard(True), guards._capture_phase_guard(True), self.adapter.no_grad():
-                with split.active_hook(eager_split):
-                    return self.call(*args, **kwargs)
+            # The flags are process-wide: hold guards.state_lock, as a capture does.
+            with guards.state_lock:
+                owner[0] = threading.get_ident()
+                with guards.sot_warmup_guard(True), guards._capture_phase_guard(True), self.adapter.no_grad():
+                    with split.active_hook(eager_split):
+                        return self.call(*args, **kwargs)
 
         graph = HostGraph(self.adapter, rerun, out_leaves)
         pieces = splits[0] + 1

@@ -1,6 +1,7 @@
 """@support_graph_optimization, capture_model, clear_graphs and stats: the user-facing entry points."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -70,11 +71,26 @@ class GraphOptState:
                 strategy = self.backend.static_strategy(self.model, self.forward_fn, self.config, None)
 
                 def static_call(*args, **kwargs):
-                    return strategy.run(args, kwargs)
+                    try:
+                        return strategy.run(args, kwargs)
+                    except Exception as exc:
+                        # Name the arguments whose batch dims disagree, as the graph modes do, rather
+                        # than leave the framework's error from inside its tracer.
+                        problem = self._batch_disagreement(args, kwargs)
+                        if problem is None:
+                            raise
+                        raise GraphOptInputError(f"{self.name}: {problem}") from exc
 
                 static_call.strategy = strategy
                 self.plain = static_call
         return self.plain
+
+    def _batch_disagreement(self, args, kwargs) -> Optional[str]:
+        """For a failed call without graphs: what GraphRunner would say about its batch dims, or None."""
+        checker = GraphRunner(adapter=self.adapter, config=self.config, strategy=None, eager=None,
+                              dynamic_arg_dims=self.dynamic_arg_dims, params=_params(self.forward_fn),
+                              name=self.name)
+        return checker.batch_disagreement(args, kwargs)
 
     def ensure_runner(self) -> Optional[GraphRunner]:
         """The runner when graphs are configured and available; else None (after one warning)."""
@@ -266,7 +282,7 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
     translations_before = _translations(state)
     from tqdm import tqdm
 
-    with frozen_gc(), tqdm(total=len(order), desc=f"graph_opt capture {state.name}", unit="size",
+    with _guarded(runner), frozen_gc(), tqdm(total=len(order), desc=f"graph_opt capture {state.name}", unit="size",
                            disable=not progress, leave=False) as bar:
         for size in order:
             # Inputs that cannot be captured are the caller's error: raised before anything of this
@@ -325,8 +341,21 @@ def clear_graphs(model) -> None:
     """Drop every graph and static buffer of `model` (e.g. after a weight update); capture_model again after."""
     state = state_of(model)
     if state.runner is not None:
-        state.runner.release()
-        state.runner.disabled_reason = None
+        with _guarded(state.runner):
+            state.runner.release()
+            state.runner.disabled_reason = None
+
+
+@contextlib.contextmanager
+def _guarded(runner: GraphRunner):
+    """Hold the runner's guard: a call from another thread meanwhile is refused, and this is refused
+    while another thread's call uses the graphs."""
+    if not runner.guard.acquire(False):
+        raise runner.busy_error()
+    try:
+        yield
+    finally:
+        runner.guard.release()
 
 
 def _pass_counts(strategy) -> dict:
@@ -352,4 +381,5 @@ def stats(model) -> Stats:
         captured_sizes=runner.captured_sizes(), pieces=runner.pieces(), graphs=runner.graphs(),
         capture_seconds=runner.capture_seconds, graph_memory_bytes=runner.memory_bytes,
         static_buffer_bytes=runner.buffer_bytes(), disabled_reason=runner.disabled_reason,
+        replay_failures=c.replay_failures,
     )

@@ -7,7 +7,16 @@ and that branch is what the replayed graph runs.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, ContextManager, List, Tuple
+
+# The flags below, the split hook (split._split_hook) and SOT's run_program hook are process-wide, and
+# each guard restores the value it found: two threads setting them at once would restore each other's
+# values and could leave is_capturing() true for good. graph_opt holds this lock wherever it sets them
+# for a call: the capture phase of a size, Paddle's SOT scope, a simulated level-0 replay. Re-entrant,
+# for a graph-optimized model called inside another. Code in other threads still reads the flags as
+# set (is_capturing() is true for every thread while one captures), as with vLLM's global flags.
+state_lock = threading.RLock()
 
 
 def create_guard(default) -> Tuple[Callable[[Any], ContextManager[None]], Callable[[], Any]]:

@@ -12,6 +12,7 @@ class Counters:
     fallbacks: int = 0  # calls that ran without graphs while graphs were enabled
     lazy_captures: int = 0  # sizes first captured at call time, after capture_model
     capture_failures: int = 0
+    replay_failures: int = 0  # replays that raised (the graphs were then dropped; see disabled_reason)
     translations: int = 0  # SOT / Dynamo translations done for this model
 
 
@@ -35,7 +36,8 @@ class Stats:
     capture_seconds: float
     graph_memory_bytes: Optional[int]  # None where not measurable (simulated graphs, CPU)
     static_buffer_bytes: int
-    disabled_reason: Optional[str]
+    disabled_reason: Optional[str]  # why graphs are off: a capture or replay that failed
+    replay_failures: int = 0  # replays that raised; the call then ran eagerly and graphs were dropped
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -23,15 +23,16 @@ from typing import Any, Dict, List, Optional
 
 import paddle
 from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer
+from paddle.jit.dy2static.program_translator import ProgramTranslator
 from paddle.jit.dy2static.utils import CUDAGraphState
-from paddle.jit.sot import psdb
+from paddle.jit.sot import psdb, symbolic_translate
 from paddle.jit.sot.opcode_translator import eval_frame_callback
 from paddle.jit.sot.opcode_translator.custom_code import CustomCode
 from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
 from paddle.jit.sot.utils import StepInfoManager
 from paddle.jit.sot.utils.envs import ENV_MIN_GRAPH_SIZE
 
-from ... import split
+from ... import guards, split
 from .. import private_copy
 from ...cudagraph import Captured
 from ...errors import CaptureError, ReplayDivergence
@@ -39,6 +40,7 @@ from ...pytree import flatten
 from ...testing import HostGraph, simulation_enabled
 
 logger = logging.getLogger("graph_opt")
+_STATE_LOCK = guards.state_lock
 
 _BLACKLIST_FLAG = "FLAGS_cuda_graph_blacklist"
 
@@ -50,7 +52,10 @@ def translate_count() -> int:
 class _Scope:
     """The plugin's hooks around one SOT call: the run_impl hook, the splitting ops and, where SOT
     may translate, MIN_GRAPH_SIZE=0 (so small subgraphs reach run_program and its passes).
-    A plain class, not a generator context manager: replays and static calls pass through it."""
+    A plain class, not a generator context manager: replays and static calls pass through it.
+    What it sets is process-wide (a class attribute, module globals, an env flag) and it saves the
+    previous values on itself: it holds guards.state_lock from __enter__ to __exit__, so two threads
+    cannot restore each other's hooks."""
 
     __slots__ = ("hook", "names", "min_graph_size", "saved", "saved_env")
 
@@ -61,19 +66,27 @@ class _Scope:
 
     def __enter__(self):
         global _sot_split_names
-        self.saved = (PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names, split._split_hook)
-        PartialProgramLayer.HOOKED_RUN_IMPL = self.hook
-        _sot_split_names = self.names
-        split._split_hook = _sot_split_hook if self.names else None
-        if self.min_graph_size:
-            self.saved_env = ENV_MIN_GRAPH_SIZE.get()
-            ENV_MIN_GRAPH_SIZE.set(0)
+        _STATE_LOCK.acquire()
+        try:
+            self.saved = (PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names, split._split_hook)
+            PartialProgramLayer.HOOKED_RUN_IMPL = self.hook
+            _sot_split_names = self.names
+            split._split_hook = _sot_split_hook if self.names else None
+            if self.min_graph_size:
+                self.saved_env = ENV_MIN_GRAPH_SIZE.get()
+                ENV_MIN_GRAPH_SIZE.set(0)
+        except BaseException:
+            _STATE_LOCK.release()
+            raise
 
     def __exit__(self, *exc):
         global _sot_split_names
-        PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names, split._split_hook = self.saved
-        if self.min_graph_size:
-            ENV_MIN_GRAPH_SIZE.set(self.saved_env)  # as Paddle's own EnvironmentVariableGuard restores
+        try:
+            PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names, split._split_hook = self.saved
+            if self.min_graph_size:
+                ENV_MIN_GRAPH_SIZE.set(self.saved_env)  # as Paddle's own EnvironmentVariableGuard restores
+        finally:
+            _STATE_LOCK.release()
 
 
 @dataclass
@@ -228,7 +241,8 @@ class SotStrategy:
         self.program_ops: Dict[int, List[str]] = {}  # id(layer) -> op names of its forward program
         self.hook = ProgramHook(adapter, list(config.program_passes), self._on_new_program)
         self.records: Dict[Any, SizeRecord] = {}
-        self._static_fn = None
+        self._static_fns: Dict[bool, Any] = {}  # model.training -> the SOT-translating forward
+        self._translator = ProgramTranslator()  # a singleton: holds paddle.jit.enable_to_static's switch
         self._scope = None
         self._cache = OpcodeExecutorCache()
         self.blacklist = self._blacklist_names()
@@ -239,17 +253,25 @@ class SotStrategy:
     # -- strategy protocol -------------------------------------------------------------------------
     def run(self, args, kwargs):
         """Without graphs: the ordinary SOT path, guards and all (it may translate once for new shapes)."""
-        if self._static_fn is None:
-            import types
-
-            bound = types.MethodType(self.forward_fn, self.model)
-            self._static_fn = paddle.jit.to_static(bound, full_graph=False, backend=self.sot_kwargs["backend"])
-            self._scope = _Scope(self.hook, self.split_names, min_graph_size=True)
+        if not self._translator.enable_to_static:  # paddle.jit.enable_to_static(False): dygraph, as to_static does
+            return self.forward_fn(self.model, *args, **kwargs)
+        training = self.model.training
+        static_fn = self._static_fns.get(training)
+        if static_fn is None:
+            # What paddle.jit.to_static(full_graph=False) runs, made once per training flag: to_static
+            # calls symbolic_translate on every call, which makes a new eval-frame callback, and
+            # Paddle 3.3.1's set_eval_frame keeps a reference to every callback it is given: about
+            # 450 bytes leaked per call (tests/paddle_tests/test_soak_faults.py measures it).
+            static_fn = symbolic_translate(self.forward_fn, training=training, backend=self.sot_kwargs["backend"],
+                                           build_strategy=None)
+            self._static_fns[training] = static_fn
+            if self._scope is None:
+                self._scope = _Scope(self.hook, self.split_names, min_graph_size=True)
         cache = self._cache
         before = cache.translate_count
         try:
             with self._scope:
-                return self._static_fn(*args, **kwargs)
+                return static_fn(self.model, *args, **kwargs)
         finally:
             self.translations += max(0, cache.translate_count - before)
 
