@@ -11,7 +11,11 @@
 
 Importing graph_opt imports neither paddle nor torch.
 """
-from . import testing
+from ._layout import mount_checkout_folders
+
+mount_checkout_folders()  # graph_opt.backends / graph_opt.benchmarks from a plain checkout
+
+from . import testing  # noqa: E402
 from .config import GraphOptConfig, load_config
 from .decorator import capture_model, clear_graphs, stats, support_graph_optimization
 from .errors import CaptureError, GraphOptConfigError, GraphOptError, GraphOptInputError, ReplayDivergence

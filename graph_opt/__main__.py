@@ -47,17 +47,17 @@ def main(argv=None) -> int:
         print(cfg.describe())
         return 0
     if args.command == "demo":
-        from . import demo as demo_mod
+        from .benchmarks import demo as demo_mod
 
         frameworks = demo_mod.available_frameworks() if args.framework == "auto" else [args.framework]
         return demo_mod.main(frameworks, args.sizes, args.calls, args.hidden, args.layers)
     if args.what == "passes":
-        from .backends.paddle import bench_passes
+        from .benchmarks import paddle_passes
 
-        return bench_passes.main(args.rest)
-    from .backends.paddle import bench_overhead
+        return paddle_passes.main(args.rest)
+    from .benchmarks import paddle_overhead
 
-    return bench_overhead.main(args.rest)
+    return paddle_overhead.main(args.rest)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 import graph_opt  # noqa: E402
 from graph_opt.backends.torch.adapter import ADAPTER  # noqa: E402
-from graph_opt.backends.torch.bench_gpu import build, level_config, make_kv  # noqa: E402
+from graph_opt.benchmarks.torch_gpu import build, level_config, make_kv  # noqa: E402
 from graph_opt.backends.torch.dynamo import graphs_compiled  # noqa: E402
 from graph_opt.decorator import state_of  # noqa: E402
 

@@ -3,7 +3,7 @@ import numpy as np
 import paddle
 
 import graph_opt
-from graph_opt.backends.paddle.demo import DemoDecoder, demo_attention  # noqa: F401
+from graph_opt.benchmarks.paddle_demo import DemoDecoder, demo_attention  # noqa: F401
 
 HIDDEN = 16
 SIZES = [1, 2, 4, 8]
@@ -17,7 +17,7 @@ def config(**overrides):
 
 def decoder(cfg, hidden=HIDDEN, layers=2, seed=0):
     """(graph-optimized decoder, plain eager decoder with the same weights)."""
-    from graph_opt.backends.paddle.demo import build
+    from graph_opt.benchmarks.paddle_demo import build
 
     return build(cfg, hidden=hidden, layers=layers, seed=seed)
 

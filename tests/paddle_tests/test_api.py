@@ -90,7 +90,7 @@ def test_non_tensor_value_never_seen_at_capture_runs_without_graphs(level, graph
 def test_graph_opt_config_accepts_a_config_a_dict_and_a_yaml_path(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("graph_opt_config:\n  graph_opt_level: 1\n  cudagraph_capture_sizes: [1, 2]\n")
-    from graph_opt.backends.paddle.demo import GraphDecoder
+    from graph_opt.benchmarks.paddle_demo import GraphDecoder
 
     for given in (graph_opt.GraphOptConfig(graph_opt_level=1, cudagraph_capture_sizes=[1, 2]),
                   {"graph_opt_level": 1, "cudagraph_capture_sizes": [1, 2]},

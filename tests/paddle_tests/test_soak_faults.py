@@ -19,7 +19,7 @@ paddle = pytest.importorskip("paddle")
 import graph_opt  # noqa: E402
 from graph_opt import split, testing  # noqa: E402
 from graph_opt.backends.paddle import sot  # noqa: E402
-from graph_opt.backends.paddle.demo import demo_attention  # noqa: E402
+from graph_opt.benchmarks.paddle_demo import demo_attention  # noqa: E402
 from graph_opt.cudagraph import EagerStrategy  # noqa: E402
 
 HIDDEN = 16

@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
-from . import stats as stats_of
-from .config import GraphOptConfig
-from .decorator import capture_model
-from .testing import simulate_cuda_graphs
+from graph_opt import stats as stats_of
+from graph_opt.config import GraphOptConfig
+from graph_opt.decorator import capture_model
+from graph_opt.testing import simulate_cuda_graphs
 
 MODES = [
     ("L0 eager", dict(graph_opt_level=0, use_cudagraph=False)),
@@ -55,7 +55,7 @@ def available_frameworks() -> List[str]:
 
 
 def _kit(framework: str):
-    return importlib.import_module(f"graph_opt.backends.{framework}.demo")
+    return importlib.import_module(f"graph_opt.benchmarks.{framework}_demo")
 
 
 def run_framework(framework: str, sizes: List[int], calls: int, hidden: int, layers: int) -> List[Row]:

@@ -17,7 +17,7 @@ import time
 import paddle
 
 import graph_opt
-from graph_opt.backends.paddle import demo as kit
+from graph_opt.benchmarks import paddle_demo as kit
 from graph_opt.backends.paddle.sot import translate_count
 
 

@@ -1,6 +1,6 @@
 """GPU benchmark of the torch frontend on a decoder-like stack (one NVIDIA GPU).
 
-    python -m graph_opt.backends.torch.bench_gpu [--out results] [--quick]
+    python -m graph_opt.benchmarks.torch_gpu [--out results] [--quick]
 
 Model: hidden 1024, 24 layers, bf16. Each layer: LayerNorm, QKV Linear, decode attention over a
 128-token cache (F.scaled_dot_product_attention inside a torch.library custom op: the splitting
@@ -376,7 +376,7 @@ def plot(out_dir, batches, table, cols, device) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m graph_opt.backends.torch.bench_gpu",
+    parser = argparse.ArgumentParser(prog="python -m graph_opt.benchmarks.torch_gpu",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="results", help="folder for the markdown table and the plot (default results)")
     parser.add_argument("--quick", action="store_true", help="3 batch sizes, few calls: a smoke run")

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import paddle
 
-from .passes import run_passes
+from graph_opt.backends.paddle.passes import run_passes
 
 
 def _build(numel: int, iters: int):
