@@ -1,6 +1,6 @@
 """The one small protocol through which the framework-neutral core talks to a framework.
 
-Implementations live in graph_opt/backends/<framework>/adapter.py; nothing else in the core
+Implementations live in backends/<framework>/adapter.py; nothing else in the core
 touches a tensor except through these methods.
 """
 from __future__ import annotations
