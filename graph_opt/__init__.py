@@ -30,6 +30,7 @@ from .guards import (
 from .passes import optimize_program
 from .split import splitting_op
 from .stats import CaptureReport, Stats
+from .training import TrainingStats, autocudagraph
 
 # No handler is added: without one, warnings reach stderr through logging's last resort, so
 # "CUDA graphs unavailable" and "capture failed" are seen even when the app configures no logging.
@@ -39,10 +40,12 @@ __all__ = [
     "GraphOptConfig",
     "load_config",
     "support_graph_optimization",
+    "autocudagraph",
     "capture_model",
     "clear_graphs",
     "stats",
     "Stats",
+    "TrainingStats",
     "CaptureReport",
     "sot_warmup_guard",
     "in_sot_warmup_mode",

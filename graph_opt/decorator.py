@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from . import backends, config as config_mod, env, split
+from . import backends, config as config_mod, env, split, training
 from .cudagraph import REQUIRED, EagerStrategy, GraphRunner, frozen_gc
 from .errors import GraphOptConfigError, GraphOptInputError
 from .stats import CaptureReport, SizeReport, Stats
@@ -208,7 +208,8 @@ def state_of(model) -> GraphOptState:
     state = getattr(model, "__dict__", {}).get(_STATE_ATTR)
     if state is None:
         raise TypeError(
-            f"{type(model).__name__} is not graph-optimized: decorate its class with @graph_opt.support_graph_optimization"
+            f"{type(model).__name__} is not graph-optimized: decorate its class with @graph_opt.support_graph_optimization "
+            "or wrap it with graph_opt.autocudagraph"
         )
     return state
 
@@ -338,7 +339,13 @@ def _translations(state) -> int:
 
 
 def clear_graphs(model) -> None:
-    """Drop every graph and static buffer of `model` (e.g. after a weight update); capture_model again after."""
+    """Drop every graph and static buffer of `model` (e.g. after a weight update); capture_model again after.
+
+    For a block made by autocudagraph: its keys start over (warmup, capture) at their next call."""
+    block = training.state_of_training(model)
+    if block is not None:
+        block.release()
+        return
     state = state_of(model)
     if state.runner is not None:
         with _guarded(state.runner):
@@ -364,7 +371,11 @@ def _pass_counts(strategy) -> dict:
     return {name: counts.get(name, 0) for name in ("copies_inserted", "reads_rewired", "copies_removed")}
 
 
-def stats(model) -> Stats:
+def stats(model):
+    """Counters of a decorated model (Stats), or of a block made by autocudagraph (TrainingStats)."""
+    block = training.state_of_training(model)
+    if block is not None:
+        return block.stats()
     state = state_of(model)
     runner = state.runner
     strategy = runner.strategy if runner is not None else getattr(state.plain, "strategy", None)

@@ -24,3 +24,9 @@ def static_strategy(model, forward_fn, config, selection):
 
     return DynamoStrategy(model, forward_fn, config, ADAPTER, selection)
 
+
+
+def autograd_bridge():
+    from .autograd_bridge import BRIDGE
+
+    return BRIDGE

@@ -1,0 +1,638 @@
+"""graph_opt.autocudagraph: the forward and the backward of a training block, each a CUDA graph.
+
+    block = graph_opt.autocudagraph(layer)   # the same Layer / Module, its calls now graphed
+    y = block(x); y.sum().backward()          # forward graph replayed, then backward graph replayed
+
+Per dispatch key (shapes, dtypes and requires-grad flags of the tensor leaves, the non-tensor values,
+autocast state): `warmup_steps` eager calls, then one capture of the forward and one of the backward
+(the backward is `autograd.grad` of the forward's outputs, into static gradient buffers), then replay.
+Under no_grad a key gets a forward graph alone. The replayed forward enters autograd through a
+`torch.autograd.Function` / `paddle.autograd.PyLayer` whose backward replays the backward graph, so
+gradients reach `.grad` through the framework's own accumulation, as in eager.
+
+What a replay may rely on, and what this module guarantees instead of assuming:
+- Outputs are copies: a caller may keep them across steps.
+- A forward replay overwrites the activations the previous replay's backward reads. While a backward
+  is pending (its autograd graph alive and not yet run), a new call runs eagerly (counted in
+  `fallbacks`, one warning). All keys of a block share one memory pool, so this holds across keys.
+- Parameters and buffers are read by address. One replaced after capture (a new object, or `.data`
+  swapped) is detected at the next call: the graphs are dropped and captured again.
+- Gradients handed to leaves that have none yet are copies (autograd would otherwise keep the
+  static buffer as `.grad`, and the next replay would overwrite it).
+- Capture touches no `.grad` and leaves the random generators as eager would (snapshot and restore).
+
+What it does not do: graph a block whose forward syncs with the host or changes shapes between calls
+of one key (capture fails: the key runs eagerly, with one warning), or a second-order backward
+(`create_graph=True`: an error says so).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from . import backends, env, guards
+from .cudagraph import frozen_gc
+from .errors import GraphOptError, GraphOptInputError
+from .pytree import flatten, unflatten
+from .testing import simulation_enabled
+
+logger = logging.getLogger("graph_opt")
+
+_STATE_ATTR = "_graph_opt_training"
+
+
+# -- counters --------------------------------------------------------------------------------------
+@dataclass
+class TrainingCounters:
+    warmups: int = 0  # eager calls spent warming a key up
+    captures: int = 0  # keys captured (a forward graph, plus a backward graph when grads are needed)
+    replays: int = 0  # forward replays
+    backward_replays: int = 0
+    fallbacks: int = 0  # calls that ran eagerly with graphs enabled; why: fallback_reasons
+    capture_failures: int = 0
+    recaptures: int = 0  # graphs dropped because a parameter or buffer was replaced
+    capture_seconds: float = 0.0
+    fallback_reasons: Dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainingStats:
+    """graph_opt.stats(block) for a block made by autocudagraph."""
+
+    mode: str
+    keys: int  # dispatch keys with captured graphs
+    graphs: int  # device graphs held: forward and backward
+    warmups: int
+    captures: int
+    replays: int  # forward replays
+    backward_replays: int
+    fallbacks: int
+    fallback_reasons: Dict[str, int]  # max_graphs, backward_pending, capture_failed, no_graphs
+    capture_failures: int
+    recaptures: int
+    capture_seconds: float
+    graph_memory_bytes: Optional[int]  # device memory the pool grew by; None where not measurable
+    static_buffer_bytes: int  # inputs, outputs and gradient buffers the graphs read and write
+    disabled_reason: Optional[str]  # the last capture failure
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- one captured key ------------------------------------------------------------------------------
+@dataclass
+class StepGraphs:
+    """The graphs of one dispatch key and the static tensors they read and write."""
+
+    forward: Any
+    backward: Any  # None for a key captured under no_grad
+    static_inputs: List[Any]  # one per input tensor leaf, in flatten order
+    out_buffers: List[Any]  # one per output tensor leaf
+    out_spec: Any
+    differentiable: List[bool]  # per output leaf: does it carry a gradient
+    grad_out_buffers: List[Any]  # one per differentiable output
+    grad_buffers: List[Any]  # one per apply() input: a buffer, or None where no grad flows
+    n_inputs: int
+    buffer_bytes: int
+
+    def release(self) -> None:
+        for graph in (self.forward, self.backward):
+            if graph is not None:
+                graph.reset()
+        self.forward = self.backward = None
+        self.static_inputs = self.out_buffers = self.grad_out_buffers = self.grad_buffers = []
+
+
+@dataclass
+class KeyState:
+    warmups: int = 0
+    graphs: Optional[StepGraphs] = None
+    failed: Optional[str] = None
+
+
+class PendingBackward:
+    """Handed to the autograd node of one forward replay; released when its backward runs or its
+    autograd graph is freed (the node drops it) without one."""
+
+    __slots__ = ("block", "generation", "epoch", "inputs", "open")
+
+    def __init__(self, block: "GraphedBlock", inputs):
+        self.block = block
+        self.generation = block.generation
+        self.epoch = block.epoch
+        self.inputs = inputs  # the apply() inputs: which leaves still have no .grad is read at backward
+        self.open = True
+        block.pending += 1
+
+    def release(self) -> None:
+        if self.open:
+            self.open = False
+            if self.block.epoch == self.epoch:  # graphs released meanwhile: the count was reset
+                self.block.pending -= 1
+
+    def __del__(self):
+        self.release()
+
+
+# -- the wrapped block -----------------------------------------------------------------------------
+class GraphedBlock:
+    """State of one autocudagraph target: its keys' graphs, one memory pool, counters."""
+
+    def __init__(self, target, call: Callable, module, framework: Optional[str], warmup_steps: int,
+                 dispatch_key_fn: Optional[Callable], max_graphs: int):
+        self.target = target
+        self.call = call  # the eager forward
+        self.module = module  # the Layer / Module, or None for a function
+        self.name = getattr(target, "__qualname__", None) or type(target).__name__
+        self.warmup_steps = warmup_steps
+        self.dispatch_key_fn = dispatch_key_fn
+        self.max_graphs = max_graphs
+        self.disabled = env.disabled()
+        self.framework = framework
+        self.bridge = None
+        self.adapter = None
+        self.keys: Dict[Any, KeyState] = {}
+        self.counters = TrainingCounters()
+        self.pool = None
+        self.memory_bytes: Optional[int] = None
+        self.pending = 0  # forward replays whose backward has not run yet
+        self.generation = 0  # forward replays so far: a backward checks its activations are still there
+        self.epoch = 0  # releases of the graphs so far
+        self.watched: List[Tuple[dict, str, Any, int]] = []  # (owner dict, name, tensor, address)
+        self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
+        self.disabled_reason: Optional[str] = None
+        self._warned: set = set()
+
+    # -- the call ----------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self.disabled:
+            return self.call(*args, **kwargs)
+        if self.bridge is None:
+            self._bind(args, kwargs)
+        bridge = self.bridge
+        leaves, spec = flatten((args, kwargs), bridge.is_tensor)
+        key = self._key(spec, leaves, args, kwargs)
+        state = self.keys.get(key)
+        if state is None:
+            if len(self.keys) >= self.max_graphs:
+                return self._fallback("max_graphs", args, kwargs,
+                                      f"{self.name}: more than max_graphs={self.max_graphs} dispatch keys; "
+                                      "calls with new keys run eagerly (raise max_graphs to graph them)")
+            state = self.keys[key] = KeyState()
+        graphs = state.graphs
+        if graphs is not None:
+            if self.watched and self._params_moved():
+                self._recapture()
+                graphs = None
+            elif self.pending:
+                return self._fallback("backward_pending", args, kwargs, _PENDING_WARNING.format(name=self.name))
+            else:
+                return self._replay(graphs, leaves, key[1])
+        if state.failed is not None:
+            return self._fallback("capture_failed", args, kwargs, None)
+        if not self._graphs_available():
+            return self._fallback("no_graphs", args, kwargs,
+                                  f"{self.name}: CUDA graphs are unavailable here ({self.adapter.name} without "
+                                  "a CUDA device); autocudagraph runs eagerly")
+        if state.warmups < self.warmup_steps:
+            state.warmups += 1
+            self.counters.warmups += 1
+            return self.call(*args, **kwargs)
+        if self.pending:
+            return self._fallback("backward_pending", args, kwargs, _PENDING_WARNING.format(name=self.name))
+        graphs = self._capture(state, leaves, spec, args, kwargs, needs_grad=key[1])
+        if graphs is None:
+            return self.call(*args, **kwargs)
+        return self._replay(graphs, leaves, key[1])
+
+    def _replay(self, graphs: StepGraphs, leaves, needs_grad: bool):
+        if needs_grad:
+            outs = self.bridge.apply(self, graphs, leaves + self.params)
+        else:
+            outs = self.forward_replay(graphs, leaves)
+        return unflatten(graphs.out_spec, list(outs))
+
+    def forward_replay(self, graphs: StepGraphs, tensors):
+        """Copy the inputs in, replay the forward graph, return copies of the outputs (a caller may keep
+        them; the next replay rewrites the buffers)."""
+        copy_ = self.adapter.copy_
+        for dst, src in zip(graphs.static_inputs, tensors):
+            copy_(dst, src)
+        graphs.forward.replay()
+        self.generation += 1
+        self.counters.replays += 1
+        clone = self.bridge.clone
+        return [clone(b) for b in graphs.out_buffers]
+
+    def forward_for_grad(self, graphs: StepGraphs, tensors):
+        """forward_replay inside the Function / PyLayer forward; the PendingBackward goes on its ctx."""
+        outs = self.forward_replay(graphs, tensors)
+        return outs, (PendingBackward(self, tensors) if graphs.backward is not None else None)
+
+    def backward_replay(self, graphs: StepGraphs, pending: PendingBackward, grads):
+        if pending.generation != self.generation or graphs.backward is None:
+            raise GraphOptError(
+                f"{self.name}: backward through a graphed forward whose activations a later forward replay "
+                "overwrote (or whose graphs were cleared); run each step's backward before the next forward "
+                "of this block")
+        copy_, zero_ = self.adapter.copy_, self.bridge.zero_
+        for buf, g in zip(graphs.grad_out_buffers, grads):
+            if g is None:
+                zero_(buf)
+            else:
+                copy_(buf, g)
+        graphs.backward.replay()
+        self.counters.backward_replays += 1
+        pending.release()
+        # A leaf keeps the first gradient it is handed as its .grad: that one must be a copy.
+        keeps = self.bridge.keeps_as_grad
+        clone = self.bridge.clone
+        return [None if buf is None else (clone(buf) if keeps(t) else buf)
+                for buf, t in zip(graphs.grad_buffers, pending.inputs)]
+
+    # -- keys --------------------------------------------------------------------------------------
+    def _key(self, spec, leaves, args, kwargs):
+        bridge = self.bridge
+        if self.dispatch_key_fn is not None:
+            user = self.dispatch_key_fn(*args, **kwargs)
+            try:
+                hash(user)
+            except TypeError:
+                raise GraphOptInputError(
+                    f"autocudagraph(dispatch_key_fn=...): {self.name}'s key function returned an unhashable "
+                    f"{type(user).__name__}; return a hashable value (a tuple, int or str)") from None
+            # The shapes still have to match the captured buffers: a graph replays one shape.
+            base = (user, spec, tuple(tuple(bridge.shape(t)) for t in leaves))
+        else:
+            base = (spec, tuple(bridge.leaf_key(t) for t in leaves))
+        needs_grad = bridge.grad_enabled() and (bool(self.params) or any(bridge.requires_grad(t) for t in leaves))
+        return base, needs_grad, bridge.amp_state()
+
+    # -- fallbacks and warnings --------------------------------------------------------------------
+    def _fallback(self, reason: str, args, kwargs, warning: Optional[str]):
+        c = self.counters
+        c.fallbacks += 1
+        c.fallback_reasons[reason] = c.fallback_reasons.get(reason, 0) + 1
+        if warning is not None and reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning(warning)
+        return self.call(*args, **kwargs)
+
+    def _graphs_available(self) -> bool:
+        return simulation_enabled() or self.adapter.graphs_supported()
+
+    # -- binding to a framework --------------------------------------------------------------------
+    def _bind(self, args, kwargs) -> None:
+        framework = self.framework or _framework_of_call(args, kwargs, self.name)
+        backend = backends.load(framework)
+        self.framework = framework
+        self.adapter = backend.ADAPTER
+        self.bridge = backend.autograd_bridge()
+        if self.module is not None:
+            self.params = self.bridge.trainable_parameters(self.module)
+            self.watched = self._watch()
+
+    def _watch(self):
+        return [(owner, name, t, self.adapter.data_ptr(t)) for owner, name, t in self.bridge.owned_tensors(self.module)]
+
+    def _params_moved(self) -> bool:
+        data_ptr = self.adapter.data_ptr
+        for owner, name, t, ptr in self.watched:
+            if owner.get(name) is not t or data_ptr(t) != ptr:
+                return True
+        return False
+
+    def _recapture(self) -> None:
+        if "recapture" not in self._warned:
+            self._warned.add("recapture")
+            logger.warning("%s: a parameter or buffer was replaced after capture (a new tensor, or its data "
+                           "swapped); its graphs are dropped and captured again", self.name)
+        self.counters.recaptures += 1
+        self.release(keep_warmups=True)
+        self.params = self.bridge.trainable_parameters(self.module)
+        self.watched = self._watch()
+
+    # -- capture -----------------------------------------------------------------------------------
+    def _capture(self, state: KeyState, leaves, spec, args, kwargs, needs_grad: bool) -> Optional[StepGraphs]:
+        bridge, adapter = self.bridge, self.adapter
+        simulated = simulation_enabled() or not adapter.graphs_supported()
+        targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
+        grads_before = bridge.snapshot_grads(targets)
+        rng = bridge.rng_state()
+        start = time.perf_counter()
+        mem_before = None if simulated else adapter.memory_in_use()
+        try:
+            if self.pool is None and not simulated:
+                self.pool = adapter.new_pool()
+            with guards.state_lock, frozen_gc(), guards.capture_custom_allreduce(), adapter.capture_stream():
+                graphs = _capture_key(self, leaves, spec, needs_grad, simulated, rng)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the key eager, with one warning
+            bridge.set_rng_state(rng)
+            self._capture_failed(state, exc)
+            return None
+        finally:
+            bridge.restore_grads(grads_before)
+        if simulated:
+            bridge.set_rng_state(rng)  # a simulated capture ran the block; the replay must draw as eager would
+        else:
+            adapter.synchronize()
+            after = adapter.memory_in_use()
+            if mem_before is not None and after is not None:
+                self.memory_bytes = (self.memory_bytes or 0) + max(0, after - mem_before)
+        state.graphs = graphs
+        self.counters.captures += 1
+        self.counters.capture_seconds += time.perf_counter() - start
+        return graphs
+
+    def _capture_failed(self, state: KeyState, exc: BaseException) -> None:
+        why = f"{type(exc).__name__}: {exc}"
+        state.failed = why
+        self.disabled_reason = why
+        self.counters.capture_failures += 1
+        self.counters.fallbacks += 1
+        reasons = self.counters.fallback_reasons
+        reasons["capture_failed"] = reasons.get("capture_failed", 0) + 1
+        logger.warning("%s: capture failed, this key runs eagerly: %s", self.name, why)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def release(self, keep_warmups: bool = False) -> None:
+        for state in self.keys.values():
+            if state.graphs is not None:
+                state.graphs.release()
+            state.graphs = None
+            state.failed = None
+        if not keep_warmups:
+            self.keys.clear()
+        self.generation += 1  # a pending backward of a released graph must not replay
+        self.epoch += 1
+        self.pending = 0
+        self.disabled_reason = None
+        self.pool = None  # a pool whose graphs are all gone is not captured into again
+        self.memory_bytes = None
+        if self.adapter is not None and not simulation_enabled():
+            self.adapter.release_memory()
+
+    def stats(self) -> TrainingStats:
+        c = self.counters
+        held = [s.graphs for s in self.keys.values() if s.graphs is not None]
+        mode = ("disabled (GRAPH_OPT_DISABLE)" if self.disabled else
+                "training graphs" + (" (simulated)" if self.adapter is not None and
+                                     (simulation_enabled() or not self.adapter.graphs_supported()) else ""))
+        return TrainingStats(
+            mode=mode, keys=len(held), graphs=sum(1 + (g.backward is not None) for g in held),
+            warmups=c.warmups, captures=c.captures, replays=c.replays, backward_replays=c.backward_replays,
+            fallbacks=c.fallbacks, fallback_reasons=dict(c.fallback_reasons), capture_failures=c.capture_failures,
+            recaptures=c.recaptures, capture_seconds=c.capture_seconds, graph_memory_bytes=self.memory_bytes,
+            static_buffer_bytes=sum(g.buffer_bytes for g in held), disabled_reason=self.disabled_reason)
+
+
+_PENDING_WARNING = ("{name}: called again while the previous graphed forward's backward has not run; the "
+                    "replay would overwrite the activations it reads, so this call runs eagerly. Run backward "
+                    "(or drop the outputs) before the next forward, or call under no_grad")
+
+
+def _capture_key(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool, rng) -> StepGraphs:
+    """Record one key's graphs. On a device: one private warmup of forward and backward on the capture
+    stream (libraries allocate workspaces on first use, which a capture must not do), then the forward
+    graph, then the backward graph. Simulated: the same calls, kept as host closures."""
+    bridge = block.bridge
+    params = block.params
+    # On a device the capture reads the parameters through fresh aliases: autograd keeps one gradient
+    # accumulator per leaf, created on the stream of its first use, and one left from an eager step
+    # (alive while that step's loss is) would make the captured backward wait on the caller's stream.
+    real = not simulated and params
+    with bridge.parameters_for_capture(block.module, params) if real else contextlib.nullcontext(params) as p:
+        return _record(block, leaves, spec, needs_grad, simulated, rng, p)
+
+
+def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool, rng, params) -> StepGraphs:
+    bridge, adapter = block.bridge, block.adapter
+    static_inputs = [bridge.static_input(t) for t in leaves]
+    args, kwargs = unflatten(spec, static_inputs)
+    grad_inputs = [t for t in static_inputs if bridge.requires_grad(t)] + list(params)
+
+    def forward():
+        with (bridge.enable_grad() if needs_grad else adapter.no_grad()), bridge.amp_cache_disabled():
+            return block.call(*args, **kwargs)
+
+    if not simulated:
+        outs = forward()
+        if needs_grad:
+            diff = [o for o in flatten(outs, bridge.is_tensor)[0] if bridge.requires_grad(o)]
+            if diff:
+                bridge.grad(diff, grad_inputs, [bridge.ones_like(o) for o in diff])
+        del outs
+        bridge.set_rng_state(rng)
+        adapter.synchronize()
+
+    fwd = _SimulatedForward(bridge, forward) if simulated else adapter.new_graph(block.pool)
+    fwd.capture_begin()
+    try:
+        outs = forward()
+    finally:
+        fwd.capture_end()
+    out_leaves, out_spec = flatten(outs, bridge.is_tensor)
+    differentiable = [needs_grad and bridge.requires_grad(o) for o in out_leaves]
+    diff_outs = [o for o, d in zip(out_leaves, differentiable) if d]
+    out_buffers = [bridge.detach(o) for o in out_leaves]
+    if simulated:
+        fwd.keep(out_buffers, differentiable)
+
+    bwd, grad_out_buffers, grad_buffers = None, [], []
+    n_inputs = len(leaves)
+    if needs_grad:
+        grad_out_buffers = [bridge.zeros_like(o) for o in diff_outs]
+        flows = [bridge.requires_grad(t) for t in static_inputs] + [True] * len(params)
+        if diff_outs:
+            bwd = _SimulatedBackward(bridge, fwd, grad_inputs, grad_out_buffers) if simulated \
+                else adapter.new_graph(block.pool)
+            bwd.capture_begin()
+            try:
+                grads = bridge.grad(diff_outs, grad_inputs, grad_out_buffers)
+            finally:
+                bwd.capture_end()
+            if simulated:
+                bwd.keep(grads)
+        else:
+            grads = [None] * len(grad_inputs)
+        it = iter(grads)
+        grad_buffers = [next(it) if f else None for f in flows]
+        grad_buffers = [None if g is None else bridge.detach(g) for g in grad_buffers]
+    del outs, diff_outs
+    nbytes = adapter.nbytes
+    buffer_bytes = sum(nbytes(t) for t in static_inputs + out_buffers + grad_out_buffers) + \
+        sum(nbytes(g) for g in grad_buffers if g is not None)
+    if not simulated:
+        # Outputs and gradients were allocated in the pool during capture. Holding them weakly lets the
+        # next key's capture reuse those blocks (calls never overlap: see backward_pending), so all keys
+        # together stay close to one key's memory. Inputs and grad_out buffers were allocated outside the
+        # pool and stay owned.
+        weak = adapter.weak_alias
+        out_buffers = [weak(t) for t in out_buffers]
+        grad_buffers = [None if g is None else weak(g) for g in grad_buffers]
+    return StepGraphs(forward=fwd, backward=bwd, static_inputs=static_inputs, out_buffers=out_buffers,
+                      out_spec=out_spec, differentiable=differentiable, grad_out_buffers=grad_out_buffers,
+                      grad_buffers=grad_buffers, n_inputs=n_inputs, buffer_bytes=buffer_bytes)
+
+
+# -- simulated graphs: the host stand-in for a forward and its backward ----------------------------
+class _SimulatedForward:
+    """replay() runs the forward again on the static inputs, with autograd on when the key needs it,
+    writes the output buffers in place and keeps the fresh outputs for the backward's replay."""
+
+    def __init__(self, bridge, run: Callable[[], Any]):
+        self.bridge = bridge
+        self.run = run
+        self.out_buffers: List[Any] = []
+        self.live: List[Any] = []  # the latest replay's differentiable outputs, with their autograd graph
+
+    def capture_begin(self) -> None:
+        pass
+
+    def capture_end(self) -> None:
+        pass
+
+    def keep(self, out_buffers, differentiable) -> None:
+        self.out_buffers = out_buffers
+        self.differentiable = differentiable
+
+    def replay(self) -> None:
+        fresh = flatten(self.run(), self.bridge.is_tensor)[0]
+        if len(fresh) != len(self.out_buffers):
+            raise RuntimeError(f"simulated replay produced {len(fresh)} tensors where the capture produced "
+                               f"{len(self.out_buffers)}")
+        copy_ = self.bridge.copy_detached
+        for dst, src in zip(self.out_buffers, fresh):
+            copy_(dst, src)
+        self.live = [o for o, d in zip(fresh, self.differentiable) if d]
+
+    def reset(self) -> None:
+        self.run, self.out_buffers, self.live = None, [], []
+
+
+class _SimulatedBackward:
+    """replay() takes autograd.grad of the forward's latest outputs into the static gradient buffers."""
+
+    def __init__(self, bridge, forward: _SimulatedForward, inputs, grad_out_buffers):
+        self.bridge = bridge
+        self.forward = forward
+        self.inputs = inputs
+        self.grad_out_buffers = grad_out_buffers
+        self.grad_buffers: List[Any] = []
+
+    def capture_begin(self) -> None:
+        pass
+
+    def capture_end(self) -> None:
+        pass
+
+    def keep(self, grads) -> None:
+        self.grad_buffers = grads
+
+    def replay(self) -> None:
+        fresh = self.bridge.grad(self.forward.live, self.inputs, self.grad_out_buffers, retain_graph=True)
+        copy_ = self.bridge.copy_detached
+        for dst, src in zip(self.grad_buffers, fresh):
+            if dst is not None:
+                copy_(dst, src)
+
+    def reset(self) -> None:
+        self.forward = None
+        self.inputs = self.grad_out_buffers = self.grad_buffers = []
+
+
+# -- the public entry point ------------------------------------------------------------------------
+def _framework_of_call(args, kwargs, name: str) -> str:
+    """The framework of a function's tensors, judged from the first tensor found."""
+    candidates = [fw for fw in ("torch", "paddle") if fw in sys.modules]
+    for fw in candidates:
+        tensor_type = sys.modules[fw].Tensor
+        leaves, _ = flatten((args, kwargs), lambda x, t=tensor_type: isinstance(x, t))
+        if leaves:
+            return fw
+    raise GraphOptInputError(
+        f"autocudagraph: {name} was called without a tensor argument; a graphed function takes paddle or "
+        "torch tensors (nested in dicts, lists or tuples is fine)")
+
+
+def _check_arguments(target, warmup_steps, dispatch_key_fn, max_graphs) -> None:
+    if not callable(target):
+        raise GraphOptInputError(
+            f"autocudagraph(target): expected a function or a paddle.nn.Layer / torch.nn.Module instance, "
+            f"got {type(target).__name__}")
+    if isinstance(target, type):
+        raise GraphOptInputError(
+            f"autocudagraph(target): got the class {target.__name__}; pass an instance (autocudagraph(Model())) "
+            "or a function")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise GraphOptInputError(f"autocudagraph(warmup_steps={warmup_steps!r}): expected an int >= 0")
+    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+        raise GraphOptInputError(f"autocudagraph(max_graphs={max_graphs!r}): expected an int >= 1")
+    if dispatch_key_fn is not None and not callable(dispatch_key_fn):
+        raise GraphOptInputError(
+            f"autocudagraph(dispatch_key_fn=...): expected a callable (*args, **kwargs) -> hashable or None, "
+            f"got {type(dispatch_key_fn).__name__}")
+
+
+def _module_framework(obj) -> Optional[str]:
+    try:
+        return backends.framework_of(type(obj))
+    except TypeError:
+        return None
+
+
+def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Optional[Callable] = None,
+                  max_graphs: int = 8):
+    """Capture the forward and the backward of `target` as CUDA graphs and replay them every step.
+
+    target: a function of tensors, or a paddle.nn.Layer / torch.nn.Module instance (that instance is
+    returned, its forward graphed; `type(layer).forward(layer, ...)` stays the eager forward). Also
+    usable as `@autocudagraph` or `@autocudagraph(warmup_steps=2)`.
+    warmup_steps: eager calls per dispatch key before its capture (0: capture on the first call).
+    dispatch_key_fn(*args, **kwargs) -> hashable: picks the graph; the default key is the tensor
+    leaves' shapes, dtypes and requires-grad flags plus the non-tensor values. No padding: shapes are
+    replayed exactly.
+    max_graphs: dispatch keys captured at most; calls with further keys run eagerly (one warning).
+
+    GRAPH_OPT_DISABLE=1 makes every call plain eager. See graph_opt.training for the guarantees.
+    """
+    if target is None:
+        return lambda t: autocudagraph(t, warmup_steps=warmup_steps, dispatch_key_fn=dispatch_key_fn,
+                                       max_graphs=max_graphs)
+    _check_arguments(target, warmup_steps, dispatch_key_fn, max_graphs)
+    framework = _module_framework(target)
+    if framework is not None:
+        if _STATE_ATTR in target.__dict__:
+            raise GraphOptInputError(
+                f"autocudagraph(target): this {type(target).__name__} instance is already graphed; "
+                "wrap it once (graph_opt.clear_graphs drops its graphs)")
+        eager = type(target).forward.__get__(target)
+        block = GraphedBlock(target, eager, target, framework, warmup_steps, dispatch_key_fn, max_graphs)
+        object.__setattr__(target, _STATE_ATTR, block)
+        if not block.disabled:
+            object.__setattr__(target, "forward", block)  # Layer/Module __call__ reaches it through self.forward
+        return target
+    if state_of_training(target) is not None:
+        raise GraphOptInputError("autocudagraph(target): this function is already graphed; wrap the original once")
+    block = GraphedBlock(target, target, None, None, warmup_steps, dispatch_key_fn, max_graphs)
+
+    @functools.wraps(target)
+    def graphed(*args, **kwargs):
+        return block(*args, **kwargs)
+
+    setattr(graphed, _STATE_ATTR, block)
+    return graphed
+
+
+def state_of_training(obj) -> Optional[GraphedBlock]:
+    """The GraphedBlock behind an autocudagraph result, or None."""
+    holder = getattr(obj, "__dict__", None)
+    if not isinstance(holder, dict):
+        return None
+    state = holder.get(_STATE_ATTR)
+    return state if isinstance(state, GraphedBlock) else None

@@ -1,0 +1,57 @@
+"""graph_opt.autocudagraph on real CUDA graphs: tests/training_kit.py's specification with the torch
+shim on the GPU, and what only a device shows (memory of one pool across keys, masks of a seeded
+dropout, the autocast cache). Skipped without a CUDA device."""
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch_tests"))
+
+import graph_opt  # noqa: E402
+from training_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
+from torch_training_shim import Block, TorchShim  # noqa: E402
+
+
+@pytest.fixture
+def F():
+    shim = TorchShim("cuda")
+    shim.hidden = 64
+    yield shim
+    torch.cuda.synchronize()
+
+
+@pytest.fixture
+def autocast_tolerance():
+    return 0.0  # the graphs hold the very bf16 kernels eager runs; the casts are recorded, not cached
+
+
+def test_real_graphs_are_used():
+    m = graph_opt.autocudagraph(Block(64).cuda(), warmup_steps=1)
+    for _ in range(3):
+        m(torch.randn(4, 64, device="cuda", requires_grad=True)).sum().backward()
+    s = graph_opt.stats(m)
+    assert s.mode == "training graphs" and s.graphs == 2 and s.backward_replays == 2
+    assert s.graph_memory_bytes is not None and s.graph_memory_bytes > 0
+
+
+def test_keys_share_one_pool():
+    """Three batch sizes, each a forward and a backward graph, in about one key's memory."""
+    def memory(sizes):
+        torch.manual_seed(0)
+        m = graph_opt.autocudagraph(Block(512).cuda(), warmup_steps=0, max_graphs=8)
+        for rows in sizes:
+            for _ in range(2):
+                m(torch.randn(rows, 128, 512, device="cuda", requires_grad=True)).sum().backward()
+        s = graph_opt.stats(m)
+        assert s.keys == len(sizes)
+        graph_opt.clear_graphs(m)
+        return s.graph_memory_bytes
+
+    one = memory([16])
+    three = memory([16, 12, 8])
+    print(f"\ngraph memory: one key {one / 2**20:.1f} MiB, three keys {three / 2**20:.1f} MiB")
+    assert three <= 1.3 * one

@@ -1,0 +1,178 @@
+"""graph_opt.autocudagraph on Paddle, with simulated graphs: tests/training_kit.py's specification run
+with the Paddle shim below. Paddle's CUDA path is written but not run (no Paddle GPU build runs here).
+"""
+import pytest
+
+paddle = pytest.importorskip("paddle")
+
+import graph_opt  # noqa: E402
+from training_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
+from training_kit import assert_same_step, twins  # noqa: E402
+
+
+class Block(paddle.nn.Layer):
+    """A transformer-like block: norm, two linears with a residual, dropout."""
+
+    def __init__(self, hidden, dropout=0.0):
+        super().__init__()
+        self.norm = paddle.nn.LayerNorm(hidden)
+        self.up = paddle.nn.Linear(hidden, 2 * hidden)
+        self.down = paddle.nn.Linear(2 * hidden, hidden)
+        self.drop = paddle.nn.Dropout(dropout)
+        self.fail_capture = False
+
+    def forward(self, x):
+        if self.fail_capture and graph_opt.is_capturing():
+            raise RuntimeError("injected capture failure")
+        return x + self.drop(self.down(paddle.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class NestedBlock(paddle.nn.Layer):
+    """Nested inputs and outputs, an unused argument, one Linear's weight shared by another."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.a = paddle.nn.Linear(hidden, hidden)
+        self.b = paddle.nn.Linear(hidden, hidden)
+        self.b.weight = self.a.weight
+
+    def forward(self, inp, unused):
+        x = inp["x"]
+        a, (c, count) = inp["pair"]
+        h = paddle.tanh(self.a(x) + a)
+        return {"sum": self.b(h) * c, "parts": [h * 2.0, (a * c + h, "tag")], "count": count}
+
+
+def _copy(layer):
+    twin = type(layer).__new__(type(layer))
+    twin.__init__(*layer._init_args)
+    twin.set_state_dict(layer.state_dict())
+    return twin
+
+
+class PaddleShim:
+    hidden = 16
+
+    def block(self, dropout=0.0, seed=0, **_):
+        paddle.seed(seed)
+        b = Block(self.hidden, dropout)
+        b._init_args = (self.hidden, dropout)
+        return b
+
+    def nested_block(self):
+        paddle.seed(0)
+        b = NestedBlock(self.hidden)
+        b._init_args = (self.hidden,)
+        return b
+
+    copy_block = staticmethod(_copy)
+
+    @staticmethod
+    def randn(shape, seed):
+        import numpy as np
+
+        return paddle.to_tensor(np.random.default_rng(seed).standard_normal(shape).astype("float32"))
+
+    @staticmethod
+    def leaf(t, grad):
+        out = t.detach().clone()
+        out.stop_gradient = not grad
+        return out
+
+    @staticmethod
+    def strided(x):
+        return x[:, ::2]
+
+    @staticmethod
+    def seed(n):
+        paddle.seed(n)
+
+    @staticmethod
+    def loss(y):
+        return (y.astype("float32") ** 2).mean()
+
+    @staticmethod
+    def grad(t):
+        return t.grad
+
+    @staticmethod
+    def equal(a, b):
+        return a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all())
+
+    @staticmethod
+    def max_diff(a, b):
+        return float((a.astype("float32") - b.astype("float32")).abs().max())
+
+    @staticmethod
+    def named_params(m):
+        return list(m.named_parameters())
+
+    @staticmethod
+    def zero_grads(m):
+        m.clear_gradients(set_to_zero=False)
+
+    @staticmethod
+    def sgd(m, lr=0.1):
+        return paddle.optimizer.SGD(learning_rate=lr, parameters=m.parameters())
+
+    @staticmethod
+    def shape(t):
+        return list(t.shape)
+
+    @staticmethod
+    def first_weight(m):
+        return m.up.weight
+
+    @staticmethod
+    def replace_first_weight(m, value):
+        p = paddle.create_parameter(value.shape, value.dtype)
+        p.set_value(value)
+        m.up.weight = p
+
+    @staticmethod
+    def fail_when_capturing(m, on):
+        m.fail_capture = on
+
+    @staticmethod
+    def tanh(x):
+        return paddle.tanh(x)
+
+    @staticmethod
+    def matmul(a, b):
+        return paddle.matmul(a, b)
+
+    @staticmethod
+    def no_grad():
+        return paddle.no_grad()
+
+    @staticmethod
+    def requires_grad(t):
+        return not t.stop_gradient
+
+    @staticmethod
+    def autocast():
+        return paddle.amp.auto_cast(dtype="bfloat16")
+
+
+@pytest.fixture
+def F():
+    with graph_opt.testing.simulate_cuda_graphs():
+        yield PaddleShim()
+
+
+@pytest.fixture
+def autocast_tolerance():
+    return 0.0  # Paddle's CPU build runs auto_cast regions in float32 (it warns); the key still holds the amp state
+
+
+def test_paddle_grad_accumulation_after_clear_grad_without_zeroing(F):
+    """clear_gradients(set_to_zero=False) leaves Paddle's grads 'empty', and its accumulation then
+    shares the next gradient it gets: those gradients must be copies, not the static buffers."""
+    ref, m = twins(F, warmup_steps=0)
+    x = F.randn([4, 6, F.hidden], seed=1)
+    for step in range(3):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, x, seed=step)
+        kept = [p.grad.clone() for p in m.parameters()]
+        assert_same_step(F, ref, m, F.randn([4, 6, F.hidden], seed=9), seed=step)  # accumulates
+        assert not all(F.equal(k, p.grad) for k, p in zip(kept, m.parameters()))

@@ -1,0 +1,138 @@
+"""The torch shim of tests/training_kit.py: a transformer-like block, a nested block, and the tensor
+operations the shared tests use. On CPU (simulated graphs) or on a CUDA device (real graphs)."""
+import copy
+
+import torch
+
+import graph_opt
+
+
+class Block(torch.nn.Module):
+    """A transformer-like block: norm, two linears with a residual, dropout."""
+
+    def __init__(self, hidden, dropout=0.0):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, 2 * hidden)
+        self.down = torch.nn.Linear(2 * hidden, hidden)
+        self.drop = torch.nn.Dropout(dropout)
+        self.fail_capture = False
+
+    def forward(self, x):
+        if self.fail_capture and graph_opt.is_capturing():
+            raise RuntimeError("injected capture failure")
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class NestedBlock(torch.nn.Module):
+    """Nested inputs and outputs, an unused argument, one Linear's weight shared by another."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.a = torch.nn.Linear(hidden, hidden)
+        self.b = torch.nn.Linear(hidden, hidden)
+        self.b.weight = self.a.weight
+
+    def forward(self, inp, unused):
+        x = inp["x"]
+        a, (c, count) = inp["pair"]
+        h = torch.tanh(self.a(x) + a)
+        return {"sum": self.b(h) * c, "parts": [h * 2.0, (a * c + h, "tag")], "count": count}
+
+
+class TorchShim:
+    hidden = 16
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def block(self, dropout=0.0, seed=0, **_):
+        torch.manual_seed(seed)
+        return Block(self.hidden, dropout).to(self.device)
+
+    def nested_block(self):
+        torch.manual_seed(0)
+        return NestedBlock(self.hidden).to(self.device)
+
+    copy_block = staticmethod(copy.deepcopy)
+
+    def randn(self, shape, seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(*shape, generator=g).to(self.device)
+
+    @staticmethod
+    def leaf(t, grad):
+        return t.detach().clone().requires_grad_(grad)
+
+    @staticmethod
+    def strided(x):
+        return x[:, ::2]
+
+    @staticmethod
+    def seed(n):
+        torch.manual_seed(n)
+
+    @staticmethod
+    def loss(y):
+        return (y.float() ** 2).mean()
+
+    @staticmethod
+    def grad(t):
+        return t.grad
+
+    @staticmethod
+    def equal(a, b):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+    @staticmethod
+    def max_diff(a, b):
+        return (a.float() - b.float()).abs().max().item()
+
+    @staticmethod
+    def named_params(m):
+        return list(m.named_parameters())
+
+    @staticmethod
+    def zero_grads(m):
+        m.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def sgd(m, lr=0.1):
+        opt = torch.optim.SGD(m.parameters(), lr=lr)
+        opt.clear_grad = lambda: opt.zero_grad(set_to_none=True)
+        return opt
+
+    @staticmethod
+    def shape(t):
+        return list(t.shape)
+
+    @staticmethod
+    def first_weight(m):
+        return m.up.weight
+
+    @staticmethod
+    def replace_first_weight(m, value):
+        m.up.weight = torch.nn.Parameter(value.clone())
+
+    @staticmethod
+    def fail_when_capturing(m, on):
+        m.fail_capture = on
+
+    @staticmethod
+    def tanh(x):
+        return torch.tanh(x)
+
+    @staticmethod
+    def matmul(a, b):
+        return a @ b
+
+    @staticmethod
+    def no_grad():
+        return torch.no_grad()
+
+    @staticmethod
+    def requires_grad(t):
+        return t.requires_grad
+
+    def autocast(self):
+        return torch.autocast(self.device if self.device == "cpu" else "cuda", dtype=torch.bfloat16)

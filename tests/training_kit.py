@@ -1,0 +1,330 @@
+"""The specification of graph_opt.autocudagraph, written once and run per framework.
+
+A test module imports these tests and defines the fixtures they take: `F`, a framework shim (see
+tests/torch_tests/test_torch_training.py), and `autocast_tolerance`. No framework is imported here.
+Eager references are undecorated twins with the same weights: the block given to autocudagraph is
+patched, its twin is not.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import graph_opt
+
+
+def graph_warnings(caplog):
+    return [r for r in caplog.records if r.name == "graph_opt" and r.levelno >= logging.WARNING]
+
+
+def twins(F, **kw):
+    """(eager block, graphed block) with equal weights."""
+    ref = F.block(**kw)
+    return ref, graph_opt.autocudagraph(F.copy_block(ref), **_graph_args(kw))
+
+
+def _graph_args(kw):
+    return {k: kw[k] for k in ("warmup_steps", "dispatch_key_fn", "max_graphs") if k in kw}
+
+
+def run_step(F, model, x, seed, *, extra=None):
+    """One forward + backward from a fresh leaf copy of x; returns (output, input grad)."""
+    xin = F.leaf(x, True)
+    F.seed(seed)
+    out = model(xin) if extra is None else model(xin, extra)
+    y = out["y"] if isinstance(out, dict) else out
+    F.loss(y).backward()
+    return y, F.grad(xin)
+
+
+def assert_same_step(F, ref, m, x, seed, **kw):
+    y_ref, gx_ref = run_step(F, ref, x, seed, **kw)
+    y, gx = run_step(F, m, x, seed, **kw)
+    assert F.equal(y, y_ref), f"outputs differ by {F.max_diff(y, y_ref)}"
+    assert F.equal(gx, gx_ref), f"input grads differ by {F.max_diff(gx, gx_ref)}"
+    for (name, p_ref), (_, p) in zip(F.named_params(ref), F.named_params(m)):
+        assert F.equal(F.grad(p), F.grad(p_ref)), f"grad of {name} differs by {F.max_diff(F.grad(p), F.grad(p_ref))}"
+
+
+# -- 1. bitwise equality over several steps, every warmup_steps ----------------------------------
+@pytest.mark.parametrize("warmup_steps", [0, 1, 2, 3])
+def test_outputs_and_grads_are_bitwise_eager_over_steps(F, warmup_steps, steps=5):
+    ref, m = twins(F, warmup_steps=warmup_steps, dropout=0.0)
+    for step in range(steps):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, F.randn([4, 6, F.hidden], seed=step), seed=step)
+    s = graph_opt.stats(m)
+    assert (s.warmups, s.captures, s.keys, s.graphs) == (warmup_steps, 1, 1, 2)
+    assert s.replays == s.backward_replays == steps - warmup_steps
+    assert s.fallbacks == 0
+
+
+# -- 2. gradient accumulation across micro-batches --------------------------------------------------
+def test_grad_accumulation_across_micro_batches_with_capture_mid_step(F, warmup_steps=1, micro_batches=4, steps=3):
+    """Capture happens at micro-batch warmup_steps+1 of the first step; parameters after every
+    optimizer step equal the eager twin's."""
+    ref, m = twins(F, warmup_steps=warmup_steps, dropout=0.0)
+    opt_ref, opt = F.sgd(ref), F.sgd(m)
+    for step in range(steps):
+        for mb in range(micro_batches):
+            x = F.randn([2, 6, F.hidden], seed=100 * step + mb)
+            run_step(F, ref, x, seed=mb)
+            run_step(F, m, x, seed=mb)
+            if step == 0 and mb == warmup_steps:
+                assert graph_opt.stats(m).captures == 1  # captured mid-step, grads already accumulated
+        for (name, p_ref), (_, p) in zip(F.named_params(ref), F.named_params(m)):
+            assert F.equal(F.grad(p), F.grad(p_ref)), f"step {step}: accumulated grad of {name} differs"
+        opt_ref.step(), opt.step()
+        opt_ref.clear_grad(), opt.clear_grad()
+        for (name, p_ref), (_, p) in zip(F.named_params(ref), F.named_params(m)):
+            assert F.equal(p, p_ref), f"after step {step}: {name} differs by {F.max_diff(p, p_ref)}"
+    assert graph_opt.stats(m).backward_replays == steps * micro_batches - warmup_steps
+
+
+# -- 3. inputs and outputs of every shape -----------------------------------------------------------
+def test_nested_inputs_and_outputs_grad_and_no_grad_strided_unused_shared(F):
+    """Several tensors, some without grad, nested dict/list/tuple in and out, an unused input, a
+    strided input, and a parameter shared by two layers."""
+    ref = F.nested_block()
+    m = graph_opt.autocudagraph(F.copy_block(ref), warmup_steps=1)
+    for step in range(4):
+        base = F.randn([4, 2 * F.hidden], seed=step)
+        a = F.randn([4, F.hidden], seed=50 + step)
+        c = F.randn([4, F.hidden], seed=70 + step)
+
+        def call(model):
+            x = F.leaf(base, True)
+            strided = F.strided(x)  # a non-contiguous view of a grad-carrying tensor
+            a_leaf, c_leaf = F.leaf(a, True), F.leaf(c, False)
+            unused = F.leaf(a, True)
+            out = model({"x": strided, "pair": [a_leaf, (c_leaf, 3)]}, unused)
+            loss = F.loss(out["sum"]) + F.loss(out["parts"][0]) * 0.5 + F.loss(out["parts"][1][0])
+            loss.backward()
+            return out, F.grad(x), F.grad(a_leaf), F.grad(unused)
+
+        F.zero_grads(ref), F.zero_grads(m)
+        out_ref, gx_ref, ga_ref, gu_ref = call(ref)
+        out, gx, ga, gu = call(m)
+        assert out["count"] == out_ref["count"] == 3
+        assert F.equal(out["sum"], out_ref["sum"]) and F.equal(out["parts"][0], out_ref["parts"][0])
+        assert F.equal(out["parts"][1][0], out_ref["parts"][1][0])
+        assert F.equal(gx, gx_ref) and F.equal(ga, ga_ref)
+        assert gu is None and gu_ref is None  # the unused input gets no gradient, as in eager
+        for (name, p_ref), (_, p) in zip(F.named_params(ref), F.named_params(m)):
+            assert F.equal(F.grad(p), F.grad(p_ref)), f"step {step}: grad of {name} differs"
+    assert graph_opt.stats(m).backward_replays == 3
+
+
+def test_a_graphed_function_of_tensors(F):
+    """@autocudagraph on a function of tensors: w is an input, its gradient flows to the caller's w."""
+
+    def block(x, w):
+        return F.tanh(F.matmul(x, w)) * 2.0
+
+    graphed = graph_opt.autocudagraph(block, warmup_steps=1)
+    for step in range(4):
+        x = F.randn([3, F.hidden], seed=step)
+        w0 = F.randn([F.hidden, F.hidden], seed=10 + step)
+        w_ref, w = F.leaf(w0, True), F.leaf(w0, True)
+        x_ref, x_g = F.leaf(x, True), F.leaf(x, True)
+        F.loss(block(x_ref, w_ref)).backward()
+        F.loss(graphed(x_g, w)).backward()
+        assert F.equal(F.grad(w), F.grad(w_ref)) and F.equal(F.grad(x_g), F.grad(x_ref))
+    s = graph_opt.stats(graphed)
+    assert (s.captures, s.replays, s.backward_replays) == (1, 3, 3)
+
+
+# -- 4. objects --------------------------------------------------------------------------------------
+def test_two_instances_do_not_share_graphs_or_buffers(F):
+    ref_a, a = twins(F, warmup_steps=0, dropout=0.0)
+    ref_b, b = twins(F, warmup_steps=0, dropout=0.0, seed=7)
+    for step in range(3):
+        x = F.randn([4, 6, F.hidden], seed=step)
+        F.zero_grads(ref_a), F.zero_grads(a), F.zero_grads(ref_b), F.zero_grads(b)
+        ya, _ = run_step(F, a, x, seed=step)
+        yb, _ = run_step(F, b, x, seed=step)  # b's replay must not overwrite what a returned
+        ya_ref, _ = run_step(F, ref_a, x, seed=step)
+        yb_ref, _ = run_step(F, ref_b, x, seed=step)
+        assert F.equal(ya, ya_ref) and F.equal(yb, yb_ref)
+        assert not F.equal(ya, yb)
+    assert graph_opt.stats(a).replays == graph_opt.stats(b).replays == 3
+
+
+def test_a_replaced_parameter_is_detected_and_recaptured(F, caplog):
+    ref, m = twins(F, warmup_steps=1, dropout=0.0)
+    x = F.randn([4, 6, F.hidden], seed=1)
+    for step in range(3):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, x, seed=step)
+    caplog.clear()
+    new = F.randn(F.shape(F.first_weight(ref)), seed=99)
+    F.replace_first_weight(ref, new)
+    F.replace_first_weight(m, new)
+    for step in range(3):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, x, seed=step)  # never a replay that reads the old weight
+    s = graph_opt.stats(m)
+    assert s.recaptures == 1 and s.captures == 2
+    warnings = graph_warnings(caplog)
+    assert len(warnings) == 1 and "replaced after capture" in warnings[0].getMessage()
+
+
+# -- 5. randomness ------------------------------------------------------------------------------------
+def test_dropout_draws_new_masks_per_replay_and_follows_the_seed(F):
+    """New masks at every replay; with the same seed, the same masks as eager."""
+    ref, m = twins(F, warmup_steps=1, dropout=0.5)
+    x = F.randn([4, 6, F.hidden], seed=3)
+    for step in range(4):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, x, seed=step)
+    outs = []
+    for _ in range(2):  # no reseeding: the generator moves on between replays
+        y = m(F.leaf(x, True))
+        F.loss(y).backward()
+        outs.append(y)
+    assert not F.equal(outs[0], outs[1])
+    assert graph_opt.stats(m).replays == 5
+
+
+# -- 6. mixed precision ------------------------------------------------------------------------------
+def test_autocast_forward_and_backward_graphed(F, autocast_tolerance):
+    """Two micro-batches per autocast region, the optimizer step outside it, as autocast asks. The
+    capture happens on the second micro-batch, when autocast's cache already holds low-precision
+    copies of the weights: a graph that read those copies would replay stale weights after the step."""
+    ref, m = twins(F, warmup_steps=1, dropout=0.0)
+    opt_ref, opt = F.sgd(ref, lr=0.5), F.sgd(m, lr=0.5)
+    for step in range(3):
+        with F.autocast():
+            for mb in range(2):
+                x = F.randn([4, 6, F.hidden], seed=10 * step + mb)
+                y_ref, gx_ref = run_step(F, ref, x, seed=mb)
+                y, gx = run_step(F, m, x, seed=mb)
+                assert F.max_diff(y, y_ref) <= autocast_tolerance and F.max_diff(gx, gx_ref) <= autocast_tolerance
+        for (name, p_ref), (_, p) in zip(F.named_params(ref), F.named_params(m)):
+            assert F.max_diff(F.grad(p), F.grad(p_ref)) <= autocast_tolerance, f"step {step}: grad of {name}"
+        opt_ref.step(), opt.step()
+        opt_ref.clear_grad(), opt.clear_grad()
+    s = graph_opt.stats(m)
+    assert s.replays == 5 and s.fallbacks == 0
+
+
+# -- 8. failures -------------------------------------------------------------------------------------
+def test_a_failed_capture_runs_eagerly_warns_once_and_recovers(F, caplog):
+    ref = F.block(dropout=0.0)
+    m = graph_opt.autocudagraph(F.copy_block(ref), warmup_steps=1)
+    F.fail_when_capturing(m, True)
+    x = F.randn([4, 6, F.hidden], seed=5)
+    caplog.clear()
+    for step in range(3):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, x, seed=step)
+    s = graph_opt.stats(m)
+    assert s.capture_failures == 1 and s.replays == 0 and s.fallbacks == 2
+    assert "injected capture failure" in s.disabled_reason
+    warnings = graph_warnings(caplog)
+    assert len(warnings) == 1 and "capture failed" in warnings[0].getMessage()
+    F.fail_when_capturing(m, False)
+    graph_opt.clear_graphs(m)
+    for step in range(3):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, x, seed=step)
+    s = graph_opt.stats(m)
+    assert s.captures == 1 and s.replays == 2 and s.disabled_reason is None
+
+
+# -- lifecycle around the guarantees ------------------------------------------------------------------
+def test_no_grad_uses_a_forward_graph_only(F):
+    ref, m = twins(F, warmup_steps=1, dropout=0.0)
+    for step in range(3):
+        x = F.randn([4, 6, F.hidden], seed=step)
+        with F.no_grad():
+            y, y_ref = m(x), ref(x)
+        assert F.equal(y, y_ref) and not F.requires_grad(y)
+    s = graph_opt.stats(m)
+    assert (s.keys, s.graphs, s.replays, s.backward_replays) == (1, 1, 2, 0)
+
+
+def test_a_forward_before_the_pending_backward_runs_eagerly(F, caplog):
+    ref, m = twins(F, warmup_steps=0, dropout=0.0)
+    x1, x2 = F.randn([4, 6, F.hidden], seed=1), F.randn([4, 6, F.hidden], seed=2)
+    y1 = m(F.leaf(x1, True))  # replayed: its backward is pending
+    caplog.clear()
+    y2 = m(F.leaf(x2, True))  # must not overwrite y1's activations
+    F.loss(y1).backward()
+    F.loss(y2).backward()
+    F.loss(ref(F.leaf(x1, True))).backward()
+    F.loss(ref(F.leaf(x2, True))).backward()
+    for (name, p_ref), (_, p) in zip(F.named_params(ref), F.named_params(m)):
+        assert F.equal(F.grad(p), F.grad(p_ref)), f"grad of {name}"
+    s = graph_opt.stats(m)
+    assert s.fallback_reasons == {"backward_pending": 1} and s.replays == 1
+    assert len(graph_warnings(caplog)) == 1
+    del y1, y2
+    y3 = m(F.leaf(x1, True))  # the pending backward ran: replays again
+    assert graph_opt.stats(m).replays == 2
+    del y3
+
+
+def test_keys_beyond_max_graphs_run_eagerly_with_one_warning(F, caplog):
+    ref, m = twins(F, warmup_steps=0, dropout=0.0, max_graphs=2)
+    caplog.clear()
+    for rows in (2, 3, 4, 5, 2, 3):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, F.randn([rows, 6, F.hidden], seed=rows), seed=rows)
+    s = graph_opt.stats(m)
+    assert (s.keys, s.fallbacks, s.replays) == (2, 2, 4)
+    assert s.fallback_reasons == {"max_graphs": 2}
+    warnings = graph_warnings(caplog)
+    assert len(warnings) == 1 and "max_graphs=2" in warnings[0].getMessage()
+
+
+def test_dispatch_key_fn_picks_the_graph(F):
+    calls = []
+
+    def key(x):
+        calls.append(1)
+        return "one graph"
+
+    ref, m = twins(F, warmup_steps=0, dropout=0.0, dispatch_key_fn=key)
+    for step in range(3):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, F.randn([4, 6, F.hidden], seed=step), seed=step)
+    assert len(calls) == 3 and graph_opt.stats(m).keys == 1
+
+
+# -- arguments and the kill switch ------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, names", [
+    ({"max_graphs": 0}, "max_graphs=0"),
+    ({"max_graphs": 2.5}, "max_graphs=2.5"),
+    ({"warmup_steps": -1}, "warmup_steps=-1"),
+    ({"warmup_steps": True}, "warmup_steps=True"),
+    ({"dispatch_key_fn": "shape"}, "dispatch_key_fn"),
+])
+def test_bad_arguments_name_the_argument(F, kwargs, names):
+    with pytest.raises(graph_opt.GraphOptInputError, match=names.replace(".", r"\.")):
+        graph_opt.autocudagraph(F.block(), **kwargs)
+
+
+def test_bad_targets_and_key_functions_are_clear_errors(F):
+    with pytest.raises(graph_opt.GraphOptInputError, match=r"autocudagraph\(target\).*int"):
+        graph_opt.autocudagraph(3)
+    with pytest.raises(graph_opt.GraphOptInputError, match="pass an instance"):
+        graph_opt.autocudagraph(type(F.block()))
+    m = graph_opt.autocudagraph(F.block())
+    with pytest.raises(graph_opt.GraphOptInputError, match="already graphed"):
+        graph_opt.autocudagraph(m)
+    bad = graph_opt.autocudagraph(F.block(), dispatch_key_fn=lambda x: [1])
+    with pytest.raises(graph_opt.GraphOptInputError, match="dispatch_key_fn.*unhashable list"):
+        bad(F.randn([2, 6, F.hidden], seed=0))
+
+
+def test_graph_opt_disable_makes_it_transparent(F, monkeypatch):
+    monkeypatch.setenv("GRAPH_OPT_DISABLE", "1")
+    ref, m = twins(F, warmup_steps=0, dropout=0.0)
+    assert "forward" not in m.__dict__  # nothing patched
+    for step in range(3):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, F.randn([4, 6, F.hidden], seed=step), seed=step)
+    s = graph_opt.stats(m)
+    assert s.mode.startswith("disabled") and s.captures == s.replays == s.fallbacks == 0
