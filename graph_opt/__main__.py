@@ -27,8 +27,9 @@ def main(argv=None) -> int:
     demo.add_argument("--hidden", type=int, default=64)
     demo.add_argument("--layers", type=int, default=4)
 
-    bench = sub.add_parser("bench", help="CPU benchmarks: the hook's overhead per call, or program passes")
-    bench.add_argument("what", nargs="?", choices=["overhead", "passes"], default="overhead")
+    bench = sub.add_parser("bench", help="benchmarks: the hook's overhead per call or program passes (CPU), "
+                                         "graphed training steps (GPU, torch)")
+    bench.add_argument("what", nargs="?", choices=["overhead", "passes", "training"], default="overhead")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
 
     config = sub.add_parser("config", help="print the effective config and where each value came from")
@@ -51,6 +52,10 @@ def main(argv=None) -> int:
 
         frameworks = demo_mod.available_frameworks() if args.framework == "auto" else [args.framework]
         return demo_mod.main(frameworks, args.sizes, args.calls, args.hidden, args.layers)
+    if args.what == "training":
+        from .benchmarks import torch_training
+
+        return torch_training.main(args.rest, prog="python -m graph_opt bench training")
     if args.what == "passes":
         from .benchmarks import paddle_passes
 

@@ -145,14 +145,17 @@ class Signature:
 
 
 @contextlib.contextmanager
-def frozen_gc():
+def frozen_gc(collect: bool = True):
     """Collect once, then keep the collector out of the capture phase.
 
     A collection during capture is slow (it walks every object) and could free tensors whose memory a
     graph being captured still uses; freezing moves today's objects out of the collector's reach.
+    collect=False skips the first collection (a capture in the middle of training, where one costs
+    about 0.1 s of a large heap and frees little).
     """
     was_enabled = gc.isenabled()
-    gc.collect()
+    if collect:
+        gc.collect()
     gc.freeze()
     gc.disable()
     try:

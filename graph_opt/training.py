@@ -163,7 +163,9 @@ class GraphedBlock:
         self.pending = 0  # forward replays whose backward has not run yet
         self.generation = 0  # forward replays so far: a backward checks its activations are still there
         self.epoch = 0  # releases of the graphs so far
-        self.watched: List[Tuple[dict, str, Any, int]] = []  # (owner dict, name, tensor, address)
+        self.lent: List[Tuple[Any, Any]] = []  # (leaf, gradient buffer) handed out by the last backward
+        self.watched: List[Tuple[dict, str, Any]] = []  # (owner dict, name, tensor) of parameters and buffers
+        self.watched_ptrs: List[int] = []  # their addresses at capture
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
         self.disabled_reason: Optional[str] = None
         self._warned: set = set()
@@ -220,6 +222,8 @@ class GraphedBlock:
     def forward_replay(self, graphs: StepGraphs, tensors):
         """Copy the inputs in, replay the forward graph, return copies of the outputs (a caller may keep
         them; the next replay rewrites the buffers)."""
+        if self.lent:
+            self._reclaim()
         copy_ = self.adapter.copy_
         for dst, src in zip(graphs.static_inputs, tensors):
             copy_(dst, src)
@@ -240,6 +244,8 @@ class GraphedBlock:
                 f"{self.name}: backward through a graphed forward whose activations a later forward replay "
                 "overwrote (or whose graphs were cleared); run each step's backward before the next forward "
                 "of this block")
+        if self.lent:
+            self._reclaim()
         copy_, zero_ = self.adapter.copy_, self.bridge.zero_
         for buf, g in zip(graphs.grad_out_buffers, grads):
             if g is None:
@@ -249,11 +255,31 @@ class GraphedBlock:
         graphs.backward.replay()
         self.counters.backward_replays += 1
         pending.release()
-        # A leaf keeps the first gradient it is handed as its .grad: that one must be a copy.
-        keeps = self.bridge.keeps_as_grad
-        clone = self.bridge.clone
-        return [None if buf is None else (clone(buf) if keeps(t) else buf)
-                for buf, t in zip(graphs.grad_buffers, pending.inputs)]
+        # A leaf keeps the first gradient it is handed as its .grad, the static buffer itself. Where the
+        # framework allows, the buffer is lent (no copy) and moved out before the next replay if the leaf
+        # still holds it (gradient accumulation); otherwise the leaf gets a copy.
+        bridge = self.bridge
+        keeps, lends = bridge.keeps_as_grad, bridge.lends_gradients
+        out = []
+        for buf, t in zip(graphs.grad_buffers, pending.inputs):
+            if buf is not None and keeps(t):
+                if lends:
+                    self.lent.append((t, buf))
+                    buf = bridge.detach(buf)  # a tensor of its own over the buffer, so autograd can keep it
+                else:
+                    buf = bridge.clone(buf)
+            out.append(buf)
+        return out
+
+    def _reclaim(self) -> None:
+        """Give leaves still holding a lent gradient buffer as .grad a copy of their own, before a replay
+        (of any key: they share the pool) rewrites it."""
+        data_ptr = self.adapter.data_ptr
+        for t, buf in self.lent:
+            grad = t.grad
+            if grad is not None and data_ptr(grad) == data_ptr(buf):
+                self.bridge.set_grad(t, self.bridge.clone(grad))
+        self.lent.clear()
 
     # -- keys --------------------------------------------------------------------------------------
     def _key(self, spec, leaves, args, kwargs):
@@ -298,14 +324,14 @@ class GraphedBlock:
             self.watched = self._watch()
 
     def _watch(self):
-        return [(owner, name, t, self.adapter.data_ptr(t)) for owner, name, t in self.bridge.owned_tensors(self.module)]
+        owned = self.bridge.owned_tensors(self.module)
+        self.watched_ptrs = [self.adapter.data_ptr(t) for _, _, t in owned]
+        return owned
 
     def _params_moved(self) -> bool:
         data_ptr = self.adapter.data_ptr
-        for owner, name, t, ptr in self.watched:
-            if owner.get(name) is not t or data_ptr(t) != ptr:
-                return True
-        return False
+        return (any(owner.get(name) is not t for owner, name, t in self.watched)
+                or [data_ptr(t) for _, _, t in self.watched] != self.watched_ptrs)
 
     def _recapture(self) -> None:
         if "recapture" not in self._warned:
@@ -321,6 +347,9 @@ class GraphedBlock:
     def _capture(self, state: KeyState, leaves, spec, args, kwargs, needs_grad: bool) -> Optional[StepGraphs]:
         bridge, adapter = self.bridge, self.adapter
         simulated = simulation_enabled() or not adapter.graphs_supported()
+        if self.module is not None:  # what the graphs will read: parameters as they are now
+            self.params = bridge.trainable_parameters(self.module)
+            self.watched = self._watch()
         targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
         grads_before = bridge.snapshot_grads(targets)
         rng = bridge.rng_state()
@@ -329,7 +358,7 @@ class GraphedBlock:
         try:
             if self.pool is None and not simulated:
                 self.pool = adapter.new_pool()
-            with guards.state_lock, frozen_gc(), guards.capture_custom_allreduce(), adapter.capture_stream():
+            with guards.state_lock, frozen_gc(collect=False), guards.capture_custom_allreduce(), adapter.capture_stream():
                 graphs = _capture_key(self, leaves, spec, needs_grad, simulated, rng)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the key eager, with one warning
             bridge.set_rng_state(rng)
@@ -361,6 +390,8 @@ class GraphedBlock:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def release(self, keep_warmups: bool = False) -> None:
+        if self.lent:
+            self._reclaim()
         for state in self.keys.values():
             if state.graphs is not None:
                 state.graphs.release()

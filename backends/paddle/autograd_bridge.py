@@ -69,6 +69,11 @@ class PaddleAutogradBridge:
         with paddle.no_grad():
             dst.copy_(src.detach(), False)
 
+    lends_gradients = False
+
+    def set_grad(self, t, grad) -> None:
+        t.grad = grad
+
     def keeps_as_grad(self, t) -> bool:
         """Paddle's accumulation shares the first gradient a leaf gets (also after clear_grad(False)),
         so every gradient handed to a leaf is a copy."""

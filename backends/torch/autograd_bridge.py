@@ -12,6 +12,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 class _ReplayStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block, graphs, *tensors):
@@ -69,6 +72,12 @@ class TorchAutogradBridge:
     def copy_detached(self, dst, src) -> None:
         with torch.no_grad():
             dst.copy_(src)
+
+    lends_gradients = True
+
+    def set_grad(self, t, grad) -> None:
+        with torch.no_grad():
+            t.grad = grad
 
     def keeps_as_grad(self, t) -> bool:
         """Would autograd keep the gradient handed to t as t.grad itself (instead of adding it)?"""
@@ -133,6 +142,8 @@ class TorchAutogradBridge:
 
     # -- autocast and random state ---------------------------------------------------------------
     def amp_state(self):
+        if not _any_autocast():  # one call on the common path instead of four
+            return None
         return (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
                 torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
 

@@ -77,3 +77,11 @@ def test_without_cuda_or_simulation_it_runs_eagerly_with_one_warning(caplog):
     s = graph_opt.stats(m)
     assert s.fallback_reasons == {"no_graphs": 3} and s.captures == 0
     assert len(graph_warnings(caplog)) == 1
+
+
+def test_second_order_gradients_are_refused_clearly(F):
+    _, m = twins(F, warmup_steps=0)
+    y = m(F.leaf(F.randn([4, 6, F.hidden], seed=1), True))
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (g,) = torch.autograd.grad(F.loss(y), [m.up.weight], create_graph=True)
+        g.sum().backward()
