@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -165,6 +166,9 @@ class GraphedBlock:
         self.epoch = 0  # releases of the graphs so far
         self.lent: List[Tuple[Any, Any]] = []  # (leaf, gradient buffer) handed out by the last backward
         self.watched: List[Tuple[dict, str, Any]] = []  # (owner dict, name, tensor) of parameters and buffers
+        self.watched_owners: List[dict] = []  # the same, column by column: checked on every call
+        self.watched_names: List[str] = []
+        self.watched_tensors: List[Any] = []
         self.watched_ptrs: List[int] = []  # their addresses at capture
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
         self.disabled_reason: Optional[str] = None
@@ -255,21 +259,7 @@ class GraphedBlock:
         graphs.backward.replay()
         self.counters.backward_replays += 1
         pending.release()
-        # A leaf keeps the first gradient it is handed as its .grad, the static buffer itself. Where the
-        # framework allows, the buffer is lent (no copy) and moved out before the next replay if the leaf
-        # still holds it (gradient accumulation); otherwise the leaf gets a copy.
-        bridge = self.bridge
-        keeps, lends = bridge.keeps_as_grad, bridge.lends_gradients
-        out = []
-        for buf, t in zip(graphs.grad_buffers, pending.inputs):
-            if buf is not None and keeps(t):
-                if lends:
-                    self.lent.append((t, buf))
-                    buf = bridge.detach(buf)  # a tensor of its own over the buffer, so autograd can keep it
-                else:
-                    buf = bridge.clone(buf)
-            out.append(buf)
-        return out
+        return self.bridge.hand_out(graphs.grad_buffers, pending.inputs, self.lent)
 
     def _reclaim(self) -> None:
         """Give leaves still holding a lent gradient buffer as .grad a copy of their own, before a replay
@@ -325,13 +315,16 @@ class GraphedBlock:
 
     def _watch(self):
         owned = self.bridge.owned_tensors(self.module)
-        self.watched_ptrs = [self.adapter.data_ptr(t) for _, _, t in owned]
+        self.watched_owners = [owner for owner, _, _ in owned]
+        self.watched_names = [name for _, name, _ in owned]
+        self.watched_tensors = [t for _, _, t in owned]
+        self.watched_ptrs = self.bridge.addresses(self.watched_tensors)
         return owned
 
     def _params_moved(self) -> bool:
-        data_ptr = self.adapter.data_ptr
-        return (any(owner.get(name) is not t for owner, name, t in self.watched)
-                or [data_ptr(t) for _, _, t in self.watched] != self.watched_ptrs)
+        tensors = self.watched_tensors
+        return (any(map(operator.is_not, map(dict.get, self.watched_owners, self.watched_names), tensors))
+                or self.bridge.addresses(tensors) != self.watched_ptrs)
 
     def _recapture(self) -> None:
         if "recapture" not in self._warned:

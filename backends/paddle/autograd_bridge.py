@@ -69,15 +69,17 @@ class PaddleAutogradBridge:
         with paddle.no_grad():
             dst.copy_(src.detach(), False)
 
-    lends_gradients = False
-
     def set_grad(self, t, grad) -> None:
         t.grad = grad
 
-    def keeps_as_grad(self, t) -> bool:
-        """Paddle's accumulation shares the first gradient a leaf gets (also after clear_grad(False)),
-        so every gradient handed to a leaf is a copy."""
-        return t.is_leaf
+    def hand_out(self, buffers, inputs, lent):
+        """The gradients backward returns, one per input. Paddle's accumulation shares the first
+        gradient a leaf gets (also after clear_gradients(set_to_zero=False)), so a leaf gets a copy."""
+        return [buf.clone() if buf is not None and t.is_leaf else buf for buf, t in zip(buffers, inputs)]
+
+    @staticmethod
+    def addresses(tensors):
+        return [t.data_ptr() for t in tensors]
 
     # -- autograd --------------------------------------------------------------------------------
     def grad_enabled(self) -> bool:

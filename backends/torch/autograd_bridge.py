@@ -12,6 +12,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 
+_data_ptr = torch.Tensor.data_ptr
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
@@ -73,15 +74,25 @@ class TorchAutogradBridge:
         with torch.no_grad():
             dst.copy_(src)
 
-    lends_gradients = True
-
     def set_grad(self, t, grad) -> None:
         with torch.no_grad():
             t.grad = grad
 
-    def keeps_as_grad(self, t) -> bool:
-        """Would autograd keep the gradient handed to t as t.grad itself (instead of adding it)?"""
-        return t.is_leaf and t.grad is None
+    def hand_out(self, buffers, inputs, lent):
+        """The gradients backward returns, one per input: the static buffers. A leaf without a .grad
+        keeps what it is handed as its .grad, so it gets a tensor of its own over the buffer (no copy),
+        recorded in `lent`: the block gives it a copy before the next replay if it still holds it."""
+        out = []
+        for buf, t in zip(buffers, inputs):
+            if buf is not None and t.is_leaf and t.grad is None:
+                lent.append((t, buf))
+                buf = buf.detach()
+            out.append(buf)
+        return out
+
+    @staticmethod
+    def addresses(tensors):
+        return list(map(_data_ptr, tensors))
 
     # -- autograd --------------------------------------------------------------------------------
     def grad_enabled(self) -> bool:
