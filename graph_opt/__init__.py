@@ -27,6 +27,7 @@ from .guards import (
     sot_warmup_guard,
     unregister_custom_allreduce,
 )
+from .host_outputs import HostFuture, to_host_async
 from .passes import optimize_program
 from .split import splitting_op
 from .stats import CaptureReport, Stats
@@ -41,6 +42,8 @@ __all__ = [
     "load_config",
     "support_graph_optimization",
     "autocudagraph",
+    "to_host_async",
+    "HostFuture",
     "capture_model",
     "clear_graphs",
     "stats",

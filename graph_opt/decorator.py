@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 from . import backends, config as config_mod, env, split, training
 from .cudagraph import REQUIRED, EagerStrategy, GraphRunner, frozen_gc
 from .errors import GraphOptConfigError, GraphOptInputError
+from .host_outputs import HostOutputs
 from .stats import CaptureReport, SizeReport, Stats
 from .testing import simulation_enabled
 
@@ -36,6 +37,7 @@ class GraphOptState:
         self.plain: Optional[Callable] = None  # the path without graphs, once chosen
         self.selection = None if cfg.full_cuda_graph else split.SplitSelection(cfg.cudagraph_splitting_ops)
         self.notes: list = []
+        self.host_outputs: Optional[HostOutputs] = None
 
     # -- mode ----------------------------------------------------------------------------------
     @property
@@ -122,11 +124,13 @@ class GraphOptState:
     def __call__(self, *args, **kwargs):
         runner = self.runner
         if runner is not None:
-            return runner(*args, **kwargs)
-        runner = self.ensure_runner()
-        if runner is not None:
-            return runner(*args, **kwargs)
-        return self.plain_call()(*args, **kwargs)
+            out = runner(*args, **kwargs)
+        else:
+            runner = self.ensure_runner()
+            out = runner(*args, **kwargs) if runner is not None else self.plain_call()(*args, **kwargs)
+        if self.host_outputs is not None:
+            return self.host_outputs.apply(self.adapter, out)
+        return out
 
 
 def _params(forward_fn) -> list:
@@ -160,7 +164,8 @@ def _check_dynamic_arg_dims(cls, dynamic_arg_dims) -> Optional[Dict[str, int]]:
     return dict(dynamic_arg_dims)
 
 
-def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str, int]] = None):
+def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str, int]] = None,
+                               host_outputs: Optional[Sequence[str]] = None, host_ring_depth: int = 2):
     """Class decorator for a paddle.nn.Layer or torch.nn.Module subclass.
 
     The constructor then accepts `graph_opt_config=` (a GraphOptConfig, a dict or a YAML path; default
@@ -169,9 +174,14 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
 
     dynamic_arg_dims maps forward argument names to their batch dimension; by default dimension 0 of
     every tensor argument is the batch dimension.
+
+    host_outputs names output leaves ("next_tokens", "out.tokens", "aux.0") that come back as
+    HostFutures: their device-to-host copies start at once and the host waits only in result(). Each
+    model has its own pinned rings, host_ring_depth buffers per shape (see graph_opt.host_outputs).
     """
     if cls is None:
-        return lambda c: support_graph_optimization(c, dynamic_arg_dims=dynamic_arg_dims)
+        return lambda c: support_graph_optimization(c, dynamic_arg_dims=dynamic_arg_dims, host_outputs=host_outputs,
+                                                    host_ring_depth=host_ring_depth)
     if not isinstance(cls, type):
         raise TypeError(
             "@support_graph_optimization decorates a class (a paddle.nn.Layer or torch.nn.Module subclass), "
@@ -179,6 +189,8 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
         )
     framework = backends.framework_of(cls)
     dims = _check_dynamic_arg_dims(cls, dynamic_arg_dims)
+    if host_outputs is not None:  # checked now: a bad path list is an error at decoration
+        HostOutputs(host_outputs, host_ring_depth, cls.__qualname__)
     if cls.__dict__.get("__graph_opt_decorated__"):
         return cls
     orig_init = cls.__init__
@@ -190,6 +202,8 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
         # A decorated subclass runs its own __init__ last: the outermost config wins.
         if graph_opt_config is not None or _STATE_ATTR not in self.__dict__:
             state = GraphOptState(self, config_mod.resolve(graph_opt_config), dims, framework, orig_call)
+            if host_outputs is not None:
+                state.host_outputs = HostOutputs(host_outputs, host_ring_depth, cls.__qualname__)
             object.__setattr__(self, _STATE_ATTR, state)
 
     def __call__(self, *args, **kwargs):

@@ -45,6 +45,21 @@ def simulate_cuda_graphs():
         _simulating = old
 
 
+@contextlib.contextmanager
+def slow_host_copies(polls: int = 3):
+    """Within this block, host copies (to_host_async, host_outputs) start but land only after `polls`
+    calls of the future's ready(), at its result(), or when graph_opt next replays a graph (the
+    producing stream waits for them, as on a device). A stand-in for a slow device-to-host copy."""
+    from . import host_outputs
+
+    old = host_outputs._slow_polls
+    host_outputs._slow_polls = polls
+    try:
+        yield
+    finally:
+        host_outputs._slow_polls = old
+
+
 def simulation_enabled() -> bool:
     return _simulating or env.simulate_requested()
 

@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import backends, env, guards
 from .cudagraph import frozen_gc
 from .errors import GraphOptError, GraphOptInputError
+from .host_outputs import _pending as _pending_host_copies, land_pending_copies
 from .pytree import flatten, unflatten
 from .testing import simulation_enabled
 
@@ -228,6 +229,8 @@ class GraphedBlock:
         them; the next replay rewrites the buffers)."""
         if self.lent:
             self._reclaim()
+        if _pending_host_copies:
+            land_pending_copies()
         copy_ = self.adapter.copy_
         for dst, src in zip(graphs.static_inputs, tensors):
             copy_(dst, src)

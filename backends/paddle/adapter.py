@@ -44,6 +44,8 @@ class PaddleAdapter:
     def __init__(self):
         self._tensor = paddle.Tensor
         self._graphs = None
+        self._copy_stream = None
+        self._in_flight = []  # (event, sources) of device-to-host copies not yet known done
 
     def is_tensor(self, x) -> bool:
         return isinstance(x, self._tensor)
@@ -107,6 +109,49 @@ class PaddleAdapter:
 
     def capture_stream(self):
         return contextlib.nullcontext()
+
+    # -- host copies (graph_opt.to_host_async); the CUDA path is written against Paddle 3.2+, not run --
+    def pinned_like(self, t):
+        if t.place.is_gpu_place():
+            return paddle.empty(t.shape, dtype=t.dtype).pin_memory()
+        return paddle.empty(t.shape, dtype=t.dtype)
+
+    def copy_to_host_async(self, buffers, sources):
+        """As torch's: a copy stream after the producing stream's work; the producer waits for the copy."""
+        if not sources or not sources[0].place.is_gpu_place():
+            for dst, src in zip(buffers, sources):
+                dst.copy_(src, True)
+            return None
+        cuda = paddle.device.cuda
+        self._in_flight = [(e, s) for e, s in self._in_flight if not e.query()]
+        if self._copy_stream is None:
+            self._copy_stream = cuda.Stream()
+        producer = cuda.current_stream()
+        ready = cuda.Event()
+        ready.record(producer)
+        stream = self._copy_stream
+        stream.wait_event(ready)
+        with cuda.stream_guard(stream):
+            for dst, src in zip(buffers, sources):
+                dst.copy_(src, False)
+            done = cuda.Event()
+            done.record(stream)
+        producer.wait_event(done)
+        self._in_flight.append((done, list(sources)))  # Paddle has no record_stream: keep the sources
+        return done
+
+    def event_done(self, event) -> bool:
+        if not event.query():
+            return False
+        self._in_flight = [(e, s) for e, s in self._in_flight if e is not event]
+        return True
+
+    def event_wait(self, event) -> None:
+        event.synchronize()
+        self._in_flight = [(e, s) for e, s in self._in_flight if e is not event]
+
+    def host_numpy(self, t):
+        return t.numpy().copy()
 
     def memory_in_use(self):
         if not self.graphs_supported():

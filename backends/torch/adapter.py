@@ -51,6 +51,7 @@ class TorchAdapter:
     def __init__(self):
         self._tensor = torch.Tensor
         self._stream = None  # the one capture stream, created on first use
+        self._copy_stream = None  # device-to-host copies (to_host_async), created on first use
 
     # -- tensors ---------------------------------------------------------------------------------
     def is_tensor(self, x) -> bool:
@@ -135,6 +136,40 @@ class TorchAdapter:
         finally:
             gc.collect, torch.cuda.empty_cache = collect, empty_cache
             current.wait_stream(stream)  # the caller's next work sees the capture phase's outputs
+
+    # -- host copies (graph_opt.to_host_async) -----------------------------------------------------
+    def pinned_like(self, t):
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+
+    def copy_to_host_async(self, buffers, sources):
+        """Copy on the copy stream after the producing stream's work so far; the producing stream then
+        waits for the copy, so later work there cannot overwrite a source first. None: done at once."""
+        if not sources or not sources[0].is_cuda:
+            for dst, src in zip(buffers, sources):
+                dst.copy_(src)
+            return None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        producer = torch.cuda.current_stream()
+        stream = self._copy_stream
+        stream.wait_stream(producer)
+        with torch.cuda.stream(stream):
+            for dst, src in zip(buffers, sources):
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(stream)  # the allocator must not hand src's memory out before the copy
+            done = torch.cuda.Event()
+            done.record(stream)
+        producer.wait_event(done)
+        return done
+
+    def event_done(self, event) -> bool:
+        return event.query()
+
+    def event_wait(self, event) -> None:
+        event.synchronize()
+
+    def host_numpy(self, t):
+        return t.numpy().copy()
 
     def memory_in_use(self):
         if not self.graphs_supported():

@@ -1,0 +1,257 @@
+"""Device-to-host copies the host does not wait for: to_host_async() and host_outputs=.
+
+    fut = graph_opt.to_host_async({"tokens": next_tokens, "stop": stop})
+    ...launch the next step...
+    host = fut.result()          # waits on this copy's event only; numpy arrays, the tree's shape
+
+Each leaf is copied into a pinned host buffer taken from a ring (one ring per shape and dtype, `depth`
+buffers, allocated once). The copy runs on a copy stream after an event on the producing stream, and
+the producing stream then waits for the copy's event: later work there (the next replay, an in-place
+op) cannot overwrite a source before its copy ends, and the allocator cannot recycle it early. The
+host waits only in result(), on that copy's event.
+
+Ring rule: a buffer is reused only when the future that holds it has been read or dropped. Taking a
+buffer whose future is unread is an error that says so: never stale data. A reader with one step of
+lag needs depth 2 per producer (the default); two producers sharing shapes need their own rings
+(`host_outputs=` gives each model its own) or more depth.
+
+Without a device (CPU tensors) the copy is done at once and the future is complete: same API.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+from .errors import GraphOptError, GraphOptInputError
+from .pytree import flatten, unflatten
+
+
+class HostFuture:
+    """The host copy of a tree of tensors, under way. ready() never blocks; result() waits for this
+    copy only and returns numpy arrays (copies of the pinned buffers: they stay valid)."""
+
+    __slots__ = ("_adapter", "_spec", "_buffers", "_event", "_sources", "_values", "_deferred", "__weakref__")
+
+    def __init__(self, adapter, spec, buffers, event, sources, deferred=None):
+        self._adapter = adapter
+        self._spec = spec
+        self._buffers = buffers
+        self._event = event
+        self._sources = sources  # kept alive until the copy is known done
+        self._values = None
+        self._deferred = deferred  # a simulated slow copy (graph_opt.testing.slow_host_copies)
+
+    def ready(self) -> bool:
+        if self._values is not None:
+            return True
+        if self._deferred is not None:
+            if not self._deferred.poll():
+                return False
+            self._deferred = None
+        if self._event is not None and not self._adapter.event_done(self._event):
+            return False
+        self._sources = None
+        return True
+
+    def result(self):
+        if self._values is None:
+            if self._deferred is not None:
+                self._deferred.finish()
+                self._deferred = None
+            if self._event is not None:
+                self._adapter.event_wait(self._event)
+            to_numpy = self._adapter.host_numpy
+            self._values = [to_numpy(b) for b in self._buffers]
+            self._sources = None
+            self._buffers = None  # read: the ring may hand these buffers out again
+        return unflatten(self._spec, list(self._values))
+
+    @property
+    def read(self) -> bool:
+        return self._values is not None
+
+    def __repr__(self) -> str:
+        return f"<HostFuture {'read' if self._values is not None else 'pending'}>"
+
+
+class _Ring:
+    __slots__ = ("buffers", "holders", "next")
+
+    def __init__(self):
+        self.buffers: List[Any] = []
+        self.holders: List[Optional[weakref.ref]] = []
+        self.next = 0
+
+
+class HostRings:
+    """Pinned host buffers, one ring per (shape, dtype, device), each `depth` deep."""
+
+    def __init__(self, depth: int = 2, name: str = "to_host_async"):
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise GraphOptInputError(f"{name}: ring depth={depth!r}: expected an int >= 1")
+        self.depth = depth
+        self.name = name
+        self.rings: Dict[Any, _Ring] = {}
+        self.pinned_bytes = 0
+
+    def take(self, adapter, t) -> Tuple[_Ring, int, Any]:
+        key = (tuple(adapter.shape(t)), adapter.layout(t))
+        ring = self.rings.get(key)
+        if ring is None:
+            ring = self.rings[key] = _Ring()
+        i = ring.next
+        if i == len(ring.buffers):  # the ring fills in order, up to depth buffers
+            ring.buffers.append(adapter.pinned_like(t))
+            ring.holders.append(None)
+            self.pinned_bytes += adapter.nbytes(t)
+        holder = ring.holders[i]
+        owner = holder() if holder is not None else None
+        if owner is not None and not owner.read:
+            raise GraphOptError(
+                f"{self.name}: the ring for shape {list(key[0])} {key[1][0]} is {self.depth} deep and all its "
+                f"buffers hold results not yet read; read an earlier future (result()) before copying again, "
+                f"or use a deeper ring (depth={self.depth + 1} or more)")
+        ring.next = (i + 1) % self.depth
+        return ring, i, ring.buffers[i]
+
+    def copy(self, adapter, tree):
+        """Start the copy of every tensor leaf of `tree`; returns its HostFuture."""
+        leaves, spec = flatten(tree, adapter.is_tensor)
+        taken = [self.take(adapter, t) for t in leaves]
+        buffers = [b for _, _, b in taken]
+        deferred = _slow_copy(adapter, buffers, leaves)
+        event = None if deferred is not None else adapter.copy_to_host_async(buffers, leaves)
+        future = HostFuture(adapter, spec, buffers, event, leaves, deferred)
+        ref = weakref.ref(future)
+        for ring, i, _ in taken:
+            ring.holders[i] = ref
+        return future
+
+
+_default_rings: Dict[int, HostRings] = {}
+
+
+def to_host_async(tree, depth: int = 2) -> HostFuture:
+    """Copy the tensor leaves of `tree` (nested dict/list/tuple) to pinned host memory without blocking
+    the host; returns a HostFuture. `depth`: buffers per shape and dtype in the process-wide rings."""
+    from . import backends
+
+    leaves, _ = flatten(tree, _is_any_tensor)
+    if not leaves:
+        raise GraphOptInputError(
+            "to_host_async(tree): found no paddle or torch tensor in it; pass a tensor or a dict/list/tuple of them")
+    framework = "torch" if "torch" in sys.modules and isinstance(leaves[0], sys.modules["torch"].Tensor) else "paddle"
+    adapter = backends.load(framework).ADAPTER
+    rings = _default_rings.get(depth)
+    if rings is None:
+        rings = _default_rings[depth] = HostRings(depth)
+    return rings.copy(adapter, tree)
+
+
+def _is_any_tensor(x) -> bool:
+    for name in ("torch", "paddle"):
+        module = sys.modules.get(name)
+        if module is not None and isinstance(x, module.Tensor):
+            return True
+    return False
+
+
+# -- host_outputs= on the decorator -----------------------------------------------------------------
+class HostOutputs:
+    """The output leaves a model hands back as HostFutures, named by paths ("next_tokens", "out.tokens",
+    "aux.0"); its own rings, so two models never take each other's buffers."""
+
+    def __init__(self, paths, depth: int, model_name: str):
+        if isinstance(paths, str) or not isinstance(paths, (list, tuple)) or not paths:
+            raise GraphOptInputError(
+                f"host_outputs={paths!r}: expected a non-empty list of output paths such as "
+                "['next_tokens', 'out.tokens', 'aux.0']")
+        for p in paths:
+            if not isinstance(p, str) or not p or any(not part for part in p.split(".")):
+                raise GraphOptInputError(
+                    f"host_outputs: {p!r} is not an output path; write keys and indices joined by dots, "
+                    "e.g. 'stop', 'out.tokens', 'aux.0'")
+        self.paths = [tuple(p.split(".")) for p in paths]
+        self.names = list(paths)
+        self.rings = HostRings(depth, name=f"{model_name} host_outputs")
+        self.model_name = model_name
+
+    def apply(self, adapter, out):
+        for path, name in zip(self.paths, self.names):
+            out = _replace(out, path, name, self, adapter)
+        return out
+
+
+def _replace(node, path, name, host: HostOutputs, adapter):
+    if not path:
+        if not adapter.is_tensor(node):
+            raise GraphOptInputError(
+                f"{host.model_name}: host_outputs path {name!r} names a {type(node).__name__}, not a tensor")
+        return host.rings.copy(adapter, node)
+    key, rest = path[0], path[1:]
+    if isinstance(node, dict):
+        if key not in node:
+            raise _no_match(host, name, key, list(node))
+        new = dict(node)
+        new[key] = _replace(node[key], rest, name, host, adapter)
+        return new
+    if isinstance(node, (list, tuple)):
+        if not key.lstrip("-").isdigit() or not -len(node) <= int(key) < len(node):
+            raise _no_match(host, name, key, [str(i) for i in range(len(node))])
+        items = list(node)
+        items[int(key)] = _replace(items[int(key)], rest, name, host, adapter)
+        if isinstance(node, list):
+            return items
+        return type(node)(*items) if hasattr(node, "_fields") else tuple(items)
+    import dataclasses
+
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        fields = [f.name for f in dataclasses.fields(node)]
+        if key not in fields:
+            raise _no_match(host, name, key, fields)
+        return dataclasses.replace(node, **{key: _replace(getattr(node, key), rest, name, host, adapter)})
+    raise _no_match(host, name, key, [])
+
+
+def _no_match(host: HostOutputs, name: str, key: str, available) -> GraphOptInputError:
+    where = f"there are: {', '.join(map(str, available))}" if available else "the output has no parts there"
+    return GraphOptInputError(f"{host.model_name}: host_outputs path {name!r} matches nothing: no {key!r}; {where}")
+
+
+# -- a slow copy, for tests on a host (graph_opt.testing.slow_host_copies) ----------------------------
+class _DeferredCopy:
+    """A copy that has not happened yet: it lands after `polls` calls of ready(), at result(), or when
+    graph_opt next replays (the producing stream waits for it, as on a device)."""
+
+    def __init__(self, adapter, buffers, sources, polls):
+        self.adapter, self.buffers, self.sources, self.polls = adapter, buffers, sources, polls
+        _pending.append(self)
+
+    def poll(self) -> bool:
+        self.polls -= 1
+        if self.polls <= 0:
+            self.finish()
+            return True
+        return False
+
+    def finish(self) -> None:
+        if self.sources is not None:
+            self.adapter.copy_to_host_async(self.buffers, self.sources)
+            self.sources = None
+            if self in _pending:
+                _pending.remove(self)
+
+
+_pending: List[_DeferredCopy] = []
+_slow_polls = 0
+
+
+def _slow_copy(adapter, buffers, sources):
+    return _DeferredCopy(adapter, buffers, sources, _slow_polls) if _slow_polls else None
+
+
+def land_pending_copies() -> None:
+    """Before graph_opt writes a replay's outputs: the copies still reading them land first."""
+    while _pending:
+        _pending[0].finish()

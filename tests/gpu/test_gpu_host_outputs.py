@@ -1,0 +1,57 @@
+"""Async host outputs on real CUDA graphs and streams: tests/host_outputs_kit.py with the torch shim on
+the GPU, and a copy made slow on the device itself. Skipped without a CUDA device."""
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch_tests"))
+
+import numpy as np  # noqa: E402
+
+import graph_opt  # noqa: E402
+from graph_opt.backends.torch.adapter import ADAPTER  # noqa: E402
+from host_outputs_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
+from test_torch_host_outputs import TorchHostShim  # noqa: E402
+
+
+@pytest.fixture
+def H():
+    with torch.no_grad():
+        yield TorchHostShim("cuda")
+    torch.cuda.synchronize()
+
+
+def test_a_copy_delayed_on_the_device_still_reads_its_step(H, monkeypatch):
+    """The copy stream sleeps before each copy: the next replay is launched at once and must wait."""
+    real = ADAPTER.copy_to_host_async
+
+    def slow(buffers, sources):
+        if ADAPTER._copy_stream is None:
+            ADAPTER._copy_stream = torch.cuda.Stream()
+        ADAPTER._copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(ADAPTER._copy_stream):
+            torch.cuda._sleep(20_000_000)  # tens of milliseconds
+        return real(buffers, sources)
+
+    model, twin = H.model(host_outputs=["next_tokens"]), H.model()
+    s = H.state(8, seed=1)
+    ref1 = twin(s)
+    want1 = H.numpy(ref1["next_tokens"])
+    want2 = H.numpy(twin(ref1["state"])["next_tokens"])
+    monkeypatch.setattr(ADAPTER, "copy_to_host_async", slow)
+    out1 = model(s)
+    assert not out1["next_tokens"].ready()
+    out2 = model(out1["state"])  # rewrites the buffer out1's copy reads, unless it waits
+    assert np.array_equal(out1["next_tokens"].result(), want1)
+    assert np.array_equal(out2["next_tokens"].result(), want2)
+
+
+def test_results_come_from_pinned_memory(H):
+    model = H.model(host_outputs=["stop"])
+    model(H.state(4, seed=2))["stop"].result()
+    rings = graph_opt.decorator.state_of(model).host_outputs.rings
+    assert all(b.is_pinned() for ring in rings.rings.values() for b in ring.buffers)

@@ -1,0 +1,162 @@
+"""The specification of async host outputs (graph_opt.to_host_async, host_outputs=), written once and
+run per framework. A test module imports these tests and defines the fixture `H`, a framework shim
+(see tests/torch_tests/test_torch_host_outputs.py). No framework is imported here.
+
+The model: a small greedy decoder step. From a state [batch, hidden] it returns
+{"next_tokens": int64 [batch], "stop": bool [batch], "state": float [batch, hidden]}.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import graph_opt
+
+BATCHES = [1, 3, 8]  # 3 is replayed padded to 4: only its real rows come back
+
+
+def _sync(H, out):
+    return {"next_tokens": H.numpy(out["next_tokens"]), "stop": H.numpy(out["stop"])}
+
+
+def test_futures_equal_the_synchronous_values_every_step(H):
+    for batch in BATCHES:
+        model, twin = H.model(host_outputs=["next_tokens", "stop"]), H.model()
+        state = twin_state = H.state(batch, seed=batch)
+        for step in range(200):
+            out, ref = model(state), twin(twin_state)
+            assert isinstance(out["next_tokens"], graph_opt.HostFuture)
+            host = {k: out[k].result() for k in ("next_tokens", "stop")}
+            want = _sync(H, ref)
+            assert host["next_tokens"].shape == (batch,), "only real rows come back"
+            for k in want:
+                assert np.array_equal(host[k], want[k]), f"batch {batch} step {step}: {k}"
+            state, twin_state = out["state"], ref["state"]
+        assert graph_opt.stats(model).replays == 200
+
+
+def _decode_sync(H, model, state, limit=256):
+    done, tokens = None, []
+    for _ in range(limit):
+        out = model(state)
+        toks, stop = H.numpy(out["next_tokens"]), H.numpy(out["stop"])
+        done = stop if done is None else done | stop
+        tokens.append(np.where(done & ~stop, -1, toks))
+        state = out["state"]
+        if done.all():
+            break
+    return np.stack(tokens)
+
+
+def _decode_lagged(H, model, state, limit=256):
+    """Launch step k+1, then read step k's flags: the host never waits for the step it just launched."""
+    done, tokens, extra = None, [], 0
+    out = model(state)
+    for _ in range(limit):
+        nxt = model(out["state"])  # launched before step k is read
+        toks, stop = out["next_tokens"].result(), out["stop"].result()
+        done = stop if done is None else done | stop
+        tokens.append(np.where(done & ~stop, -1, toks))
+        out = nxt
+        if done.all():
+            extra += 1  # the step launched past the end is discarded
+            break
+    return np.stack(tokens), extra
+
+
+def test_one_step_lag_gives_the_same_tokens_as_the_synchronous_loop(H):
+    lengths = []
+    for batch in BATCHES:
+        sync_tokens = _decode_sync(H, H.model(), H.state(batch, seed=10 + batch))
+        lagged, extra = _decode_lagged(H, H.model(host_outputs=["next_tokens", "stop"]),
+                                       H.state(batch, seed=10 + batch))
+        assert extra == 1 and len(sync_tokens) < 256  # every row stopped
+        assert np.array_equal(lagged, sync_tokens)
+        lengths.append(len(sync_tokens))
+    assert max(lengths) > 3, "the decodes must run several steps for the lag to matter"
+
+
+def test_a_ring_too_shallow_for_the_readers_lag_is_an_error_not_stale_data(H):
+    model = H.model(host_outputs=["next_tokens"], depth=2)
+    state = H.state(4, seed=1)
+    first = model(state)
+    second = model(first["state"])
+    with pytest.raises(graph_opt.GraphOptError, match=r"2 deep.*not yet read.*depth=3"):
+        model(second["state"])
+    want = _sync(H, H.model()(state))["next_tokens"]
+    assert np.array_equal(first["next_tokens"].result(), want)  # reading frees a buffer
+    third = model(second["state"])
+    del second  # a dropped future frees its buffer too
+    model(third["state"])
+
+
+def test_a_slow_copy_is_not_overwritten_by_the_next_replay(H):
+    model, twin = H.model(host_outputs=["next_tokens", "stop"]), H.model()
+    s1 = H.state(8, seed=2)
+    with graph_opt.testing.slow_host_copies(polls=5):
+        out1 = model(s1)
+        assert not out1["next_tokens"].ready()  # the copy has not landed
+        out2 = model(out1["state"])  # the replay rewrites the buffers out1 is copying from
+        ref1 = twin(s1)
+        want1 = H.numpy(ref1["next_tokens"])
+        ref2 = twin(ref1["state"])
+        assert not np.array_equal(want1, H.numpy(ref2["next_tokens"]))  # a stale read would show
+        assert np.array_equal(out1["next_tokens"].result(), want1)
+        assert np.array_equal(out2["next_tokens"].result(), H.numpy(ref2["next_tokens"]))
+
+
+def test_two_models_with_host_outputs_interleaved(H):
+    a, b = H.model(host_outputs=["next_tokens"]), H.model(host_outputs=["next_tokens"], seed=5)
+    ta, tb = H.model(), H.model(seed=5)
+    sa = sb = H.state(4, seed=3)
+    ra, rb = sa, sb
+    pending = []
+    for _ in range(20):  # each model keeps one unread future while the other runs
+        oa, ob = a(sa), b(sb)
+        wa, wb = ta(ra), tb(rb)
+        pending.append((oa["next_tokens"], H.numpy(wa["next_tokens"]), ob["next_tokens"], H.numpy(wb["next_tokens"])))
+        if len(pending) == 2:
+            fa, ea, fb, eb = pending.pop(0)
+            assert np.array_equal(fa.result(), ea) and np.array_equal(fb.result(), eb)
+        sa, sb, ra, rb = oa["state"], ob["state"], wa["state"], wb["state"]
+
+
+def test_host_outputs_stay_right_when_capture_failed(H, caplog):
+    model = H.model(host_outputs=["next_tokens", "stop"], fail_capture=True)
+    twin = H.model()
+    assert graph_opt.stats(model).capture_failures == 1
+    state = ref_state = H.state(3, seed=4)
+    for _ in range(10):
+        out, ref = model(state), twin(ref_state)
+        assert np.array_equal(out["next_tokens"].result(), H.numpy(ref["next_tokens"]))
+        assert np.array_equal(out["stop"].result(), H.numpy(ref["stop"]))
+        state, ref_state = out["state"], ref["state"]
+    assert graph_opt.stats(model).replays == 0
+
+
+def test_paths_reach_nested_outputs_and_a_path_that_matches_nothing_is_named(H):
+    model = H.model(host_outputs=["aux.0", "aux.1.flag"], nested=True)
+    out = model(H.state(2, seed=6))
+    assert isinstance(out["aux"][0], graph_opt.HostFuture) and out["aux"][0].result().shape == (2,)
+    assert isinstance(out["aux"][1]["flag"], graph_opt.HostFuture)
+    bad = H.model(host_outputs=["next_tokens", "stopped"])
+    with pytest.raises(graph_opt.GraphOptInputError, match=r"'stopped' matches nothing.*next_tokens, stop, state"):
+        bad(H.state(2, seed=6))
+    with pytest.raises(graph_opt.GraphOptInputError, match="host_outputs='stop'"):
+        H.model(host_outputs="stop")
+    with pytest.raises(graph_opt.GraphOptInputError, match="'a..b' is not an output path"):
+        H.model(host_outputs=["a..b"])
+
+
+def test_to_host_async_on_a_tree(H):
+    t = H.state(3, seed=7)
+    fut = graph_opt.to_host_async({"a": t, "b": [t, (t, "x")]})
+    host = fut.result()
+    assert fut.ready() and host["b"][1][1] == "x"
+    assert np.array_equal(host["a"], H.numpy(t)) and np.array_equal(host["b"][1][0], H.numpy(t))
+    with pytest.raises(graph_opt.GraphOptInputError, match="found no paddle or torch tensor"):
+        graph_opt.to_host_async({"a": 1})
+    with graph_opt.testing.slow_host_copies(polls=2):
+        slow = graph_opt.to_host_async(t)
+        assert not slow.ready() and slow.ready()
+        assert np.array_equal(slow.result(), H.numpy(t))
