@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     demo.add_argument("--layers", type=int, default=4)
 
     bench = sub.add_parser("bench", help="benchmarks: the hook's overhead per call or program passes (CPU), "
-                                         "graphed training steps (GPU, torch)")
-    bench.add_argument("what", nargs="?", choices=["overhead", "passes", "training"], default="overhead")
+                                         "graphed training steps or a decode loop's host reads (GPU, torch)")
+    bench.add_argument("what", nargs="?", choices=["overhead", "passes", "training", "decode"], default="overhead")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
 
     config = sub.add_parser("config", help="print the effective config and where each value came from")
@@ -56,6 +56,10 @@ def main(argv=None) -> int:
         from .benchmarks import torch_training
 
         return torch_training.main(args.rest, prog="python -m graph_opt bench training")
+    if args.what == "decode":
+        from .benchmarks import torch_decode
+
+        return torch_decode.main(args.rest, prog="python -m graph_opt bench decode")
     if args.what == "passes":
         from .benchmarks import paddle_passes
 

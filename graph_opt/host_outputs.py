@@ -19,12 +19,13 @@ Without a device (CPU tensors) the copy is done at once and the future is comple
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import GraphOptError, GraphOptInputError
-from .pytree import flatten, unflatten
+from .pytree import TENSOR, flatten, unflatten
 
 
 class HostFuture:
@@ -118,15 +119,23 @@ class HostRings:
     def copy(self, adapter, tree):
         """Start the copy of every tensor leaf of `tree`; returns its HostFuture."""
         leaves, spec = flatten(tree, adapter.is_tensor)
-        taken = [self.take(adapter, t) for t in leaves]
-        buffers = [b for _, _, b in taken]
-        deferred = _slow_copy(adapter, buffers, leaves)
-        event = None if deferred is not None else adapter.copy_to_host_async(buffers, leaves)
-        future = HostFuture(adapter, spec, buffers, event, leaves, deferred)
-        ref = weakref.ref(future)
-        for ring, i, _ in taken:
-            ring.holders[i] = ref
-        return future
+        return self.copy_groups(adapter, [(spec, leaves)])[0]
+
+    def copy_groups(self, adapter, groups):
+        """One copy (one stream hop, one event) for several trees: [(spec, leaves)] -> their futures."""
+        taken = [[self.take(adapter, t) for t in leaves] for _, leaves in groups]
+        buffers = [b for group in taken for _, _, b in group]
+        sources = [t for _, leaves in groups for t in leaves]
+        deferred = _slow_copy(adapter, buffers, sources)
+        event = None if deferred is not None else adapter.copy_to_host_async(buffers, sources)
+        futures = []
+        for (spec, leaves), group in zip(groups, taken):
+            future = HostFuture(adapter, spec, [b for _, _, b in group], event, leaves, deferred)
+            ref = weakref.ref(future)
+            for ring, i, _ in group:
+                ring.holders[i] = ref
+            futures.append(future)
+        return futures
 
 
 _default_rings: Dict[int, HostRings] = {}
@@ -178,40 +187,59 @@ class HostOutputs:
         self.model_name = model_name
 
     def apply(self, adapter, out):
+        """`out` with the named leaves replaced by HostFutures; all their copies share one event."""
+        leaves = []
         for path, name in zip(self.paths, self.names):
-            out = _replace(out, path, name, self, adapter)
+            leaf = _leaf(out, path, name, self)
+            if not adapter.is_tensor(leaf):
+                raise GraphOptInputError(
+                    f"{self.model_name}: host_outputs path {name!r} names a {type(leaf).__name__}, not a tensor")
+            leaves.append(leaf)
+        futures = self.rings.copy_groups(adapter, [(TENSOR, [t]) for t in leaves])
+        for path, name, future in zip(self.paths, self.names, futures):
+            out = _replace(out, path, name, self, future)
         return out
 
 
-def _replace(node, path, name, host: HostOutputs, adapter):
-    if not path:
-        if not adapter.is_tensor(node):
-            raise GraphOptInputError(
-                f"{host.model_name}: host_outputs path {name!r} names a {type(node).__name__}, not a tensor")
-        return host.rings.copy(adapter, node)
-    key, rest = path[0], path[1:]
+def _leaf(node, path, name, host: HostOutputs):
+    for key in path:
+        node = _child(node, key, name, host)
+    return node
+
+
+def _child(node, key, name, host: HostOutputs):
     if isinstance(node, dict):
         if key not in node:
             raise _no_match(host, name, key, list(node))
-        new = dict(node)
-        new[key] = _replace(node[key], rest, name, host, adapter)
-        return new
+        return node[key]
     if isinstance(node, (list, tuple)):
         if not key.lstrip("-").isdigit() or not -len(node) <= int(key) < len(node):
             raise _no_match(host, name, key, [str(i) for i in range(len(node))])
-        items = list(node)
-        items[int(key)] = _replace(items[int(key)], rest, name, host, adapter)
-        if isinstance(node, list):
-            return items
-        return type(node)(*items) if hasattr(node, "_fields") else tuple(items)
-    import dataclasses
-
+        return node[int(key)]
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         fields = [f.name for f in dataclasses.fields(node)]
         if key not in fields:
             raise _no_match(host, name, key, fields)
-        return dataclasses.replace(node, **{key: _replace(getattr(node, key), rest, name, host, adapter)})
+        return getattr(node, key)
     raise _no_match(host, name, key, [])
+
+
+def _replace(node, path, name, host: HostOutputs, value):
+    """node with the leaf at path (known to exist) replaced by value."""
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(node, dict):
+        new = dict(node)
+        new[key] = _replace(node[key], rest, name, host, value)
+        return new
+    if isinstance(node, (list, tuple)):
+        items = list(node)
+        items[int(key)] = _replace(items[int(key)], rest, name, host, value)
+        if isinstance(node, list):
+            return items
+        return type(node)(*items) if hasattr(node, "_fields") else tuple(items)
+    return dataclasses.replace(node, **{key: _replace(getattr(node, key), rest, name, host, value)})
 
 
 def _no_match(host: HostOutputs, name: str, key: str, available) -> GraphOptInputError:
