@@ -63,7 +63,7 @@ class HostFuture:
             if self._event is not None:
                 self._adapter.event_wait(self._event)
             to_numpy = self._adapter.host_numpy
-            self._values = [to_numpy(b) for b in self._buffers]
+            self._values = [to_numpy(b) if v is None else v.copy() for b, v in self._buffers]
             self._sources = None
             self._buffers = None  # read: the ring may hand these buffers out again
         return unflatten(self._spec, list(self._values))
@@ -80,7 +80,7 @@ class _Ring:
     __slots__ = ("buffers", "holders", "next")
 
     def __init__(self):
-        self.buffers: List[Any] = []
+        self.buffers: List[Tuple[Any, Any]] = []  # (pinned tensor, numpy view of it or None)
         self.holders: List[Optional[weakref.ref]] = []
         self.next = 0
 
@@ -103,7 +103,8 @@ class HostRings:
             ring = self.rings[key] = _Ring()
         i = ring.next
         if i == len(ring.buffers):  # the ring fills in order, up to depth buffers
-            ring.buffers.append(adapter.pinned_like(t))
+            pinned = adapter.pinned_like(t)
+            ring.buffers.append((pinned, adapter.host_view(pinned)))
             ring.holders.append(None)
             self.pinned_bytes += adapter.nbytes(t)
         holder = ring.holders[i]
@@ -124,7 +125,7 @@ class HostRings:
     def copy_groups(self, adapter, groups):
         """One copy (one stream hop, one event) for several trees: [(spec, leaves)] -> their futures."""
         taken = [[self.take(adapter, t) for t in leaves] for _, leaves in groups]
-        buffers = [b for group in taken for _, _, b in group]
+        buffers = [b for group in taken for _, _, (b, _) in group]
         sources = [t for _, leaves in groups for t in leaves]
         deferred = _slow_copy(adapter, buffers, sources)
         event = None if deferred is not None else adapter.copy_to_host_async(buffers, sources)

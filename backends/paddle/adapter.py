@@ -153,6 +153,9 @@ class PaddleAdapter:
     def host_numpy(self, t):
         return t.numpy().copy()
 
+    def host_view(self, t):
+        return None  # Paddle's numpy() copies: there is no lasting view of a tensor's memory
+
     def memory_in_use(self):
         if not self.graphs_supported():
             return None

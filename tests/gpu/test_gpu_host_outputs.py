@@ -54,4 +54,4 @@ def test_results_come_from_pinned_memory(H):
     model = H.model(host_outputs=["stop"])
     model(H.state(4, seed=2))["stop"].result()
     rings = graph_opt.decorator.state_of(model).host_outputs.rings
-    assert all(b.is_pinned() for ring in rings.rings.values() for b in ring.buffers)
+    assert all(b.is_pinned() for ring in rings.rings.values() for b, _ in ring.buffers)
