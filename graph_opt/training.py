@@ -175,6 +175,20 @@ class GraphedBlock:
         self.disabled_reason: Optional[str] = None
         self._warned: set = set()
 
+    def __deepcopy__(self, memo):
+        """A deep copy of a graphed Layer / Module (an EMA twin, say) gets a block of its own, with no
+        graphs: graphs and pools cannot be copied, and the copy's parameters live elsewhere."""
+        if self.module is None:
+            return self  # a graphed function: functions are not copied
+        twin = memo.get(id(self.module))
+        if twin is None:
+            raise GraphOptError(f"{self.name}: copy the graphed {type(self.module).__name__} itself, not its forward")
+        eager = type(twin).forward.__get__(twin)
+        block = GraphedBlock(twin, eager, twin, self.framework, self.warmup_steps, self.dispatch_key_fn,
+                             self.max_graphs)
+        memo[id(self)] = block
+        return block
+
     # -- the call ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self.disabled:

@@ -151,6 +151,24 @@ def test_two_instances_do_not_share_graphs_or_buffers(F):
     assert graph_opt.stats(a).replays == graph_opt.stats(b).replays == 3
 
 
+def test_a_deep_copy_is_an_independent_graphed_block(F):
+    """copy.deepcopy of a graphed block (an EMA twin): its own graphs, its own parameters."""
+    import copy
+
+    ref, m = twins(F, warmup_steps=0, dropout=0.0)
+    x = F.randn([4, 6, F.hidden], seed=1)
+    assert_same_step(F, ref, m, x, seed=0)
+    twin = copy.deepcopy(m)
+    ref_twin = F.copy_block(ref)
+    for step in range(3):
+        for a, b in ((ref, m), (ref_twin, twin)):
+            F.zero_grads(a), F.zero_grads(b)
+            assert_same_step(F, a, b, F.randn([4, 6, F.hidden], seed=10 + step), seed=step)
+    assert graph_opt.stats(twin).captures == 1 and graph_opt.stats(twin).replays == 3
+    assert graph_opt.stats(m).replays == 4
+    assert F.named_params(twin)[0][1] is not F.named_params(m)[0][1]
+
+
 def test_a_replaced_parameter_is_detected_and_recaptured(F, caplog):
     ref, m = twins(F, warmup_steps=1, dropout=0.0)
     x = F.randn([4, 6, F.hidden], seed=1)
