@@ -99,7 +99,6 @@ class StepGraphs:
     differentiable: List[bool]  # per output leaf: does it carry a gradient
     grad_out_buffers: List[Any]  # one per differentiable output
     grad_buffers: List[Any]  # one per apply() input: a buffer, or None where no grad flows
-    n_inputs: int
     buffer_bytes: int
 
     def release(self) -> None:
@@ -254,10 +253,22 @@ class GraphedBlock:
         clone = self.bridge.clone
         return [clone(b) for b in graphs.out_buffers]
 
-    def forward_for_grad(self, graphs: StepGraphs, tensors):
-        """forward_replay inside the Function / PyLayer forward; the PendingBackward goes on its ctx."""
+    def forward_for_grad(self, ctx, graphs: StepGraphs, tensors):
+        """The body of the Function / PyLayer forward (each bridge's `_ReplayStep`): replay, and leave
+        on ctx what its backward needs. Returns the outputs, those without a gradient marked so."""
         outs = self.forward_replay(graphs, tensors)
-        return outs, (PendingBackward(self, tensors) if graphs.backward is not None else None)
+        ctx.block, ctx.graphs = self, graphs
+        ctx.pending = PendingBackward(self, tensors) if graphs.backward is not None else None
+        fixed = [o for o, d in zip(outs, graphs.differentiable) if not d]
+        if fixed:
+            ctx.mark_non_differentiable(*fixed)
+        return tuple(outs)
+
+    def backward_for_grad(self, ctx, grads):
+        """The body of the Function / PyLayer backward: one gradient per input tensor."""
+        graphs = ctx.graphs
+        wanted = [g for g, d in zip(grads, graphs.differentiable) if d]
+        return self.backward_replay(graphs, ctx.pending, wanted)
 
     def backward_replay(self, graphs: StepGraphs, pending: PendingBackward, grads):
         if pending.generation != self.generation or graphs.backward is None:
@@ -485,7 +496,6 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
         fwd.keep(out_buffers, differentiable)
 
     bwd, grad_out_buffers, grad_buffers = None, [], []
-    n_inputs = len(leaves)
     if needs_grad:
         grad_out_buffers = [bridge.zeros_like(o) for o in diff_outs]
         flows = [bridge.requires_grad(t) for t in static_inputs] + [True] * len(params)
@@ -518,7 +528,7 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
         grad_buffers = [None if g is None else weak(g) for g in grad_buffers]
     return StepGraphs(forward=fwd, backward=bwd, static_inputs=static_inputs, out_buffers=out_buffers,
                       out_spec=out_spec, differentiable=differentiable, grad_out_buffers=grad_out_buffers,
-                      grad_buffers=grad_buffers, n_inputs=n_inputs, buffer_bytes=buffer_bytes)
+                      grad_buffers=grad_buffers, buffer_bytes=buffer_bytes)
 
 
 # -- simulated graphs: the host stand-in for a forward and its backward ----------------------------

@@ -14,18 +14,11 @@ import paddle
 class _ReplayStep(paddle.autograd.PyLayer):
     @staticmethod
     def forward(ctx, block, graphs, *tensors):
-        outs, pending = block.forward_for_grad(graphs, tensors)
-        ctx.block, ctx.graphs, ctx.pending = block, graphs, pending
-        fixed = [o for o, d in zip(outs, graphs.differentiable) if not d]
-        if fixed:
-            ctx.mark_non_differentiable(*fixed)
-        return tuple(outs)
+        return block.forward_for_grad(ctx, graphs, tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        graphs = ctx.graphs
-        wanted = [g for g, d in zip(grads, graphs.differentiable) if d]
-        return tuple(ctx.block.backward_replay(graphs, ctx.pending, wanted))
+        return tuple(ctx.block.backward_for_grad(ctx, grads))  # PyLayer wants grads of tensor inputs only
 
 
 class PaddleAutogradBridge:

@@ -19,19 +19,12 @@ _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 class _ReplayStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block, graphs, *tensors):
-        outs, pending = block.forward_for_grad(graphs, tensors)
-        ctx.block, ctx.graphs, ctx.pending = block, graphs, pending
-        fixed = [o for o, d in zip(outs, graphs.differentiable) if not d]
-        if fixed:
-            ctx.mark_non_differentiable(*fixed)
-        return tuple(outs)
+        return block.forward_for_grad(ctx, graphs, tensors)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        graphs = ctx.graphs
-        wanted = [g for g, d in zip(grads, graphs.differentiable) if d]
-        return (None, None) + tuple(ctx.block.backward_replay(graphs, ctx.pending, wanted))
+        return (None, None) + tuple(ctx.block.backward_for_grad(ctx, grads))  # none for block and graphs
 
 
 class TorchAutogradBridge:
