@@ -72,6 +72,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .report import new_figure, save_figure, write_json
+
 import graph_opt
 
 HIDDEN, LAYERS, VOCAB, MLP = 1024, 8, 32000, 4096
@@ -231,70 +233,55 @@ def decode_sync(m, inputs, max_steps: int) -> Run:
     return Run(book, launched, wall, steps_s, blocked)
 
 
-def decode_to_host_async(m, inputs, max_steps: int) -> Run:
+def decode_lagged(m, inputs, max_steps: int, issue: Callable, read: Callable) -> Run:
+    """Launch step k+1, then read step k: issue(out) starts step k's host copy right after its launch
+    (before the next launch rewrites its outputs); read(handle) -> (tokens, stop) as numpy."""
     state, step, limits = inputs
     book = Book(state.shape[0], max_steps)
     steps_s, blocked = [], []
-    to_host = graph_opt.to_host_async
     clock = time.perf_counter
     t0 = last = clock()
     out = m(state, step, limits)
-    fut = to_host({"t": out["next_tokens"], "s": out["stop"]})  # before the next launch rewrites them
+    handle = issue(out)
     launched = 1
-    nxt = nfut = None
+    nxt = nhandle = None
     for k in range(max_steps):
-        nxt = nfut = None
+        nxt = nhandle = None
         if k + 1 < max_steps:
             nxt = m(out["state"], out["step"], limits)  # launch step k+1 while step k may still run
-            nfut = to_host({"t": nxt["next_tokens"], "s": nxt["stop"]})
+            nhandle = issue(nxt)
             launched += 1
         b = clock()
-        host = fut.result()  # step k's values
-        blocked.append(clock() - b)
-        all_done = book.add(k, host["t"], host["s"])
-        now = clock()
-        steps_s.append(now - last)
-        last = now
-        if all_done:
-            break  # nxt and nfut (one extra step) are discarded
-        out, fut = nxt, nfut
-    del nxt, nfut, fut
-    wait_device(state)
-    wall = clock() - t0
-    book.finish()
-    return Run(book, launched, wall, steps_s, blocked)
-
-
-def decode_host_outputs(m, inputs, max_steps: int) -> Run:
-    state, step, limits = inputs
-    book = Book(state.shape[0], max_steps)
-    steps_s, blocked = [], []
-    clock = time.perf_counter
-    t0 = last = clock()
-    out = m(state, step, limits)  # next_tokens and stop are HostFutures, issued right after the launch
-    launched = 1
-    nxt = None
-    for k in range(max_steps):
-        nxt = None
-        if k + 1 < max_steps:
-            nxt = m(out["state"], out["step"], limits)
-            launched += 1
-        b = clock()
-        tokens = out["next_tokens"].result()
-        stop = out["stop"].result()
+        tokens, stop = read(handle)  # step k's values
         blocked.append(clock() - b)
         all_done = book.add(k, tokens, stop)
         now = clock()
         steps_s.append(now - last)
         last = now
         if all_done:
-            break  # nxt (one extra step) is discarded
-        out = nxt
-    del nxt, out
+            break  # nxt and its copy (one extra step) are discarded
+        out, handle = nxt, nhandle
+    del nxt, nhandle, handle, out
     wait_device(state)
     wall = clock() - t0
     book.finish()
     return Run(book, launched, wall, steps_s, blocked)
+
+
+def _read_tree(fut):
+    host = fut.result()
+    return host["t"], host["s"]
+
+
+def decode_to_host_async(m, inputs, max_steps: int) -> Run:
+    issue = lambda out: graph_opt.to_host_async({"t": out["next_tokens"], "s": out["stop"]})  # noqa: E731
+    return decode_lagged(m, inputs, max_steps, issue, _read_tree)
+
+
+def decode_host_outputs(m, inputs, max_steps: int) -> Run:
+    """The model's host_outputs are HostFutures already, issued right after each launch."""
+    return decode_lagged(m, inputs, max_steps, issue=lambda out: out,
+                         read=lambda out: (out["next_tokens"].result(), out["stop"].result()))
 
 
 LOOPS: Dict[str, Callable] = {SYNC: decode_sync, ASYNC: decode_to_host_async, HOST_OUT: decode_host_outputs}
@@ -540,7 +527,6 @@ def targets(batches, results) -> List[str]:
 
 
 def write_results(out_dir, batches, max_steps, runs, results, identical, capture_s, device) -> None:
-    os.makedirs(out_dir, exist_ok=True)
     summary = {
         "device": device, "torch": torch.__version__,
         "model": {"hidden": HIDDEN, "layers": LAYERS, "vocab": VOCAB, "mlp": MLP, "dtype": "bfloat16", "eos": EOS,
@@ -551,23 +537,15 @@ def write_results(out_dir, batches, max_steps, runs, results, identical, capture
         "tokens_identical": identical, "results": {str(bs): r for bs, r in results.items()},
         "targets": targets(batches, results),
     }
-    path = os.path.join(out_dir, "decode_bench.json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=1)
-    print(f"wrote {path}", flush=True)
+    write_json(out_dir, "decode_bench.json", summary)
     plot(out_dir, batches, results, device)
 
 
 def plot(out_dir, batches, results, device) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", flush=True)
+    figure = new_figure()
+    if figure is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    fig, ax = figure
     width = 0.8 / len(VARIANTS)
     xs = np.arange(len(batches))
     for i, name in enumerate(VARIANTS):
@@ -577,14 +555,9 @@ def plot(out_dir, batches, results, device) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("batch (sequences)")
     ax.set_ylabel("useful tokens/s (median)")
-    ax.set_title(f"greedy decode, {LAYERS} layers x hidden {HIDDEN}, vocab {VOCAB}, bf16, {device}", fontsize=9)
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "decode_tokens_per_s.png")
-    fig.savefig(path)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    save_figure(fig, ax, out_dir, "decode_tokens_per_s.png",
+                f"greedy decode, {LAYERS} layers x hidden {HIDDEN}, vocab {VOCAB}, bf16, {device}")
 
 
 def _us(v) -> str:

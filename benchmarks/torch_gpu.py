@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,8 @@ import torch.nn.functional as F
 
 import graph_opt
 from graph_opt.decorator import state_of
+
+from .report import new_figure, save_figure, write_json
 
 HIDDEN, LAYERS, HEADS, CACHE_LEN, MLP = 1024, 24, 16, 128, 4096
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -344,23 +345,17 @@ def write_results(out_dir, batches, table, host, notes, capture, device) -> None
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "torch_gpu_bench.md"), "w", encoding="utf-8") as fh:
         fh.write(text)
-    with open(os.path.join(out_dir, "torch_gpu_bench.json"), "w", encoding="utf-8") as fh:
-        json.dump({"device": device, "torch": torch.__version__, "us_per_call": table, "host_us": host,
-                   "capture": capture, "notes": notes}, fh, indent=1)
+    write_json(out_dir, "torch_gpu_bench.json", {"device": device, "torch": torch.__version__, "us_per_call": table,
+                                                 "host_us": host, "capture": capture, "notes": notes})
     plot(out_dir, batches, table, cols, device)
     print(text, flush=True)
 
 
 def plot(out_dir, batches, table, cols, device) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    figure = new_figure()
+    if figure is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    fig, ax = figure
     for c in cols:
         ax.plot(batches, [table[c][bs] for bs in batches], marker="o", label=c,
                 linestyle="--" if c in ("eager", "hand-written graph", "reduce-overhead") else "-")
@@ -368,11 +363,9 @@ def plot(out_dir, batches, table, cols, device) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("batch size")
     ax.set_ylabel("µs per forward (median)")
-    ax.set_title(f"graph_opt torch frontend, {LAYERS}-layer decoder, bf16, {device}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "torch_gpu_bench.png"))
+    save_figure(fig, ax, out_dir, "torch_gpu_bench.png",
+                f"graph_opt torch frontend, {LAYERS}-layer decoder, bf16, {device}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

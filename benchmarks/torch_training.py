@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import statistics
 import sys
 import time
@@ -53,6 +51,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
+
+from .report import new_figure, save_figure, write_json
 
 HIDDEN, LAYERS, HEADS, SEQ, MLP = 1024, 12, 16, 128, 4096
 DTYPE = torch.bfloat16
@@ -387,7 +387,6 @@ def run(out_dir: str, quick: bool) -> int:
 
 # -- output -----------------------------------------------------------------------------------------
 def write_results(out_dir, sizes, steps, results, checks, device) -> None:
-    os.makedirs(out_dir, exist_ok=True)
     summary = {
         "device": device, "torch": torch.__version__,
         "model": {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "seq": SEQ, "mlp": MLP, "dtype": "bfloat16",
@@ -395,23 +394,15 @@ def write_results(out_dir, sizes, steps, results, checks, device) -> None:
         "micro_batches": sizes, "warmup_steps": WARMUP_STEPS, "timed_steps": steps,
         "autocudagraph_warmup_steps": AUTO_WARMUP, "variants": results, "correctness": checks,
     }
-    path = os.path.join(out_dir, "training_bench.json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=1)
-    print(f"wrote {path}", flush=True)
+    write_json(out_dir, "training_bench.json", summary)
     plot(out_dir, sizes, results, device)
 
 
 def plot(out_dir, sizes, results, device) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", flush=True)
+    figure = new_figure()
+    if figure is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    fig, ax = figure
     for name, res in results.items():
         mbs = [mb for mb in sizes if mb in res["step_ms"]]
         if mbs:
@@ -422,14 +413,9 @@ def plot(out_dir, sizes, results, device) -> None:
     ax.set_ylim(bottom=0)
     ax.set_xlabel(f"micro-batch (x {SEQ} tokens)")
     ax.set_ylabel("ms per training step (median)")
-    ax.set_title(f"training step, {LAYERS} blocks, hidden {HIDDEN}, bf16, {device}", fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "training_step_time.png")
-    fig.savefig(path)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    save_figure(fig, ax, out_dir, "training_step_time.png",
+                f"training step, {LAYERS} blocks, hidden {HIDDEN}, bf16, {device}")
 
 
 def print_table(sizes, results, checks, device) -> None:
