@@ -191,6 +191,10 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
     dims = _check_dynamic_arg_dims(cls, dynamic_arg_dims)
     if host_outputs is not None:  # checked now: a bad path list is an error at decoration
         HostOutputs(host_outputs, host_ring_depth, cls.__qualname__)
+    elif host_ring_depth != 2:
+        raise GraphOptInputError(
+            f"@support_graph_optimization(host_ring_depth={host_ring_depth!r}) on {cls.__qualname__}: "
+            "host_ring_depth sizes the rings of host_outputs; name the outputs too (host_outputs=[...])")
     if cls.__dict__.get("__graph_opt_decorated__"):
         return cls
     orig_init = cls.__init__

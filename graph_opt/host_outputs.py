@@ -88,9 +88,9 @@ class _Ring:
 class HostRings:
     """Pinned host buffers, one ring per (shape, dtype, device), each `depth` deep."""
 
-    def __init__(self, depth: int = 2, name: str = "to_host_async"):
+    def __init__(self, depth: int = 2, name: str = "to_host_async", arg: str = "depth"):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise GraphOptInputError(f"{name}: ring depth={depth!r}: expected an int >= 1")
+            raise GraphOptInputError(f"{name}: {arg}={depth!r}: expected an int >= 1 (ring buffers per shape)")
         self.depth = depth
         self.name = name
         self.rings: Dict[Any, _Ring] = {}
@@ -184,7 +184,7 @@ class HostOutputs:
                     "e.g. 'stop', 'out.tokens', 'aux.0'")
         self.paths = [tuple(p.split(".")) for p in paths]
         self.names = list(paths)
-        self.rings = HostRings(depth, name=f"{model_name} host_outputs")
+        self.rings = HostRings(depth, name=f"{model_name} host_outputs", arg="host_ring_depth")
         self.model_name = model_name
 
     def apply(self, adapter, out):

@@ -146,6 +146,12 @@ def test_paths_reach_nested_outputs_and_a_path_that_matches_nothing_is_named(H):
         H.model(host_outputs="stop")
     with pytest.raises(graph_opt.GraphOptInputError, match="'a..b' is not an output path"):
         H.model(host_outputs=["a..b"])
+    with pytest.raises(graph_opt.GraphOptInputError, match=r"host_ring_depth=0: expected an int >= 1"):
+        H.model(host_outputs=["stop"], depth=0)
+    with pytest.raises(graph_opt.GraphOptInputError, match=r"host_ring_depth=3.*name the outputs too"):
+        graph_opt.support_graph_optimization(type(H.model()), host_ring_depth=3)
+    with pytest.raises(graph_opt.GraphOptInputError, match=r"to_host_async: depth=0: expected an int >= 1"):
+        graph_opt.to_host_async(H.state(2, seed=1), depth=0)
 
 
 def test_to_host_async_on_a_tree(H):
