@@ -28,7 +28,8 @@ Variants, each a fresh model with the same weights (same seed), graphs captured:
   once; launch step k+1 and issue fut_k+1; then fut_k.result(), update, decide. The step launched after
   the last sequence stopped is discarded;
 - host_outputs, lag 1: the model class decorated with host_outputs=["next_tokens", "stop"],
-  host_ring_depth=2; the same lagged loop reading out["next_tokens"].result() and out["stop"].result().
+  host_ring_depth=2: the copies into pinned memory are the last nodes of each step's graph (one launch,
+  one event per step); the same lagged loop reading out["next_tokens"].result() and out["stop"].result().
 The host bookkeeping (numpy) is the same in all three. The three must give identical token sequences
 (every sequence of every batch and every run is compared with sync's); a difference fails the run (exit 1).
 
@@ -44,8 +45,8 @@ decodes (medians over runs, or over all their steps):
   for to_host_async, both result() calls for host_outputs (median and mean over steps).
 A separate decode per variant and batch runs under torch.profiler (ProfilerActivity.CUDA only): its
 device events (kernels, memcpys, memsets, every stream) are merged into busy intervals. The step
-boundaries are the ends of each step's device-to-host copies (the last device work of a step in every
-variant). Over a window of 30 steps from the middle of the decode: GPU idle µs/step = (window span -
+boundaries are the ends of each step's last device work: its device-to-host copies (sync, to_host_async)
+or the kernel that advances the ring slot, the last node of the graph (host_outputs). Over a window of 30 steps from the middle of the decode: GPU idle µs/step = (window span -
 busy) / 30, which also counts the gaps between the kernels inside a graph (the same in every variant);
 and "between steps": from a step's last device-to-host copy to the next step's first device event.
 GPU busy µs/step is in the JSON. The profiled decodes run after all timed ones, which run without it.
@@ -326,26 +327,38 @@ def busy_us(intervals, lo: float, hi: float) -> float:
     return total
 
 
-def gpu_idle(events: List[dict], launched: int, read: int, window: int = WINDOW) -> dict:
+def ends_with_host_copy(e: dict) -> bool:
+    return e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")
+
+
+def ends_with_slot_advance(e: dict) -> bool:
+    """The host_outputs graph's last node: the ring slot counter's remainder_ (the model has no other)."""
+    return e.get("cat") == "kernel" and "remainder" in e.get("name", "")
+
+
+STEP_END = {SYNC: ends_with_host_copy, ASYNC: ends_with_host_copy, HOST_OUT: ends_with_slot_advance}
+
+
+def gpu_idle(events: List[dict], launched: int, read: int, window: int = WINDOW,
+             step_end: Callable[[dict], bool] = ends_with_host_copy) -> dict:
     """Idle and busy µs per step over a window of steps from the middle of a profiled decode.
 
     events: the decode's device events; launched: steps launched; read: steps whose tokens were read.
-    Step k ends with its device-to-host copies: the same number per step in every variant."""
+    Step k ends with the events step_end picks: the same number per step."""
     intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events]
     res = {"events": len(events), "window_steps": None, "idle_us_per_step": None,
            "between_steps_us_per_step": None, "busy_us_per_step": None, "note": None}
     if not intervals:
         res["note"] = "no device events in the trace"
         return res
-    d2h = sorted((e for e in events if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")),
-                 key=lambda e: float(e["ts"]))
+    d2h = sorted((e for e in events if step_end(e)), key=lambda e: float(e["ts"]))
     per = len(d2h) // launched if launched else 0
     if per == 0 or per * launched != len(d2h) or read < 3:
         lo, hi = min(s for s, _ in intervals), max(e for _, e in intervals)
         busy = busy_us(intervals, lo, hi)
         res.update(window_steps=launched, idle_us_per_step=(hi - lo - busy) / launched,
                    busy_us_per_step=busy / launched,
-                   note=f"{len(d2h)} device-to-host copies for {launched} steps: no step boundaries; "
+                   note=f"{len(d2h)} step-end events for {launched} steps: no step boundaries; "
                         "whole decode, first to last device event")
         return res
     ends = [max(float(e["ts"]) + float(e["dur"]) for e in d2h[k * per:(k + 1) * per]) for k in range(launched)]
@@ -365,7 +378,7 @@ def gpu_idle(events: List[dict], launched: int, read: int, window: int = WINDOW)
     return res
 
 
-def profiled_idle(loop: Callable, m, inputs, max_steps: int) -> dict:
+def profiled_idle(loop: Callable, m, inputs, max_steps: int, step_end=ends_with_host_copy) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     wait_device(inputs[0])
@@ -377,7 +390,7 @@ def profiled_idle(loop: Callable, m, inputs, max_steps: int) -> dict:
         prof.export_chrome_trace(path)
         with open(path, encoding="utf-8") as fh:
             trace = json.load(fh)
-    return gpu_idle(device_events(trace), run.launched, run.book.steps)
+    return gpu_idle(device_events(trace), run.launched, run.book.steps, step_end=step_end)
 
 
 # -- measuring --------------------------------------------------------------------------------------
@@ -450,7 +463,7 @@ def profile_batch(models: Dict[str, torch.nn.Module], batch: int, max_steps: int
         for name in models:
             gc.collect()
             try:
-                gpu = profiled_idle(LOOPS[name], models[name], inputs, max_steps)
+                gpu = profiled_idle(LOOPS[name], models[name], inputs, max_steps, STEP_END[name])
             except Exception as exc:  # noqa: BLE001 - the timings stand without it
                 gpu = {"note": f"profiler failed: {type(exc).__name__}: {exc}"}
             result["variants"][name]["gpu"] = gpu
@@ -476,7 +489,12 @@ def run(out_dir: str, quick: bool) -> int:
         results[bs]["result_on_finished_copy_us"] = result_cost_us(bs)
     identical = not any(r["mismatches"] for r in results.values())
     device = torch.cuda.get_device_name()
-    write_results(out_dir, batches, max_steps, runs, results, identical, capture_s, device)
+    st = graph_opt.stats(models[HOST_OUT])
+    copies = {"in_graph": st.host_copies_in_graph, "streamed": st.host_copies_streamed,
+              "graphs_per_size": st.graphs}
+    print(f"host_outputs: {copies['in_graph']} steps copied inside their graph, {copies['streamed']} after it; "
+          f"graphs per size {copies['graphs_per_size']}", flush=True)
+    write_results(out_dir, batches, max_steps, runs, results, identical, capture_s, device, copies)
     print_table(batches, max_steps, results, identical, device)
     return 0 if identical else 1
 
@@ -526,7 +544,7 @@ def targets(batches, results) -> List[str]:
     return lines
 
 
-def write_results(out_dir, batches, max_steps, runs, results, identical, capture_s, device) -> None:
+def write_results(out_dir, batches, max_steps, runs, results, identical, capture_s, device, copies) -> None:
     summary = {
         "device": device, "torch": torch.__version__,
         "model": {"hidden": HIDDEN, "layers": LAYERS, "vocab": VOCAB, "mlp": MLP, "dtype": "bfloat16", "eos": EOS,
@@ -535,6 +553,7 @@ def write_results(out_dir, batches, max_steps, runs, results, identical, capture
         "capture_seconds_all_models": capture_s,
         "tokens_per_s_counts": "useful tokens: each sequence's tokens up to and including its stop",
         "tokens_identical": identical, "results": {str(bs): r for bs, r in results.items()},
+        "host_outputs_copies": copies,
         "targets": targets(batches, results),
     }
     write_json(out_dir, "decode_bench.json", summary)

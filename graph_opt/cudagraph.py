@@ -24,7 +24,7 @@ from .errors import CaptureError, GraphOptConfigError, GraphOptError, GraphOptIn
 from .pytree import TENSOR, flatten, tensor_leaf_owners, unflatten
 from .sizes import PaddingTable
 from .stats import Counters
-from .host_outputs import _pending as _pending_host_copies, land_pending_copies
+from .host_outputs import HostRingFull, SizeCopies, _pending as _pending_host_copies, land_pending_copies
 from .testing import HostGraph, simulation_enabled
 
 logger = logging.getLogger("graph_opt")
@@ -58,9 +58,13 @@ class CapturedSize:
     out_sliced: List[bool]  # output leaves whose first dim is the padded size: returned sliced to real rows
     capture_ms: float
     memory_bytes: Optional[int]
+    copies: Optional[SizeCopies] = None  # host_outputs copied by the graph itself
     views: Dict[int, Tuple[list, list, list, Any]] = field(default_factory=dict)
 
     def run(self, adapter, leaves: Sequence[Any], real: int):
+        copies = self.copies
+        if copies is not None:
+            copies.owner.check_slot()  # before anything is written: the ring slot must be free
         views = self.views.get(real)
         if views is None:
             views = self._views_for(adapter, real)
@@ -80,6 +84,8 @@ class CapturedSize:
                     return _MISMATCH
         fresh = self.captured.replay()
         if self.captured.stable_outputs:
+            if copies is not None:
+                return copies.after_replay(output, real)
             return output
         return self._slice_outputs(adapter, fresh, real)
 
@@ -107,6 +113,7 @@ class CapturedSize:
         self.captured.keepalive.clear()
         self.views.clear()
         self.inputs = []
+        self.copies = None
 
 
 class Signature:
@@ -173,8 +180,9 @@ class GraphRunner:
     """Dispatch, pad, copy and replay for one model; capture sizes on demand."""
 
     def __init__(self, *, adapter, config, strategy, eager: Callable, dynamic_arg_dims,
-                 params: Sequence[Tuple[str, Any]], name: str):
+                 params: Sequence[Tuple[str, Any]], name: str, host_outputs=None):
         self.adapter = adapter
+        self.host_outputs = host_outputs  # HostOutputs whose copies captured sizes make in their graphs
         self.config = config
         self.strategy = strategy
         self.eager = eager  # the plain eager forward: what runs once a capture has failed
@@ -250,6 +258,8 @@ class GraphRunner:
                 return self._fallback(args, kwargs, None)
         try:
             out = entry.run(self.adapter, leaves, real)
+        except HostRingFull:
+            raise  # the caller's error, found before anything ran: the graphs are fine
         except ReplayDivergence as exc:
             self._warn_once("divergence", f"{exc}; this call runs without graphs")
             return self._fallback(args, kwargs, None)
@@ -515,10 +525,23 @@ class GraphRunner:
             self.pool = adapter.new_pool() if not simulation_enabled() else None
         mem_before = None if simulation_enabled() else adapter.memory_in_use()
         start = time.perf_counter()
+        host = self.host_outputs
+        copies = None
         with _capture_phase(adapter):
+            warm = None
             for _ in range(self.config.cudagraph_num_of_warmups):
-                self.strategy.warmup(args, kwargs, padded, sig)
-            captured = self.strategy.capture(args, kwargs, padded, sig, self.pool)
+                warm = self.strategy.warmup(args, kwargs, padded, sig)
+            if host is not None and warm is not None and getattr(self.strategy, "folds_tail", False):
+                # The copies become the last nodes of the forward's own graph: one launch per step.
+                copies = host.copies_for_size(adapter, warm, padded)
+                captured = self.strategy.capture(args, kwargs, padded, sig, self.pool,
+                                                 tail=copies.tail if copies is not None else None)
+            else:
+                captured = self.strategy.capture(args, kwargs, padded, sig, self.pool)
+                if host is not None and captured.stable_outputs:
+                    copies = host.copies_for_size(adapter, captured.outputs, padded)
+                    if copies is not None:
+                        self._capture_tail(captured, copies)
             adapter.synchronize()
         capture_ms = (time.perf_counter() - start) * 1e3
         mem_after = None if mem_before is None else adapter.memory_in_use()
@@ -534,6 +557,7 @@ class GraphRunner:
             out_sliced=[len(adapter.shape(t)) > 0 and adapter.shape(t)[0] == padded for t in out_leaves],
             capture_ms=capture_ms,
             memory_bytes=memory,
+            copies=copies,
         )
         sig.entries[padded] = entry
         self.counters.captures += 1
@@ -541,6 +565,30 @@ class GraphRunner:
         if memory is not None:
             self.memory_bytes = (self.memory_bytes or 0) + memory
         return entry
+
+    def _capture_tail(self, captured: Captured, copies: SizeCopies) -> None:
+        """A strategy that cannot end its graph with the host copies: a small graph of them after it."""
+        outputs = captured.outputs
+        main = captured.replay
+        if simulation_enabled():
+            def replay():
+                main()
+                copies.tail(outputs)
+        else:
+            graph = self.adapter.new_graph(self.pool)
+            graph.capture_begin()
+            try:
+                copies.tail(outputs)
+            finally:
+                graph.capture_end()
+            tail = graph.replay
+            captured.keepalive.append(graph)
+            captured.graphs += 1
+
+            def replay():
+                main()
+                tail()
+        captured.replay = replay
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def captured_sizes(self) -> List[int]:
@@ -724,6 +772,8 @@ class _PieceRecorder:
 class EagerStrategy:
     """Level 0: capture the eager forward, whole (full_cuda_graph) or split at splitting ops."""
 
+    folds_tail = True  # capture(tail=...) records the host copies at the end of the last graph
+
     def __init__(self, call: Callable, adapter, selection: Optional[split.SplitSelection]):
         self.call = call
         self.adapter = adapter
@@ -733,17 +783,19 @@ class EagerStrategy:
     def run(self, args, kwargs):
         return self.call(*args, **kwargs)
 
-    def warmup(self, args, kwargs, padded, sig) -> None:
-        self.call(*args, **kwargs)
+    def warmup(self, args, kwargs, padded, sig):
+        return self.call(*args, **kwargs)
 
-    def capture(self, args, kwargs, padded, sig, pool) -> Captured:
+    def capture(self, args, kwargs, padded, sig, pool, tail: Optional[Callable] = None) -> Captured:
         if simulation_enabled():
-            return self._capture_simulated(args, kwargs)
+            return self._capture_simulated(args, kwargs, tail)
         recorder = _PieceRecorder(self.adapter, pool, self.selection, self.landing)
         with split.active_hook(recorder.on_split if self.selection is not None else None):
             recorder.begin()
             try:
                 outputs = self.call(*args, **kwargs)
+                if tail is not None:
+                    tail(outputs)
                 recorder.end()
             except BaseException:
                 recorder.abort()
@@ -755,7 +807,7 @@ class EagerStrategy:
         pieces = len(recorder.graphs)
         return Captured(outputs, replay, True, pieces, pieces, keepalive=list(recorder.graphs) + recorder.splits)
 
-    def _capture_simulated(self, args, kwargs) -> Captured:
+    def _capture_simulated(self, args, kwargs, tail=None) -> Captured:
         splits = [0]
         selection = self.selection
         # The split hook is process-wide: a splitting op another thread calls meanwhile runs plain.
@@ -784,7 +836,10 @@ class EagerStrategy:
                 owner[0] = threading.get_ident()
                 with guards.sot_warmup_guard(True), guards._capture_phase_guard(True), self.adapter.no_grad():
                     with split.active_hook(eager_split):
-                        return self.call(*args, **kwargs)
+                        out = self.call(*args, **kwargs)
+                        if tail is not None:
+                            tail(out)
+                        return out
 
         graph = HostGraph(self.adapter, rerun, out_leaves)
         pieces = splits[0] + 1

@@ -116,7 +116,7 @@ class GraphOptState:
         self.runner = GraphRunner(
             adapter=self.adapter, config=cfg, strategy=strategy, eager=self._eager_call,
             dynamic_arg_dims=self.dynamic_arg_dims,
-            params=_params(self.forward_fn), name=self.name,
+            params=_params(self.forward_fn), name=self.name, host_outputs=self.host_outputs,
         )
         return self.runner
 
@@ -389,6 +389,13 @@ def _pass_counts(strategy) -> dict:
     return {name: counts.get(name, 0) for name in ("copies_inserted", "reads_rewired", "copies_removed")}
 
 
+def _host_copy_counts(state) -> dict:
+    host = state.host_outputs
+    if host is None:
+        return {}
+    return {"host_copies_in_graph": host.copies_in_graph, "host_copies_streamed": host.streamed}
+
+
 def stats(model):
     """Counters of a decorated model (Stats), or of a block made by autocudagraph (TrainingStats)."""
     block = training.state_of_training(model)
@@ -401,7 +408,8 @@ def stats(model):
         return Stats(mode=state.mode, captures=0, replays=0, fallbacks=0, lazy_captures=0, capture_failures=0,
                      translations=getattr(strategy, "translations", 0), **_pass_counts(strategy),
                      captured_sizes=[], pieces={}, graphs={},
-                     capture_seconds=0.0, graph_memory_bytes=None, static_buffer_bytes=0, disabled_reason=None)
+                     capture_seconds=0.0, graph_memory_bytes=None, static_buffer_bytes=0, disabled_reason=None,
+                     **_host_copy_counts(state))
     c = runner.counters
     return Stats(
         mode=state.mode, captures=c.captures, replays=c.replays, fallbacks=c.fallbacks,
@@ -410,5 +418,5 @@ def stats(model):
         captured_sizes=runner.captured_sizes(), pieces=runner.pieces(), graphs=runner.graphs(),
         capture_seconds=runner.capture_seconds, graph_memory_bytes=runner.memory_bytes,
         static_buffer_bytes=runner.buffer_bytes(), disabled_reason=runner.disabled_reason,
-        replay_failures=c.replay_failures,
+        replay_failures=c.replay_failures, **_host_copy_counts(state),
     )

@@ -16,6 +16,14 @@ lag needs depth 2 per producer (the default); two producers sharing shapes need 
 (`host_outputs=` gives each model its own) or more depth.
 
 Without a device (CPU tensors) the copy is done at once and the future is complete: same API.
+
+host_outputs= on a captured size goes further (GraphCopies): the copies are the last nodes of the
+replayed graph, so a step is one launch and one event. One graph must serve every ring slot, so the
+slot is chosen on the device: a slot counter the graph reads (index_copy_) and advances, mirrored on
+the host, which advances it once per replay. The graph writes the pinned ring through its device
+address (unified addressing: a pinned buffer has one address for host and device; checked once).
+Where that cannot be done (Paddle on a GPU: no device view of pinned memory; outputs that are not the
+same tensors at every replay) the copies go the stream way above, after the replay.
 """
 from __future__ import annotations
 
@@ -26,6 +34,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import GraphOptError, GraphOptInputError
 from .pytree import TENSOR, flatten, unflatten
+
+
+class HostRingFull(GraphOptError):
+    """The ring buffer a copy would write holds a result nobody has read yet."""
 
 
 class HostFuture:
@@ -110,7 +122,7 @@ class HostRings:
         holder = ring.holders[i]
         owner = holder() if holder is not None else None
         if owner is not None and not owner.read:
-            raise GraphOptError(
+            raise HostRingFull(
                 f"{self.name}: the ring for shape {list(key[0])} {key[1][0]} is {self.depth} deep and all its "
                 f"buffers hold results not yet read; read an earlier future (result()) before copying again, "
                 f"or use a deeper ring (depth={self.depth + 1} or more)")
@@ -186,9 +198,11 @@ class HostOutputs:
         self.names = list(paths)
         self.rings = HostRings(depth, name=f"{model_name} host_outputs", arg="host_ring_depth")
         self.model_name = model_name
+        self.streamed = 0  # calls whose copies went the stream way (no graph, or no in-graph copies)
+        self.in_graph: Optional[GraphCopies] = None  # made at the first capture that copies in the graph
 
-    def apply(self, adapter, out):
-        """`out` with the named leaves replaced by HostFutures; all their copies share one event."""
+    def leaves(self, adapter, out) -> list:
+        """The named leaves of `out`, in the order of the paths; errors name a path that matches nothing."""
         leaves = []
         for path, name in zip(self.paths, self.names):
             leaf = _leaf(out, path, name, self)
@@ -196,10 +210,128 @@ class HostOutputs:
                 raise GraphOptInputError(
                     f"{self.model_name}: host_outputs path {name!r} names a {type(leaf).__name__}, not a tensor")
             leaves.append(leaf)
-        futures = self.rings.copy_groups(adapter, [(TENSOR, [t]) for t in leaves])
+        return leaves
+
+    def replace(self, out, futures):
         for path, name, future in zip(self.paths, self.names, futures):
             out = _replace(out, path, name, self, future)
         return out
+
+    def apply(self, adapter, out):
+        """`out` with the named leaves replaced by HostFutures; all their copies share one event.
+        A replay that copied inside its graph has replaced them already."""
+        first = _leaf(out, self.paths[0], self.names[0], self)
+        if isinstance(first, HostFuture):
+            return out
+        leaves = self.leaves(adapter, out)
+        futures = self.rings.copy_groups(adapter, [(TENSOR, [t]) for t in leaves])
+        self.streamed += 1
+        return self.replace(out, futures)
+
+    def copies_for_size(self, adapter, outputs, padded: int) -> Optional["SizeCopies"]:
+        """The in-graph copies of one captured size, or None where they cannot be made (see GraphCopies)."""
+        leaves = self.leaves(adapter, outputs)
+        if self.in_graph is None:
+            self.in_graph = GraphCopies(self, adapter, leaves[0])
+        return self.in_graph.for_size(leaves, padded)
+
+    @property
+    def copies_in_graph(self) -> int:
+        return self.in_graph.replays if self.in_graph is not None else 0
+
+
+class GraphCopies:
+    """A model's host_outputs copied inside its replayed graphs: one pinned ring per output leaf (at the
+    largest size; smaller sizes write its first rows), one device slot counter, one event per slot."""
+
+    def __init__(self, host: HostOutputs, adapter, like):
+        self.host = host
+        self.adapter = adapter
+        self.depth = host.rings.depth
+        self.counter = adapter.slot_counter(like)  # the slot the next replay writes, on the device
+        self.slot = 0  # its mirror on the host
+        self.replays = 0
+        self.holders: List[tuple] = [() for _ in range(self.depth)]  # weakrefs of each slot's futures
+        self.events = [adapter.new_event(like) for _ in range(self.depth)]  # None without a device
+        self.rings: Dict[Any, Tuple[Any, Any, int]] = {}  # leaf key -> (pinned ring, device view, rows)
+        self.pinned_bytes = 0
+
+    def for_size(self, leaves, padded: int) -> Optional["SizeCopies"]:
+        adapter = self.adapter
+        targets, hosts, batch_major = [], [], []
+        for i, leaf in enumerate(leaves):
+            shape = list(adapter.shape(leaf))
+            major = len(shape) > 0 and shape[0] == padded
+            key = (i, major, tuple(shape[1:]) if major else tuple(shape), adapter.layout(leaf))
+            ring = self.rings.get(key)
+            if ring is None or (major and ring[2] < padded):
+                pinned = adapter.pinned_like_ring(leaf, self.depth)
+                device = adapter.host_slots(pinned, leaf)
+                if device is None:
+                    return None
+                ring = self.rings[key] = (pinned, device, shape[0] if major else 0)
+                self.pinned_bytes += adapter.nbytes(pinned)
+            pinned, device, _ = ring
+            targets.append(adapter.narrow(device, 1, padded) if major else device)
+            hosts.append([adapter.narrow(adapter.select(pinned, s), 0, padded) if major else adapter.select(pinned, s)
+                          for s in range(self.depth)])
+            batch_major.append(major)
+        return SizeCopies(self, targets, hosts, batch_major, [list(adapter.shape(t)) for t in leaves])
+
+    def check_slot(self) -> None:
+        for ref in self.holders[self.slot]:
+            future = ref()
+            if future is not None and not future.read:
+                raise HostRingFull(
+                    f"{self.host.model_name} host_outputs: the next replay would write ring slot {self.slot}, "
+                    f"whose result has not been read; host_ring_depth={self.depth} allows {self.depth} unread "
+                    f"steps. Read an earlier step's futures (result()) first, or raise host_ring_depth "
+                    f"to {self.depth + 1} or more")
+
+
+class SizeCopies:
+    """The copies one captured size's graph ends with, and the futures a replay of it hands out."""
+
+    def __init__(self, owner: GraphCopies, targets, hosts, batch_major, shapes):
+        self.owner = owner
+        self.targets = targets  # device views of the rings, [depth, padded rows, ...] per leaf
+        self.hosts = hosts  # per leaf, per slot: the pinned rows this size writes
+        self.batch_major = batch_major
+        self.shapes = shapes
+        self.views: Dict[Tuple[int, int], list] = {}  # (slot, real rows) -> [(pinned rows, numpy view)]
+
+    def tail(self, outputs) -> None:
+        """Inside the capture, after the forward: copy the named outputs into the counter's slot, advance it."""
+        owner = self.owner
+        adapter = owner.adapter
+        leaves = owner.host.leaves(adapter, outputs)
+        for target, src, shape in zip(self.targets, leaves, self.shapes):
+            if list(adapter.shape(src)) != shape:
+                raise GraphOptError(
+                    f"{owner.host.model_name}: host_outputs leaf of shape {list(adapter.shape(src))} at capture, "
+                    f"{shape} at warmup; an output's shape must not change between runs of one size")
+            adapter.copy_into_slot(target, owner.counter, src)
+        adapter.advance_slot(owner.counter, owner.depth)
+
+    def after_replay(self, out, real: int):
+        """`out` with the named leaves replaced by futures over this replay's slot; advances the mirror."""
+        owner = self.owner
+        adapter = owner.adapter
+        slot = owner.slot
+        event = owner.events[slot]
+        if event is not None:
+            adapter.record_event(event)
+        views = self.views.get((slot, real))
+        if views is None:
+            views = self.views[(slot, real)] = [
+                (t, adapter.host_view(t)) for t in
+                (adapter.narrow(rows[slot], 0, real) if major else rows[slot]
+                 for rows, major in zip(self.hosts, self.batch_major))]
+        futures = [HostFuture(adapter, TENSOR, [pair], event, None) for pair in views]
+        owner.holders[slot] = tuple(weakref.ref(f) for f in futures)
+        owner.slot = (slot + 1) % owner.depth
+        owner.replays += 1
+        return owner.host.replace(out, futures)
 
 
 def _leaf(node, path, name, host: HostOutputs):

@@ -38,6 +38,8 @@ class Stats:
     static_buffer_bytes: int
     disabled_reason: Optional[str]  # why graphs are off: a capture or replay that failed
     replay_failures: int = 0  # replays that raised; the call then ran eagerly and graphs were dropped
+    host_copies_in_graph: int = 0  # replays whose graph copied the host_outputs into pinned memory itself
+    host_copies_streamed: int = 0  # calls whose host_outputs were copied on the copy stream afterwards
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -76,33 +76,73 @@ def test_one_step_lag_gives_the_same_tokens_as_the_synchronous_loop(H):
     assert max(lengths) > 3, "the decodes must run several steps for the lag to matter"
 
 
-def test_a_ring_too_shallow_for_the_readers_lag_is_an_error_not_stale_data(H):
+def test_host_outputs_of_a_replay_are_copied_by_its_graph(H):
+    model, twin = H.model(host_outputs=["next_tokens", "stop"]), H.model()
+    state = ref = H.state(3, seed=8)
+    for _ in range(5):
+        out, want = model(state), twin(ref)
+        assert np.array_equal(out["stop"].result(), H.numpy(want["stop"]))
+        state, ref = out["state"], want["state"]
+    stats = graph_opt.stats(model)
+    assert stats.replays == 5 and stats.host_copies_in_graph == 5 and stats.host_copies_streamed == 0
+    assert stats.graphs == stats.pieces, "level 0: the copies end the forward's own graph, no graph of their own"
+    big = H.state(16, seed=9)  # above the largest size: no graph, the copies go the stream way
+    assert np.array_equal(model(big)["next_tokens"].result(), H.numpy(twin(big)["next_tokens"]))
+    assert graph_opt.stats(model).host_copies_streamed == 1
+
+
+def test_level_1_copies_in_a_graph_after_the_forwards(H):
+    model, twin = H.model(host_outputs=["next_tokens"], level=1), H.model()
+    state = ref = H.state(4, seed=11)
+    for _ in range(4):
+        out, want = model(state), twin(ref)
+        assert np.array_equal(out["next_tokens"].result(), H.numpy(want["next_tokens"]))
+        state, ref = out["state"], want["state"]
+    stats = graph_opt.stats(model)
+    assert stats.host_copies_in_graph == 4 and stats.host_copies_streamed == 0
+
+
+@pytest.mark.parametrize("in_graph", [True, False], ids=["in_graph", "streamed"])
+def test_a_ring_too_shallow_for_the_readers_lag_is_an_error_not_stale_data(H, in_graph, monkeypatch):
+    if not in_graph:  # as on a device that cannot write pinned memory from a graph (Paddle on a GPU)
+        monkeypatch.setattr(H.adapter, "host_slots", lambda pinned, like: None)
     model = H.model(host_outputs=["next_tokens"], depth=2)
     state = H.state(4, seed=1)
     first = model(state)
     second = model(first["state"])
-    with pytest.raises(graph_opt.GraphOptError, match=r"2 deep.*not yet read.*depth=3"):
+    pattern = r"ring slot 0.*not been read.*host_ring_depth to 3" if in_graph else r"2 deep.*not yet read.*depth=3"
+    with pytest.raises(graph_opt.GraphOptError, match=pattern):
         model(second["state"])
+    assert graph_opt.stats(model).disabled_reason is None  # the caller's error: the graphs stay
     want = _sync(H, H.model()(state))["next_tokens"]
     assert np.array_equal(first["next_tokens"].result(), want)  # reading frees a buffer
     third = model(second["state"])
     del second  # a dropped future frees its buffer too
     model(third["state"])
+    stats = graph_opt.stats(model)
+    assert (stats.host_copies_in_graph, stats.host_copies_streamed) == ((4, 0) if in_graph else (0, 4))
 
 
-def test_a_slow_copy_is_not_overwritten_by_the_next_replay(H):
-    model, twin = H.model(host_outputs=["next_tokens", "stop"]), H.model()
+@pytest.mark.parametrize("through", ["host_outputs", "to_host_async"])
+def test_a_slow_copy_is_not_overwritten_by_the_next_replay(H, through, monkeypatch):
+    """Copies that run after the replay, on the copy stream: the next replay must wait for them."""
+    monkeypatch.setattr(H.adapter, "host_slots", lambda pinned, like: None)  # host_outputs go the stream way
+    model = H.model(host_outputs=["next_tokens", "stop"]) if through == "host_outputs" else H.model()
+    twin = H.model()
     s1 = H.state(8, seed=2)
     with graph_opt.testing.slow_host_copies(polls=5):
         out1 = model(s1)
-        assert not out1["next_tokens"].ready()  # the copy has not landed
+        tokens1 = out1["next_tokens"] if through == "host_outputs" else graph_opt.to_host_async(out1["next_tokens"])
+        assert not tokens1.ready()  # the copy has not landed
         out2 = model(out1["state"])  # the replay rewrites the buffers out1 is copying from
+        tokens2 = out2["next_tokens"] if through == "host_outputs" else graph_opt.to_host_async(out2["next_tokens"])
         ref1 = twin(s1)
         want1 = H.numpy(ref1["next_tokens"])
         ref2 = twin(ref1["state"])
         assert not np.array_equal(want1, H.numpy(ref2["next_tokens"]))  # a stale read would show
-        assert np.array_equal(out1["next_tokens"].result(), want1)
-        assert np.array_equal(out2["next_tokens"].result(), H.numpy(ref2["next_tokens"]))
+        assert np.array_equal(tokens1.result(), want1)
+        assert np.array_equal(tokens2.result(), H.numpy(ref2["next_tokens"]))
+    assert graph_opt.stats(model).replays == 2
 
 
 def test_two_models_with_host_outputs_interleaved(H):

@@ -140,6 +140,33 @@ class PaddleAdapter:
         self._in_flight.append((done, list(sources)))  # Paddle has no record_stream: keep the sources
         return done
 
+    # -- host_outputs copied inside the replayed graph: simulated only. Paddle gives no device view of
+    # pinned memory, so on a GPU host_slots() says no and the copies go the stream way after a replay.
+    def pinned_like_ring(self, t, depth: int):
+        ring = paddle.zeros([depth, *t.shape], dtype=t.dtype)
+        return ring.pin_memory() if t.place.is_gpu_place() else ring
+
+    def host_slots(self, pinned, like):
+        return None if like.place.is_gpu_place() else pinned
+
+    def select(self, t, index: int):
+        return t[index]
+
+    def slot_counter(self, like):
+        return paddle.zeros([1], dtype="int64")
+
+    def copy_into_slot(self, ring, counter, src) -> None:
+        ring[int(counter.item())].copy_(src, False)
+
+    def advance_slot(self, counter, depth: int) -> None:
+        counter.copy_((counter + 1) % depth, False)
+
+    def new_event(self, like):
+        return paddle.device.cuda.Event() if like.place.is_gpu_place() else None
+
+    def record_event(self, event) -> None:
+        event.record()
+
     def event_done(self, event) -> bool:
         if not event.query():
             return False

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 
 import torch
+
+logger = logging.getLogger("graph_opt")
 
 
 class TorchGraph:
@@ -52,6 +55,7 @@ class TorchAdapter:
         self._tensor = torch.Tensor
         self._stream = None  # the one capture stream, created on first use
         self._copy_stream = None  # device-to-host copies (to_host_async), created on first use
+        self._pinned_seen = {}  # device -> whether its kernels can write pinned host memory
 
     # -- tensors ---------------------------------------------------------------------------------
     def is_tensor(self, x) -> bool:
@@ -162,6 +166,54 @@ class TorchAdapter:
         producer.wait_event(done)
         return done
 
+    # -- host_outputs copied inside the replayed graph (graph_opt.host_outputs.GraphCopies) -------------
+    def pinned_like_ring(self, t, depth: int):
+        return torch.zeros((depth, *t.shape), dtype=t.dtype, pin_memory=t.is_cuda)
+
+    def host_slots(self, pinned, like):
+        """The pinned ring as a tensor on like's device, so a captured kernel writes host memory; None
+        where the device cannot address it."""
+        if not like.is_cuda:
+            return pinned
+        if not self._device_sees_pinned(like.device):
+            return None
+        return _device_alias(pinned, like.device)
+
+    def _device_sees_pinned(self, device) -> bool:
+        # With unified addressing a pinned buffer has the same address on host and device; a kernel
+        # that writes through it once says so for certain.
+        seen = self._pinned_seen.get(device)
+        if seen is None:
+            try:
+                probe = torch.full((4,), 3, dtype=torch.int32, pin_memory=True)
+                _device_alias(probe, device).add_(4)
+                torch.cuda.synchronize(device)
+                seen = probe.tolist() == [7, 7, 7, 7]
+            except RuntimeError as exc:
+                logger.info("graph_opt: the device cannot write pinned host memory (%s); host_outputs are "
+                            "copied after each replay instead", exc)
+                seen = False
+            self._pinned_seen[device] = seen
+        return seen
+
+    def select(self, t, index: int):
+        return t[index]
+
+    def slot_counter(self, like):
+        return torch.zeros(1, dtype=torch.int64, device=like.device)
+
+    def copy_into_slot(self, ring, counter, src) -> None:
+        ring.index_copy_(0, counter, src.unsqueeze(0))
+
+    def advance_slot(self, counter, depth: int) -> None:
+        counter.add_(1).remainder_(depth)
+
+    def new_event(self, like):
+        return torch.cuda.Event() if like.is_cuda else None
+
+    def record_event(self, event) -> None:
+        event.record()
+
     def event_done(self, event) -> bool:
         return event.query()
 
@@ -184,6 +236,14 @@ class TorchAdapter:
     def release_memory(self) -> None:
         if self.graphs_supported():
             torch.cuda.empty_cache()
+
+
+def _device_alias(host, device):
+    """A tensor on `device` over a pinned host tensor's memory (not owning it)."""
+    storage = host.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), device, storage.nbytes())
+    return torch.empty(0, dtype=host.dtype, device=device).set_(alias, host.storage_offset(), host.shape,
+                                                                 host.stride())
 
 
 ADAPTER = TorchAdapter()

@@ -26,7 +26,9 @@ def H():
 
 
 def test_a_copy_delayed_on_the_device_still_reads_its_step(H, monkeypatch):
-    """The copy stream sleeps before each copy: the next replay is launched at once and must wait."""
+    """The copy stream sleeps before each copy: the next replay is launched at once and must wait.
+    (Copies after the replay, as where a graph cannot write pinned memory.)"""
+    monkeypatch.setattr(ADAPTER, "host_slots", lambda pinned, like: None)
     real = ADAPTER.copy_to_host_async
 
     def slow(buffers, sources):
@@ -50,8 +52,36 @@ def test_a_copy_delayed_on_the_device_still_reads_its_step(H, monkeypatch):
     assert np.array_equal(out2["next_tokens"].result(), want2)
 
 
-def test_results_come_from_pinned_memory(H):
-    model = H.model(host_outputs=["stop"])
+def test_results_come_from_pinned_memory_the_graph_wrote(H):
+    model = H.model(host_outputs=["stop", "next_tokens"])
     model(H.state(4, seed=2))["stop"].result()
-    rings = graph_opt.decorator.state_of(model).host_outputs.rings
-    assert all(b.is_pinned() for ring in rings.rings.values() for b, _ in ring.buffers)
+    copies = graph_opt.decorator.state_of(model).host_outputs.in_graph
+    assert copies is not None and copies.rings
+    assert all(pinned.is_pinned() and device.is_cuda and device.data_ptr() == pinned.data_ptr()
+               for pinned, device, _ in copies.rings.values())
+    stats = graph_opt.stats(model)
+    assert stats.host_copies_in_graph == 1 and stats.host_copies_streamed == 0
+
+
+def test_a_slow_graph_is_read_only_after_it_ends(H):
+    """The forward sleeps on the device: result() must wait for the replay's own event, and a lagged
+    reader sees each step's values although the graphs run far behind the host."""
+    model = H.model(host_outputs=["next_tokens", "stop"])
+    twin = H.model()
+    state = ref = H.state(8, seed=3)
+    sleeper = torch.cuda.graphs.CUDAGraph()  # a slow graph on the same stream ahead of each step
+    with torch.cuda.graph(sleeper):
+        torch.cuda._sleep(5_000_000)
+    pending = []
+    for _ in range(6):
+        sleeper.replay()
+        out = model(state)
+        assert not out["next_tokens"].ready()  # the device is still sleeping ahead of this replay
+        want = twin(ref)
+        pending.append((out["next_tokens"], H.numpy(want["next_tokens"])))
+        if len(pending) == 2:
+            future, expected = pending.pop(0)
+            assert np.array_equal(future.result(), expected)
+        state, ref = out["state"], want["state"]
+    future, expected = pending.pop()
+    assert np.array_equal(future.result(), expected)

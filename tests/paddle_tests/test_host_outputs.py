@@ -29,11 +29,14 @@ class DecoderStep(paddle.nn.Layer):
 
 
 class PaddleHostShim:
-    def model(self, host_outputs=None, depth=2, seed=0, fail_capture=False, nested=False):
+    adapter = graph_opt.backends.load("paddle").ADAPTER
+
+    def model(self, host_outputs=None, depth=2, seed=0, fail_capture=False, nested=False, level=0):
         kw = {} if host_outputs is None else {"host_outputs": host_outputs, "host_ring_depth": depth}
         cls = graph_opt.support_graph_optimization(type("Step", (DecoderStep,), {}), **kw)
         paddle.seed(seed)
-        cfg = graph_opt.GraphOptConfig(use_cudagraph=True, graph_opt_level=0, cudagraph_capture_sizes=[1, 2, 4, 8])
+        cfg = graph_opt.GraphOptConfig(use_cudagraph=True, graph_opt_level=level,
+                                       cudagraph_capture_sizes=[1, 2, 4, 8])
         m = cls(fail_capture=fail_capture, nested=nested, graph_opt_config=cfg)
         m.eval()
         graph_opt.capture_model(m, make_inputs=lambda bs: paddle.randn([bs, 32]), progress=False)

@@ -28,14 +28,17 @@ class DecoderStep(torch.nn.Module):
 
 
 class TorchHostShim:
+    adapter = graph_opt.backends.load("torch").ADAPTER
+
     def __init__(self, device="cpu"):
         self.device = device
 
-    def model(self, host_outputs=None, depth=2, seed=0, fail_capture=False, nested=False):
+    def model(self, host_outputs=None, depth=2, seed=0, fail_capture=False, nested=False, level=0):
         kw = {} if host_outputs is None else {"host_outputs": host_outputs, "host_ring_depth": depth}
         cls = graph_opt.support_graph_optimization(type("Step", (DecoderStep,), {}), **kw)
         torch.manual_seed(seed)
-        cfg = graph_opt.GraphOptConfig(use_cudagraph=True, graph_opt_level=0, cudagraph_capture_sizes=[1, 2, 4, 8])
+        cfg = graph_opt.GraphOptConfig(use_cudagraph=True, graph_opt_level=level,
+                                       cudagraph_capture_sizes=[1, 2, 4, 8])
         m = cls(fail_capture=fail_capture, nested=nested, graph_opt_config=cfg).to(self.device).eval()
         graph_opt.capture_model(m, make_inputs=lambda bs: torch.randn(bs, 32, device=self.device), progress=False)
         return m
