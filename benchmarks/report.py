@@ -27,6 +27,17 @@ def new_figure():
     return plt.subplots(figsize=(7, 4.2), dpi=110)
 
 
+def grouped_bars(ax, groups, series) -> None:
+    """One bar per series in each group: groups are x labels, series {name: [value per group]}."""
+    import numpy as np
+
+    width = 0.8 / len(series)
+    xs = np.arange(len(groups))
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar(xs + (i - (len(series) - 1) / 2) * width, values, width, label=name)
+    ax.set_xticks(xs, [str(g) for g in groups])
+
+
 def save_figure(fig, ax, out_dir: str, name: str, title: str) -> str:
     import matplotlib.pyplot as plt
 

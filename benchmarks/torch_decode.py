@@ -73,7 +73,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .report import new_figure, save_figure, write_json
+from .report import grouped_bars, new_figure, save_figure, write_json
 
 import graph_opt
 
@@ -565,12 +565,8 @@ def plot(out_dir, batches, results, device) -> None:
     if figure is None:
         return
     fig, ax = figure
-    width = 0.8 / len(VARIANTS)
-    xs = np.arange(len(batches))
-    for i, name in enumerate(VARIANTS):
-        ax.bar(xs + (i - (len(VARIANTS) - 1) / 2) * width,
-               [results[bs]["variants"][name]["tokens_per_s"] for bs in batches], width, label=name)
-    ax.set_xticks(xs, [str(bs) for bs in batches])
+    grouped_bars(ax, batches, {name: [results[bs]["variants"][name]["tokens_per_s"] for bs in batches]
+                               for name in VARIANTS})
     ax.set_yscale("log")
     ax.set_xlabel("batch (sequences)")
     ax.set_ylabel("useful tokens/s (median)")
