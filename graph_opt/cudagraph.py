@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import guards, split
+from . import guards, ranks, split
 from .errors import CaptureError, GraphOptConfigError, GraphOptError, GraphOptInputError, ReplayDivergence
 from .pytree import TENSOR, flatten, tensor_leaf_owners, unflatten
 from .sizes import PaddingTable
@@ -475,19 +475,25 @@ class GraphRunner:
         if not self.config.cudagraph_copy_inputs and real != padded:
             return None  # the caller's buffers must hold the padded rows; nothing can be captured from them
         logger.info("%s: capturing padded size %d lazily (first seen at call time)", self.name, padded)
+        error = None
         try:
             with frozen_gc():
                 entry = self._capture_size(sig, padded, leaves)
         except Exception as exc:  # the model must keep working: run without graphs from now on
-            self.capture_failed(exc, padded)
+            error = exc
+        across_ranks = ranks.agree_on_capture(ranks.group_for(self.adapter), padded, error)
+        if error is not None or across_ranks is not None:
+            self.capture_failed(error, padded, across_ranks)
             return None
         self.counters.lazy_captures += 1
         return entry
 
-    def capture_failed(self, exc: BaseException, size: int) -> None:
+    def capture_failed(self, exc: Optional[BaseException], size: int, across_ranks: Optional[str] = None) -> None:
+        """Drop every graph and run without them. across_ranks: why, when the ranks agreed on it
+        (graph_opt.ranks); exc is then this rank's own error, or None where only a peer failed."""
         self.counters.capture_failures += 1
         self.release()
-        self.disabled_reason = f"capture of size {size} failed: {type(exc).__name__}: {exc}"
+        self.disabled_reason = across_ranks or f"capture of size {size} failed: {type(exc).__name__}: {exc}"
         logger.warning("%s: %s; running without graphs", self.name, self.disabled_reason)
 
     def _static_inputs(self, sig: Signature, padded: int, leaves) -> List[Any]:

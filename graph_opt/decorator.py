@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from . import backends, config as config_mod, env, split, training
+from . import backends, config as config_mod, env, ranks, split, training
 from .cudagraph import REQUIRED, EagerStrategy, GraphRunner, frozen_gc
 from .errors import GraphOptConfigError, GraphOptInputError
 from .host_outputs import HostOutputs
@@ -295,9 +295,14 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
         report.seconds = time.perf_counter() - start
         report.translations = _translations(state)
         return report
-    wanted = _check_sizes(sizes, runner)
+    group = ranks.group_for(state.adapter)  # None in a single process
+    with ranks.all_or_none(group, f"{state.name}: capture_model", GraphOptConfigError):
+        wanted = _check_sizes(sizes, runner)
     # Largest first: smaller graphs then reuse the memory pool the largest one reserved.
     order = sorted(wanted, reverse=True)
+    ranks.check_same_sizes(group, state.name, order, runner.table.sizes)
+    if group is not None:
+        report.rank, report.world_size = group.rank, group.world_size
     translations_before = _translations(state)
     from tqdm import tqdm
 
@@ -306,11 +311,16 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
         for size in order:
             # Inputs that cannot be captured are the caller's error: raised before anything of this
             # size runs (sizes captured before stay captured), not reported as a capture failure.
-            sig, leaves = runner.check_capture_inputs(*_inputs_for(state, make_inputs, size), size)
+            with ranks.all_or_none(group, f"{state.name}: make_inputs({size})", GraphOptInputError):
+                sig, leaves = runner.check_capture_inputs(*_inputs_for(state, make_inputs, size), size)
+            error = None
             try:
                 entry = runner.capture_checked(sig, leaves, size)
             except Exception as exc:  # keep the model working; say why once
-                runner.capture_failed(exc, size)
+                error = exc
+            across_ranks = ranks.agree_on_capture(group, size, error)
+            if error is not None or across_ranks is not None:
+                runner.capture_failed(error, size, across_ranks)
                 report.failed = runner.disabled_reason
                 break
             report.sizes.append(SizeReport(size, entry.captured.pieces, entry.captured.graphs,

@@ -65,6 +65,8 @@ class CaptureReport:
     translations: int = 0
     failed: Optional[str] = None  # why capture stopped; the model then runs without graphs
     notes: List[str] = field(default_factory=list)
+    rank: Optional[int] = None  # this process's rank when several captured together (graph_opt.ranks)
+    world_size: int = 1
 
     @property
     def captured_sizes(self) -> List[int]:
@@ -76,8 +78,9 @@ class CaptureReport:
         return sum(known) if known else None
 
     def __str__(self) -> str:
+        where = "" if self.rank is None else f", rank {self.rank} of {self.world_size}"
         lines = [f"graph_opt capture: mode={self.mode}, {len(self.sizes)} sizes in {self.seconds:.2f} s, "
-                 f"translations={self.translations}"]
+                 f"translations={self.translations}{where}"]
         if self.sizes:
             lines.append(f"{'size':>6} {'pieces':>6} {'graphs':>6} {'warmups':>7} {'capture ms':>10} {'memory':>10}")
             for s in sorted(self.sizes, key=lambda r: -r.size):

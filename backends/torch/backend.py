@@ -26,6 +26,13 @@ def static_strategy(model, forward_fn, config, selection):
 
 
 
+def rank_group():
+    """The job's ranks for graph_opt.ranks, or None in a single process."""
+    from .ranks import rank_group as find
+
+    return find()
+
+
 def autograd_bridge():
     from .autograd_bridge import BRIDGE
 

@@ -1,0 +1,46 @@
+"""graph_opt.ranks on Paddle: two CPU ranks (gloo, paddle.distributed.spawn), level 0, simulated graphs,
+a paddle.distributed.all_reduce in every forward. One spawn for the module, under a hard deadline."""
+import pytest
+
+pytest.importorskip("paddle")
+
+import paddle_kit as kit  # noqa: E402
+
+DEADLINE_S = 120
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return kit.run_ranks(str(tmp_path_factory.mktemp("paddle_ranks")), DEADLINE_S)
+
+
+def _passed(results, name):
+    per_rank = results[name]
+    errors = [f"rank {rank}:\n{res['error']}" for rank, res in enumerate(per_rank) if not res["ok"]]
+    assert not errors, f"scenario {name} failed\n" + "\n".join(errors)
+    return per_rank
+
+
+def test_ranks_capture_the_same_sizes_largest_first(results):
+    r0, r1 = _passed(results, "capture")
+    assert r0["order"] == r1["order"] == sorted(kit.SIZES, reverse=True)
+
+
+def test_different_capture_sizes_raise_on_every_rank(results):
+    for res in _passed(results, "size_mismatch"):
+        assert "rank 0: [8, 4, 2, 1]" in res["error"] and "rank 1: [4, 2, 1]" in res["error"], res["error"]
+
+
+def test_a_capture_fault_on_rank_1_drops_the_graphs_of_every_rank(results):
+    r0, r1 = _passed(results, "capture_fault")
+    assert r0["failed"] == r1["failed"]
+    assert "capture of size 4 failed on rank 1 (RuntimeError: injected capture fault on rank 1" in r0["failed"]
+    for res in (r0, r1):
+        assert len(res["warnings"]) == 1 and res["failed"] in res["warnings"][0], res["warnings"]
+
+
+def test_a_lazy_capture_fault_on_rank_1_drops_the_graphs_of_every_rank(results):
+    r0, r1 = _passed(results, "lazy")
+    assert r0["order"] == r1["order"] == [8, 4, 2]
+    for res in (r0, r1):
+        assert len(res["warnings"]) == 1 and "capture of size 2 failed on rank 1" in res["warnings"][0], res["warnings"]
