@@ -10,7 +10,9 @@ How one padded size goes:
   size; splitting ops and host ops run eagerly between them. Dynamo's bytecode hook told us which
   transformed code object belongs to the graph that ran.
 - replay: that transformed code is called directly, as vLLM's TorchCompileWrapperWithCustomDispatcher
-  does, so Dynamo's guards are not evaluated. This is the point: Dynamo guards the globals it read
+  does, so Dynamo's guards are not evaluated. Where the size's work is one graph and the transformed
+  code provably does nothing but gather the graph's inputs and return its outputs (pure_replay_code),
+  not even that code runs: a replay is the graph's replay(), as at level 0. This is the point: Dynamo guards the globals it read
   while tracing, so once is_capturing() flips back to false a guarded call would recompile and run
   the non-capture branch. The plugin guards what it skips instead: the padded size and the
   non-tensor arguments are the runner's dispatch key.
@@ -26,6 +28,7 @@ run(): a second, ordinary torch.compile of the forward, guards and recompiles in
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import types
 import weakref
@@ -93,8 +96,10 @@ class DynamoStrategy:
         self.selection = selection
         self.level = config.graph_opt_level
         self.translations = 0
+        self.direct_replays = 0  # sizes whose replay is the graph's replay() alone (pure_replay_code)
         self.pass_counts = {}  # no program passes on torch
         self.state = GraphState()
+        self._tensors = _ModuleTensors(model)
         self.forwards: List[CompiledForward] = []
         self._pending: List[CompiledForward] = []  # compiled by the backend, bytecode not seen yet
         self._code_of: Dict[int, types.CodeType] = {}  # id(CompiledForward) -> its transformed code
@@ -145,12 +150,19 @@ class DynamoStrategy:
         captured_ids = forward.output_ids(key)
         out_leaves, _ = flatten(outputs, self.adapter.is_tensor)
         stable = all(id(t) in captured_ids for t in out_leaves)
+        keepalive = [_ReleaseSize(forward, key)]
+        one_graph = len(forward.split.pieces) == 1 and len(forward.pieces) == 1 and graphs == 1
         replay = _make_replay(self.state, key, direct, self.model, args, kwargs)
-        return Captured(outputs, replay, stable, graphs, graphs, keepalive=[_ReleaseSize(forward, key)])
+        if stable and one_graph and _tensors_only(outputs, self.adapter.is_tensor) and pure_replay_code(code):
+            # The transformed code would only read the same inputs and return these very tensors.
+            self.direct_replays += 1
+            replay = self._tensors.direct(forward.pieces[0].entries[key].graph.replay, replay, outputs)
+        return Captured(outputs, replay, stable, graphs, graphs, keepalive=keepalive)
 
     def release(self) -> None:
         for forward in self.forwards:
             forward.release()
+        self._tensors = _ModuleTensors(self.model)
 
     # -- internals ---------------------------------------------------------------------------------
     def _mark_dynamic(self, args, kwargs, sig) -> None:
@@ -234,6 +246,110 @@ def _make_replay(state: GraphState, key, direct, model, args, kwargs):
             state.mode = eager_mode
 
     return replay
+
+
+class _ModuleTensors:
+    """Whether the model still holds the parameter and buffer objects its graphs read.
+
+    A direct replay skips the transformed code that would have read them anew; a parameter replaced by
+    a new object must still reach the graph (the bytecode path copies it in). Replacing one goes through
+    torch's registration hooks, which bump a process-wide count: a replay compares one integer, and
+    only after a registration anywhere looks at the model's tensors again. Once one was replaced, the
+    replays go through the transformed code for good (until clear_graphs)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.snapshot = None  # ids of the model's parameters and buffers when the first graph was captured
+        self.seen = -1
+        self.moved = False
+
+    def current(self):
+        return tuple(id(t) for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+
+    def direct(self, graph_replay, bytecode_replay, outputs):
+        _install_registration_hooks()
+        if self.snapshot is None:
+            self.snapshot = self.current()
+            self.seen = _registrations[0]
+        count = _registrations
+
+        def replay():
+            if count[0] != self.seen and not self._unchanged():
+                return bytecode_replay()
+            graph_replay()
+            return outputs
+
+        return replay
+
+    def _unchanged(self) -> bool:
+        if not self.moved and self.current() == self.snapshot:
+            self.seen = _registrations[0]
+            return True
+        self.moved = True
+        return False
+
+
+_registrations = [0]  # parameter, buffer or submodule registrations in this process
+_hooks_installed = False
+
+
+def _install_registration_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    from torch.nn.modules import module
+
+    def bump(*args):
+        _registrations[0] += 1
+
+    module.register_module_parameter_registration_hook(bump)
+    module.register_module_buffer_registration_hook(bump)
+    module.register_module_module_registration_hook(bump)
+    _hooks_installed = True
+
+
+# What Dynamo's transformed code for a graph without side effects is made of: reads of the module tree,
+# the call of the compiled graph, building the returned containers. Anything else (an attribute or
+# item store, a call of anything but these) may be a side effect the replay would have to repeat.
+_PURE_OPS = frozenset({
+    "RESUME", "NOP", "CACHE", "EXTENDED_ARG", "PRECALL", "CALL", "CALL_FUNCTION", "CALL_FUNCTION_KW",
+    "CALL_METHOD", "CALL_KW", "KW_NAMES", "PUSH_NULL", "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST",
+    "LOAD_FAST_AND_CLEAR", "STORE_FAST", "STORE_FAST_LOAD_FAST", "STORE_FAST_STORE_FAST", "DELETE_FAST",
+    "LOAD_CONST", "RETURN_CONST", "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "BINARY_SUBSCR", "BUILD_LIST",
+    "BUILD_TUPLE", "BUILD_MAP", "BUILD_CONST_KEY_MAP", "LIST_EXTEND", "LIST_TO_TUPLE", "UNPACK_SEQUENCE",
+    "COPY", "SWAP", "DUP_TOP", "ROT_TWO", "ROT_THREE", "ROT_FOUR", "POP_TOP", "RETURN_VALUE",
+    "COPY_FREE_VARS", "LOAD_DEREF", "MAKE_CELL",
+})
+_PURE_ATTRS = frozenset({"_modules", "_parameters", "_buffers", "call_size", "record_pregraph_bytecode_enter",
+                         "record_pregraph_bytecode_exit"})
+
+
+def pure_replay_code(code: types.CodeType) -> bool:
+    """Whether Dynamo's transformed code only gathers the compiled graph's inputs from the module tree
+    and the arguments and returns its outputs: no store outside its locals, no call but the graph's
+    and Dynamo's own helpers. Then skipping it changes nothing but the time it took."""
+    import dis
+
+    for ins in dis.get_instructions(code):
+        if ins.opname not in _PURE_OPS:
+            return False
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval not in _PURE_ATTRS:
+            return False
+        if ins.opname == "LOAD_GLOBAL" and not str(ins.argval).startswith(("__compiled_fn", "__import_torch")):
+            return False
+    return True
+
+
+def _tensors_only(tree, is_tensor) -> bool:
+    """Tensors (or None) in plain tuples, lists and dicts: no value the skipped code might compute
+    afresh per call."""
+    if tree is None or is_tensor(tree):
+        return True
+    if type(tree) in (tuple, list):
+        return all(_tensors_only(x, is_tensor) for x in tree)
+    if type(tree) is dict:
+        return all(_tensors_only(x, is_tensor) for x in tree.values())
+    return False
 
 
 def _traced(gm: torch.fx.GraphModule, example_inputs):

@@ -1,0 +1,120 @@
+"""Level >= 1, full graph: a replay is the graph's replay() alone where Dynamo's transformed code provably
+only gathers the graph's inputs and returns its outputs; otherwise that code still runs."""
+import pytest
+import torch
+
+import graph_opt
+from graph_opt.backends.torch.dynamo import pure_replay_code
+from graph_opt.decorator import state_of
+from torch_models import SIZES, HIDDEN, Stack, make_x
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _cfg(level, full=True):
+    return graph_opt.GraphOptConfig(graph_opt_level=level, full_cuda_graph=full, cudagraph_capture_sizes=SIZES)
+
+
+def _captured(m):
+    with graph_opt.testing.simulate_cuda_graphs():
+        graph_opt.capture_model(m, make_x, progress=False)
+    return state_of(m).runner.strategy
+
+
+def _eager(m, x):
+    with torch.no_grad():
+        return type(m).forward(m, x)
+
+
+@graph_opt.support_graph_optimization
+class Counting(torch.nn.Module):
+    """Its forward writes an attribute: the transformed code carries that store."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.calls = torch.zeros(())
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return self.proj(x)
+
+
+@graph_opt.support_graph_optimization
+class WithConstant(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return self.proj(x), "tag"
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_pure_full_graph_replays_without_the_transformed_code(level):
+    torch.manual_seed(0)
+    m = Stack(graph_opt_config=_cfg(level))
+    strategy = _captured(m)
+    assert strategy.direct_replays == len(SIZES)
+    for real in (1, 3, 8):
+        x = make_x(real, seed=real)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), _eager(m, x), **TOL)
+    assert graph_opt.stats(m).replays == 3
+
+
+def test_a_replaced_parameter_sends_the_replays_back_through_the_transformed_code():
+    torch.manual_seed(0)
+    m = Stack(graph_opt_config=_cfg(1))
+    strategy = _captured(m)
+    x = make_x(3)
+    with torch.no_grad():
+        m(x)
+    assert not strategy._tensors.moved
+    torch.nn.Linear(4, 4)  # a registration elsewhere: checked, nothing moved
+    with torch.no_grad():
+        m(x)
+    assert not strategy._tensors.moved
+    m.head.weight = torch.nn.Parameter(torch.randn_like(m.head.weight))
+    for _ in range(2):
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), _eager(m, x), **TOL)
+    assert strategy._tensors.moved
+
+
+def test_a_forward_with_a_side_effect_keeps_running_its_transformed_code():
+    torch.manual_seed(0)
+    m = Counting(graph_opt_config=_cfg(1))
+    strategy = _captured(m)
+    assert strategy.direct_replays == 0
+    before = float(m.calls)
+    with torch.no_grad():
+        m(make_x(3))
+        m(make_x(5))
+    assert float(m.calls) == before + 2  # the store ran at each replay
+    assert graph_opt.stats(m).replays == 2
+
+
+def test_a_non_tensor_output_keeps_the_transformed_code():
+    m = WithConstant(graph_opt_config=_cfg(1))
+    assert _captured(m).direct_replays == 0
+    with torch.no_grad():
+        out, tag = m(make_x(3))
+    assert tag == "tag"
+
+
+def test_pure_replay_code_refuses_stores_and_foreign_calls():
+    def stores(self, x):
+        self.y = x
+        return x
+
+    def calls(x):
+        print(x)
+        return x
+
+    def gathers(self, x):
+        return self._modules["a"]._parameters["w"], x
+
+    assert not pure_replay_code(stores.__code__)
+    assert not pure_replay_code(calls.__code__)
+    assert pure_replay_code(gathers.__code__)
