@@ -56,12 +56,13 @@ def device() -> str:
     return "gpu" if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "cpu"
 
 
-def build(config, hidden: int = 64, layers: int = 4, seed: int = 0):
-    """(model under graph_opt with `config`, plain reference model with the same weights)."""
+def build(config, hidden: int = 64, layers: int = 4, seed: int = 0, cls=None):
+    """(model under graph_opt with `config`, plain reference model with the same weights). cls: a
+    decorated subclass of DemoDecoder to build instead of GraphDecoder."""
     paddle.seed(seed)
     reference = DemoDecoder(hidden, layers)
     reference.eval()
-    model = GraphDecoder(hidden, layers, graph_opt_config=config)
+    model = (cls or GraphDecoder)(hidden, layers, graph_opt_config=config)
     model.set_state_dict(reference.state_dict())
     model.eval()
     return model, reference

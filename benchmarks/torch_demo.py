@@ -57,11 +57,12 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build(config, hidden: int = 64, layers: int = 4, seed: int = 0):
-    """(model under graph_opt with `config`, plain reference model with the same weights)."""
+def build(config, hidden: int = 64, layers: int = 4, seed: int = 0, cls=None):
+    """(model under graph_opt with `config`, plain reference model with the same weights). cls: a
+    decorated subclass of DemoDecoder to build instead of GraphDecoder."""
     torch.manual_seed(seed)
     reference = DemoDecoder(hidden, layers).to(device()).eval()
-    model = GraphDecoder(hidden, layers, graph_opt_config=config).to(device()).eval()
+    model = (cls or GraphDecoder)(hidden, layers, graph_opt_config=config).to(device()).eval()
     model.load_state_dict(reference.state_dict())
     return model, reference
 

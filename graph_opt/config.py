@@ -17,6 +17,7 @@ from .passes import KNOWN_PASSES
 from .sizes import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
 
 NESTED_KEY = "graph_opt_config"
+CUDAGRAPH_MODES = ("full", "piecewise", "full_and_piecewise")
 
 
 @dataclass
@@ -25,7 +26,11 @@ class GraphOptConfig:
 
     graph_opt_level: 0 eager, 1 static (Paddle SOT / torch Dynamo), 2 static plus the framework's compiler.
     use_cudagraph: capture and replay CUDA graphs, one per padded batch size.
-    full_cuda_graph: one graph per size; False splits at cudagraph_splitting_ops.
+    full_cuda_graph: one graph per size; False splits at cudagraph_splitting_ops. An alias of
+        cudagraph_mode "full" / "piecewise", kept for configs written before it.
+    cudagraph_mode: "full" (one graph per size), "piecewise" (split at cudagraph_splitting_ops) or
+        "full_and_piecewise" (both per size, in one pool; the decorator's dispatch_key_fn picks one per
+        call); None takes it from full_cuda_graph.
     cudagraph_capture_sizes: padded batch sizes to capture; None generates them up to max_capture_size.
     max_capture_size: largest size replayed from a graph; None means max(cudagraph_capture_sizes), else 256.
     cudagraph_num_of_warmups: eager runs before each capture (lazy initialisation must not happen inside one).
@@ -40,6 +45,7 @@ class GraphOptConfig:
     graph_opt_level: int = 0
     use_cudagraph: bool = True
     full_cuda_graph: bool = True
+    cudagraph_mode: Optional[str] = None
     cudagraph_capture_sizes: Optional[List[int]] = None
     max_capture_size: Optional[int] = None
     cudagraph_num_of_warmups: int = 1
@@ -74,6 +80,13 @@ class GraphOptConfig:
                 sizes.append(self.effective_max_capture_size)
             return sizes
         return default_capture_sizes(self.effective_max_capture_size)
+
+    @property
+    def graph_mode(self) -> str:
+        """The effective cudagraph_mode: "full", "piecewise" or "full_and_piecewise"."""
+        if self.cudagraph_mode is not None:
+            return self.cudagraph_mode
+        return "full" if self.full_cuda_graph else "piecewise"
 
     @property
     def uses_graphs(self) -> bool:
@@ -112,6 +125,8 @@ _dataclass_init = GraphOptConfig.__init__
 def _init(self, *args, **kwargs):
     # The generated __init__ would reject an unknown keyword with a bare TypeError; name the allowed keys.
     _check_keys([key for key in kwargs if key != "sources"], "GraphOptConfig()")
+    if "sources" not in kwargs and not args:  # where each value came from: errors and describe() say it
+        kwargs["sources"] = {key: "GraphOptConfig()" for key in kwargs}
     _dataclass_init(self, *args, **kwargs)
 
 
@@ -204,6 +219,15 @@ def validate(cfg: GraphOptConfig) -> None:
     for name in ("use_cudagraph", "full_cuda_graph", "use_unique_memory_pool", "cudagraph_copy_inputs"):
         if not isinstance(getattr(cfg, name), bool):
             fail(name, "must be a boolean (true or false)")
+    if cfg.cudagraph_mode is not None:
+        if cfg.cudagraph_mode not in CUDAGRAPH_MODES:
+            fail("cudagraph_mode", f"must be one of {', '.join(map(repr, CUDAGRAPH_MODES))}, or null to take it "
+                                   "from full_cuda_graph")
+        alias = cfg.sources.get("full_cuda_graph", "default") != "default"
+        if alias and cfg.graph_mode != ("full" if cfg.full_cuda_graph else "piecewise"):
+            fail("cudagraph_mode", f"disagrees with full_cuda_graph={cfg.full_cuda_graph!r}"
+                                   f"{_origin(cfg, 'full_cuda_graph')}; full_cuda_graph is the older name of "
+                                   "cudagraph_mode 'full' / 'piecewise': set one of the two")
     if not _is_int(cfg.cudagraph_num_of_warmups) or cfg.cudagraph_num_of_warmups < 0:
         fail("cudagraph_num_of_warmups", "must be an integer >= 0")
     if cfg.max_capture_size is not None and (not _is_int(cfg.max_capture_size) or cfg.max_capture_size < 1):

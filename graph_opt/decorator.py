@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from . import backends, config as config_mod, env, ranks, split, training
+from . import backends, config as config_mod, dispatch, env, ranks, split, training
 from .cudagraph import REQUIRED, EagerStrategy, GraphRunner, frozen_gc
 from .errors import GraphOptConfigError, GraphOptInputError
 from .host_outputs import HostOutputs
@@ -23,7 +23,8 @@ _STATE_ATTR = "_graph_opt_state"
 class GraphOptState:
     """Per-model plugin state: the config, the mode, and the runner once graphs are in use."""
 
-    def __init__(self, model, cfg, dynamic_arg_dims, framework: str, orig_call: Callable):
+    def __init__(self, model, cfg, dynamic_arg_dims, framework: str, orig_call: Callable,
+                 dispatch_key_fn: Optional[Callable] = None):
         self.model = model
         self.config = cfg
         self.dynamic_arg_dims = dynamic_arg_dims
@@ -35,7 +36,14 @@ class GraphOptState:
         self.disabled = env.disabled()
         self.runner: Optional[GraphRunner] = None
         self.plain: Optional[Callable] = None  # the path without graphs, once chosen
-        self.selection = None if cfg.full_cuda_graph else split.SplitSelection(cfg.cudagraph_splitting_ops)
+        self.selection = None if cfg.graph_mode == "full" else split.SplitSelection(cfg.cudagraph_splitting_ops)
+        self.dispatch_key_fn = dispatch_key_fn
+        if cfg.graph_mode == "full_and_piecewise" and dispatch_key_fn is None and cfg.use_cudagraph:
+            raise GraphOptConfigError(
+                f"cudagraph_mode='full_and_piecewise'{config_mod._origin(cfg, 'cudagraph_mode')} for {self.name}: "
+                "say per call which kind of graph runs with @support_graph_optimization(dispatch_key_fn=fn), fn "
+                "taking the forward's arguments and returning 'full' or 'piecewise'; or use cudagraph_mode "
+                "'full' or 'piecewise'")
         self.notes: list = []
         self.host_outputs: Optional[HostOutputs] = None
 
@@ -48,7 +56,8 @@ class GraphOptState:
         base = "eager" if cfg.graph_opt_level == 0 else f"static (level {cfg.graph_opt_level})"
         if not cfg.use_cudagraph:
             return base
-        kind = "full graph" if cfg.full_cuda_graph else "piecewise"
+        kind = {"full": "full graph", "piecewise": "piecewise", "full_and_piecewise": "full and piecewise"}[
+            cfg.graph_mode]
         if self.runner is not None:
             return f"{base} + {'simulated ' if self._simulated else ''}cuda graphs, {kind}"
         return f"{base} + cuda graphs, {kind}"
@@ -109,16 +118,25 @@ class GraphOptState:
                 logger.warning(msg)
                 self.notes.append(msg)
             return None
-        if cfg.graph_opt_level == 0:
-            strategy = EagerStrategy(self._eager_call, self.adapter, self.selection)
+        if cfg.graph_mode == "full_and_piecewise":
+            self.runner = dispatch.KindDispatch(self._new_runner(None), self._new_runner(self.selection),
+                                                self.dispatch_key_fn, self.name)
         else:
-            strategy = self.backend.static_strategy(self.model, self.forward_fn, cfg, self.selection)
-        self.runner = GraphRunner(
+            self.runner = self._new_runner(self.selection)
+        return self.runner
+
+    def _new_runner(self, selection) -> GraphRunner:
+        """A runner of one kind of graph: full (selection None) or split at the selected ops."""
+        cfg = self.config
+        if cfg.graph_opt_level == 0:
+            strategy = EagerStrategy(self._eager_call, self.adapter, selection)
+        else:
+            strategy = self.backend.static_strategy(self.model, self.forward_fn, cfg, selection)
+        return GraphRunner(
             adapter=self.adapter, config=cfg, strategy=strategy, eager=self._eager_call,
             dynamic_arg_dims=self.dynamic_arg_dims,
             params=_params(self.forward_fn), name=self.name, host_outputs=self.host_outputs,
         )
-        return self.runner
 
     # -- the call --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -165,7 +183,8 @@ def _check_dynamic_arg_dims(cls, dynamic_arg_dims) -> Optional[Dict[str, int]]:
 
 
 def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str, int]] = None,
-                               host_outputs: Optional[Sequence[str]] = None, host_ring_depth: int = 2):
+                               host_outputs: Optional[Sequence[str]] = None, host_ring_depth: int = 2,
+                               dispatch_key_fn: Optional[Callable[..., str]] = None):
     """Class decorator for a paddle.nn.Layer or torch.nn.Module subclass.
 
     The constructor then accepts `graph_opt_config=` (a GraphOptConfig, a dict or a YAML path; default
@@ -178,10 +197,14 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
     host_outputs names output leaves ("next_tokens", "out.tokens", "aux.0") that come back as
     HostFutures: their device-to-host copies start at once and the host waits only in result(). Each
     model has its own pinned rings, host_ring_depth buffers per shape (see graph_opt.host_outputs).
+
+    dispatch_key_fn(*args, **kwargs) -> "full" | "piecewise": with cudagraph_mode "full_and_piecewise",
+    which kind of graph a call replays (e.g. "full" for a decode-only batch, "piecewise" for a mixed
+    one, whose attention runs eagerly between the pieces). See graph_opt.dispatch.
     """
     if cls is None:
         return lambda c: support_graph_optimization(c, dynamic_arg_dims=dynamic_arg_dims, host_outputs=host_outputs,
-                                                    host_ring_depth=host_ring_depth)
+                                                    host_ring_depth=host_ring_depth, dispatch_key_fn=dispatch_key_fn)
     if not isinstance(cls, type):
         raise TypeError(
             "@support_graph_optimization decorates a class (a paddle.nn.Layer or torch.nn.Module subclass), "
@@ -189,6 +212,7 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
         )
     framework = backends.framework_of(cls)
     dims = _check_dynamic_arg_dims(cls, dynamic_arg_dims)
+    dispatch.check_key_fn(dispatch_key_fn, cls.__qualname__)
     if host_outputs is not None:  # checked now: a bad path list is an error at decoration
         HostOutputs(host_outputs, host_ring_depth, cls.__qualname__)
     elif host_ring_depth != 2:
@@ -198,14 +222,17 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
     if cls.__dict__.get("__graph_opt_decorated__"):
         return cls
     orig_init = cls.__init__
-    orig_call = cls.__call__
+    # A subclass of a decorated class inherits the plugin's __call__: wrap the framework's own, or a
+    # call would go plugin -> "original" (the base's plugin call) -> plugin ... without end.
+    orig_call = getattr(cls.__call__, "_graph_opt_orig_call", cls.__call__)
 
     @functools.wraps(orig_init)
     def __init__(self, *args, graph_opt_config=None, **kwargs):
         orig_init(self, *args, **kwargs)
         # A decorated subclass runs its own __init__ last: the outermost config wins.
         if graph_opt_config is not None or _STATE_ATTR not in self.__dict__:
-            state = GraphOptState(self, config_mod.resolve(graph_opt_config), dims, framework, orig_call)
+            state = GraphOptState(self, config_mod.resolve(graph_opt_config), dims, framework, orig_call,
+                                  dispatch_key_fn)
             if host_outputs is not None:
                 state.host_outputs = HostOutputs(host_outputs, host_ring_depth, cls.__qualname__)
             object.__setattr__(self, _STATE_ATTR, state)
@@ -216,6 +243,7 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
             return orig_call(self, *args, **kwargs)
         return state(*args, **kwargs)
 
+    __call__._graph_opt_orig_call = orig_call
     cls.__init__ = __init__
     cls.__call__ = __call__
     cls.__graph_opt_decorated__ = True
@@ -429,4 +457,5 @@ def stats(model):
         capture_seconds=runner.capture_seconds, graph_memory_bytes=runner.memory_bytes,
         static_buffer_bytes=runner.buffer_bytes(), disabled_reason=runner.disabled_reason,
         replay_failures=c.replay_failures, **_host_copy_counts(state),
+        replays_by_kind=runner.replays_by_kind() if isinstance(runner, dispatch.KindDispatch) else {},
     )

@@ -54,6 +54,15 @@ def parse_str_list(name: str, raw: str) -> list:
     return [item for item in items if item]
 
 
+def parse_mode(name: str, raw: str) -> str:
+    from .config import CUDAGRAPH_MODES
+
+    value = raw.strip().lower()
+    if value not in CUDAGRAPH_MODES:
+        raise GraphOptConfigError(f"{name}={raw!r}: expected one of {', '.join(CUDAGRAPH_MODES)}")
+    return value
+
+
 def parse_log_level(name: str, raw: str) -> str:
     value = raw.strip().upper()
     if value not in LOG_LEVELS:
@@ -81,6 +90,8 @@ ENV_VARS = (
     EnvVar("GRAPH_OPT_LEVEL", "graph_opt_level", parse_int, "graph_opt_level: 0, 1 or 2 for eager, static, static+compiler"),
     EnvVar("GRAPH_OPT_USE_CUDAGRAPH", "use_cudagraph", parse_bool, "use_cudagraph"),
     EnvVar("GRAPH_OPT_FULL_CUDA_GRAPH", "full_cuda_graph", parse_bool, "full_cuda_graph"),
+    EnvVar("GRAPH_OPT_CUDAGRAPH_MODE", "cudagraph_mode", parse_mode, "cudagraph_mode: full, piecewise or "
+           "full_and_piecewise"),
     EnvVar("GRAPH_OPT_CAPTURE_SIZES", "cudagraph_capture_sizes", parse_int_list, "capture sizes, e.g. '1,2,4,8'"),
     EnvVar("GRAPH_OPT_MAX_CAPTURE_SIZE", "max_capture_size", parse_int, "max_capture_size, a positive integer"),
     EnvVar("GRAPH_OPT_NUM_WARMUPS", "cudagraph_num_of_warmups", parse_int, "cudagraph_num_of_warmups, an integer >= 0"),

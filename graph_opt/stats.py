@@ -40,6 +40,7 @@ class Stats:
     replay_failures: int = 0  # replays that raised; the call then ran eagerly and graphs were dropped
     host_copies_in_graph: int = 0  # replays whose graph copied the host_outputs into pinned memory itself
     host_copies_streamed: int = 0  # calls whose host_outputs were copied on the copy stream afterwards
+    replays_by_kind: Dict[str, int] = field(default_factory=dict)  # cudagraph_mode full_and_piecewise
 
     def as_dict(self) -> dict:
         return asdict(self)

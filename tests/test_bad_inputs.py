@@ -164,6 +164,11 @@ row("dict-not-a-mapping", None, lambda c: GraphOptConfig.from_dict([1, 2]), Grap
     "a config must be a mapping", "got list")
 row("dict-bool-as-str", None, lambda c: GraphOptConfig.from_dict({"full_cuda_graph": "false"}), GraphOptConfigError,
     "full_cuda_graph='false' (from dict)", "must be a boolean")
+row("dict-unknown-cudagraph-mode", None, lambda c: GraphOptConfig.from_dict({"cudagraph_mode": "pieces"}),
+    GraphOptConfigError, "cudagraph_mode='pieces' (from dict)", "'full', 'piecewise', 'full_and_piecewise'")
+row("dict-mode-against-its-alias", None,
+    lambda c: GraphOptConfig.from_dict({"cudagraph_mode": "full", "full_cuda_graph": False}), GraphOptConfigError,
+    "cudagraph_mode='full' (from dict): disagrees with full_cuda_graph=False", "set one of the two")
 row("dict-key-next-to-nested", None,
     lambda c: GraphOptConfig.from_dict({"graph_opt_config": {"graph_opt_level": 1}, "extra": 1}),
     GraphOptConfigError, "unknown key 'extra' next to 'graph_opt_config'", "put every setting under graph_opt_config")
@@ -204,6 +209,7 @@ for var, value, fragments in [
     ("GRAPH_OPT_LEVEL", "3", ("graph_opt_level=3 (from env:GRAPH_OPT_LEVEL)", "must be 0 (eager), 1 (static) or 2")),
     ("GRAPH_OPT_USE_CUDAGRAPH", "2", ("GRAPH_OPT_USE_CUDAGRAPH='2'", BOOL)),
     ("GRAPH_OPT_FULL_CUDA_GRAPH", "yep", ("GRAPH_OPT_FULL_CUDA_GRAPH='yep'", BOOL)),
+    ("GRAPH_OPT_CUDAGRAPH_MODE", "both", ("GRAPH_OPT_CUDAGRAPH_MODE='both'", "full, piecewise, full_and_piecewise")),
     ("GRAPH_OPT_CAPTURE_SIZES", "1,x", ("GRAPH_OPT_CAPTURE_SIZES='1,x'", "comma-separated list of integers, e.g. '1,2,4,8'")),
     ("GRAPH_OPT_CAPTURE_SIZES", "0,4", ("(from env:GRAPH_OPT_CAPTURE_SIZES)", "every size must be a positive integer")),
     ("GRAPH_OPT_MAX_CAPTURE_SIZE", "big", ("GRAPH_OPT_MAX_CAPTURE_SIZE='big'", "a positive integer")),

@@ -20,7 +20,8 @@ def write(tmp_path, text, name="cfg.yaml"):
 
 def test_every_design_field_exists_with_its_default():
     cfg = GraphOptConfig()
-    expected = {"graph_opt_level", "use_cudagraph", "full_cuda_graph", "cudagraph_capture_sizes", "max_capture_size",
+    expected = {"graph_opt_level", "use_cudagraph", "full_cuda_graph", "cudagraph_mode", "cudagraph_capture_sizes",
+                "max_capture_size",
                 "cudagraph_num_of_warmups", "cudagraph_splitting_ops", "use_unique_memory_pool",
                 "cudagraph_copy_inputs", "program_passes"}
     assert set(field_names()) == expected

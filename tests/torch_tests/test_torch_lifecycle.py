@@ -205,3 +205,16 @@ def test_inputs_are_freed_by_refcount_alone_after_a_replay():
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_a_decorated_subclass_of_a_decorated_class_calls_through_once():
+    """The subclass's decorator wraps the framework's __call__, not the base's plugin call (which would
+    recurse), and the subclass's config and options win."""
+    Sub = graph_opt.support_graph_optimization(type("Sub", (Stack,), {}), dispatch_key_fn=lambda x: "piecewise")
+    torch.manual_seed(0)
+    m = Sub(graph_opt_config=graph_opt.GraphOptConfig(cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=SIZES))
+    with graph_opt.testing.simulate_cuda_graphs():
+        assert graph_opt.capture_model(m, make_x, progress=False).failed is None
+        with torch.no_grad():
+            torch.testing.assert_close(m(make_x(3)), _eager(m, make_x(3)), **TOL)
+    assert graph_opt.stats(m).replays_by_kind == {"full": 0, "piecewise": 1}
