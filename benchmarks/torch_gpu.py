@@ -93,6 +93,23 @@ class Decoder(torch.nn.Module):
         return self.norm(x)
 
 
+class MixedKey:
+    """dispatch_key_fn of a mixed workload: every `every`-th call is a mixed batch (pieces, attention
+    eager), the others decode-only (the full graph)."""
+
+    def __init__(self, every=5):
+        self.every = every
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return "piecewise" if self.calls % self.every == 0 else "full"
+
+
+DispatchedDecoder = graph_opt.support_graph_optimization(type("DispatchedDecoder", (Decoder,), {}),
+                                                         dispatch_key_fn=MixedKey())
+
+
 def make_kv(layers=LAYERS, max_batch=256, heads=HEADS, cache_len=CACHE_LEN, hidden=HIDDEN,
             dtype=torch.bfloat16, device="cuda", seed=1):
     g = torch.Generator(device=device).manual_seed(seed)
@@ -100,11 +117,12 @@ def make_kv(layers=LAYERS, max_batch=256, heads=HEADS, cache_len=CACHE_LEN, hidd
     return tuple(torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype) for _ in range(2))
 
 
-def build(config: Optional[graph_opt.GraphOptConfig], kv, dtype=torch.bfloat16, seed=0, **dims):
-    """A Decoder on the GPU; every call with the same seed has the same weights. kv is shared, not copied."""
+def build(config: Optional[graph_opt.GraphOptConfig], kv, dtype=torch.bfloat16, seed=0, cls=None, **dims):
+    """A Decoder on the GPU; every call with the same seed has the same weights. kv is shared, not copied.
+    cls: DispatchedDecoder for cudagraph_mode full_and_piecewise."""
     torch.manual_seed(seed)
     cfg = config or graph_opt.GraphOptConfig(use_cudagraph=False)
-    m = Decoder(kv, graph_opt_config=cfg, **dims).to(device="cuda", dtype=dtype).eval()
+    m = (cls or Decoder)(kv, graph_opt_config=cfg, **dims).to(device="cuda", dtype=dtype).eval()
     for layer, k, v in zip(m.layers, *kv):  # .to() keeps these, but say so: the caches are shared
         layer.k_cache, layer.v_cache = k, v
     return m
@@ -152,7 +170,7 @@ class HandGraphs:
     def __init__(self, model, batches, dtype):
         self.graphs, self.inputs, self.outputs = {}, {}, {}
         forward = type(model).forward
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         with torch.no_grad():
             for bs in sorted(batches, reverse=True):
@@ -173,6 +191,30 @@ class HandGraphs:
         return self.outputs[bs]
 
 
+def raw_pieces(m, bs: int) -> Callable:
+    """The piecewise replay of size bs without the plugin: each piece's graph.replay() and each splitting
+    op's own function on the tensors it read at capture, in order (what the plugin's host time per call
+    is compared with; the landing copies of the split results are the plugin's own work)."""
+    from graph_opt.cudagraph import _SplitStep
+
+    entry = next(sig.entries[bs] for sig in state_of(m).runner.signatures.values() if bs in sig.entries)
+    graphs = [obj for obj in entry.captured.keepalive if not isinstance(obj, _SplitStep)]
+    splits = [obj for obj in entry.captured.keepalive if isinstance(obj, _SplitStep)]
+    steps = []
+    for i, g in enumerate(graphs):
+        steps.append(g.replay)
+        if i < len(splits):
+            split = splits[i]
+            steps.append(lambda s=split: s.op.fn(*s.args, **s.kwargs))
+
+    def run(_):
+        for step in steps:
+            step()
+
+    run.pieces = len(graphs)
+    return run
+
+
 def level_config(level, full, sizes, split_ops=None):
     return graph_opt.GraphOptConfig(graph_opt_level=level, full_cuda_graph=full, cudagraph_capture_sizes=sizes,
                                     cudagraph_splitting_ops=split_ops)
@@ -186,7 +228,12 @@ def plugin_modes(batches):
         "plugin piecewise (L0)": level_config(0, False, batches),
         "plugin piecewise (L1)": level_config(1, False, batches, ["graph_opt_bench::attention"]),
         "plugin level 2 (full)": level_config(2, True, batches),
+        MIXED: graph_opt.GraphOptConfig(graph_opt_level=0, cudagraph_mode="full_and_piecewise",
+                                        cudagraph_capture_sizes=batches),
     }
+
+
+MIXED = "plugin full+piecewise (L0, 80% full)"
 
 
 def run(out_dir: str, quick: bool) -> int:
@@ -221,7 +268,7 @@ def run(out_dir: str, quick: bool) -> int:
     host_fns = {"raw replay()": lambda _: graph.replay(), "copy_ + replay()": lambda t: (static.copy_(t), graph.replay())}
 
     for name, cfg in plugin_modes(batches).items():
-        m = build(cfg, kv, dtype)
+        m = build(cfg, kv, dtype, cls=DispatchedDecoder if name == MIXED else None)
         t0 = time.perf_counter()
         report = graph_opt.capture_model(m, lambda n: torch.randn(n, HIDDEN, device="cuda", dtype=dtype), progress=False)
         if report.failed:
@@ -231,7 +278,11 @@ def run(out_dir: str, quick: bool) -> int:
         notes[name] = (f"capture of {len(batches)} sizes {time.perf_counter() - t0:.1f} s (translations "
                        f"{report.translations}), graphs per size {max(s.graphs.values())}")
         measure(name, m)
+        if name == MIXED:
+            notes[name] += f"; replays per kind {graph_opt.stats(m).replays_by_kind}"
         host_fns[name] = m
+        if name == "plugin piecewise (L0)":
+            host_fns["pieces by hand (L0)"] = raw_pieces(m, host_bs)
 
     ro = build(None, kv, dtype)
     forward = type(ro).forward
@@ -257,6 +308,12 @@ def run(out_dir: str, quick: bool) -> int:
     table["eager"] = {bs: min(first[bs], table["eager"][bs]) for bs in batches}
     with torch.no_grad():
         host = host_us(host_fns, xs[host_bs])
+    by_hand = host_fns.get("pieces by hand (L0)")
+    if by_hand is not None and "plugin piecewise (L0)" in host:
+        over = host["plugin piecewise (L0)"] - host["pieces by hand (L0)"]
+        notes["piecewise overhead"] = (f"plugin piecewise (L0) over its pieces replayed by hand at bs {host_bs}: "
+                                       f"{over:.1f} µs per call, {over / by_hand.pieces:.2f} µs per piece "
+                                       f"({by_hand.pieces} pieces, {by_hand.pieces - 1} splitting ops)")
     del compiled, ro, hand, host_fns, graph, static, base
     gc.collect()
     torch.cuda.empty_cache()
@@ -296,11 +353,30 @@ def capture_report(kv, dtype) -> Dict[str, dict]:
         torch.cuda.empty_cache()
         return report, in_pool / 2**20, grown / 2**20
 
+    from graph_opt.sizes import default_capture_sizes
+
+    base = build(None, kv, dtype)
+    for sizes, label in (([256], "largest"), (default_capture_sizes(256), "all")):
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        hand = HandGraphs(base, sizes, dtype)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        out.setdefault("hand-written (full)", {})[label] = {"seconds": seconds, "pool_mib": pool_bytes(hand.pool) / 2**20}
+        del hand
+    hand = out["hand-written (full)"]
+    print(f"capture hand-written: {hand}", flush=True)
     for name, cfg in modes.items():
         _, pool_largest, reserved_largest = captured(cfg, [256])
         report, pool_all, reserved_all = captured(cfg, None)
+        per_size = sorted((s.capture_ms for s in report.sizes[1:]))
+        # The first size also traces (levels >= 1): its time over a later size's is the tracing.
+        trace_s = max(0.0, (report.sizes[0].capture_ms - per_size[len(per_size) // 2]) / 1e3) if per_size else 0.0
         out[name] = {
             "sizes": len(report.sizes), "seconds": report.seconds, "translations": report.translations,
+            "trace_seconds": trace_s, "seconds_without_trace": report.seconds - trace_s,
             "pool_all_mib": pool_all, "pool_largest_mib": pool_largest,
             "ratio": pool_all / pool_largest if pool_largest else float("nan"),
             "reserved_all_mib": reserved_all, "reserved_largest_mib": reserved_largest, "failed": report.failed,
@@ -310,7 +386,7 @@ def capture_report(kv, dtype) -> Dict[str, dict]:
 
 
 COLUMNS = ["eager", "hand-written graph", "plugin full (L0)", "plugin full (L1)", "plugin piecewise (L0)",
-           "plugin piecewise (L1)", "plugin level 2 (full)", "reduce-overhead"]
+           "plugin piecewise (L1)", "plugin level 2 (full)", MIXED, "reduce-overhead"]
 
 
 def write_results(out_dir, batches, table, host, notes, capture, device) -> None:
@@ -334,13 +410,22 @@ def write_results(out_dir, batches, table, host, notes, capture, device) -> None
               "fresh model; graph memory is the size of the graphs' private pool (its segments in "
               "torch.cuda.memory_snapshot()), reserved is memory_reserved()'s growth over capture_model "
               "(warmup caches, static buffers and boundary buffers outside the pool included):", "",
-              "| mode | sizes | seconds (trace included) | translations | graph pool, all sizes | graph pool, "
-              "largest alone | ratio | reserved, all sizes | reserved, largest alone |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| mode | sizes | seconds (trace included) | of which tracing | translations | graph pool, all sizes | "
+              "graph pool, largest alone | ratio | reserved, all sizes | reserved, largest alone |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    hand = capture.pop("hand-written (full)")
     for name, c in capture.items():
-        lines.append(f"| {name} | {c['sizes']} | {c['seconds']:.2f} | {c['translations']} | {c['pool_all_mib']:.0f} MiB"
+        lines.append(f"| {name} | {c['sizes']} | {c['seconds']:.2f} | {c['trace_seconds']:.2f} | {c['translations']} | "
+                     f"{c['pool_all_mib']:.0f} MiB"
                      f" | {c['pool_largest_mib']:.0f} MiB | {c['ratio']:.2f} | {c['reserved_all_mib']:.0f} MiB | "
                      f"{c['reserved_largest_mib']:.0f} MiB |")
+    lines += ["", f"Hand-written capture (one torch.cuda.graph per size, one pool and stream, largest first) in "
+              f"the same run: 35 sizes {hand['all']['seconds']:.2f} s, graph pool {hand['all']['pool_mib']:.0f} MiB; "
+              f"the largest alone {hand['largest']['pool_mib']:.0f} MiB (ratio "
+              f"{hand['all']['pool_mib'] / max(hand['largest']['pool_mib'], 1e-9):.2f}). Plugin capture time over "
+              "hand-written, tracing apart: " + ", ".join(
+                  f"{n} {c['seconds_without_trace'] / hand['all']['seconds']:.2f}x" for n, c in capture.items()) + "."]
+    capture["hand-written (full)"] = hand
     lines += ["", "Notes:", ""] + [f"- {k}: {v}" for k, v in notes.items()]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "torch_gpu_bench.md"), "w", encoding="utf-8") as fh:
