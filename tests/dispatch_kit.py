@@ -114,8 +114,8 @@ def test_a_bad_key_and_a_missing_key_fn_are_named(H):
                                          match=r"dispatch_key_fn returned 'decode'; it must return 'full'"):
         model(H.demo.make_inputs(2, HIDDEN)["x"])
     cls = graph_opt.support_graph_optimization(type("NoKey", (H.demo.DemoDecoder,), {}))
-    with pytest.raises(graph_opt.GraphOptConfigError,
-                       match=r"cudagraph_mode='full_and_piecewise' \(from GraphOptConfig\(\)\) for NoKey.*dispatch_key_fn"):
+    named = r"cudagraph_mode='full_and_piecewise' \(from GraphOptConfig\(\)\) for NoKey.*dispatch_key_fn"
+    with pytest.raises(graph_opt.GraphOptConfigError, match=named):
         cls(HIDDEN, LAYERS, graph_opt_config=graph_opt.GraphOptConfig(cudagraph_mode="full_and_piecewise"))
     with pytest.raises(graph_opt.GraphOptInputError, match=r"dispatch_key_fn='full'.*expected a callable"):
         graph_opt.support_graph_optimization(type("BadKey", (H.demo.DemoDecoder,), {}), dispatch_key_fn="full")

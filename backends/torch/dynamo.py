@@ -10,12 +10,12 @@ How one padded size goes:
   size; splitting ops and host ops run eagerly between them. Dynamo's bytecode hook told us which
   transformed code object belongs to the graph that ran.
 - replay: that transformed code is called directly, as vLLM's TorchCompileWrapperWithCustomDispatcher
-  does, so Dynamo's guards are not evaluated. Where the size's work is one graph and the transformed
-  code provably does nothing but gather the graph's inputs and return its outputs (pure_replay_code),
-  not even that code runs: a replay is the graph's replay(), as at level 0. This is the point: Dynamo guards the globals it read
+  does, so Dynamo's guards are not evaluated. This is the point: Dynamo guards the globals it read
   while tracing, so once is_capturing() flips back to false a guarded call would recompile and run
   the non-capture branch. The plugin guards what it skips instead: the padded size and the
-  non-tensor arguments are the runner's dispatch key.
+  non-tensor arguments are the runner's dispatch key. Where the size's work is one graph and the
+  transformed code provably does nothing but gather the graph's inputs and return its outputs
+  (pure_replay_code), not even that code runs: a replay is the graph's replay(), as at level 0.
 
 The traced forward must be one graph (fullgraph=True): after a graph break the rest of the forward
 runs in resume functions that only Dynamo's frame hook compiles, and a direct call of the code would
