@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import guards, ranks, split
+from . import guards, output_sharing, ranks, split
 from .errors import CaptureError, GraphOptConfigError, GraphOptError, GraphOptInputError, ReplayDivergence
 from .pytree import TENSOR, flatten, tensor_leaf_owners, unflatten
 from .sizes import PaddingTable
@@ -537,11 +537,15 @@ class GraphRunner:
             warm = None
             for _ in range(self.config.cudagraph_num_of_warmups):
                 warm = self.strategy.warmup(args, kwargs, padded, sig)
-            if host is not None and warm is not None and getattr(self.strategy, "folds_tail", False):
-                # The copies become the last nodes of the forward's own graph: one launch per step.
-                copies = host.copies_for_size(adapter, warm, padded)
+            folds = getattr(self.strategy, "folds_tail", False)
+            if folds:
+                # The output copies into a larger size's storage and the host copies become the last
+                # nodes of the forward's own graph: one launch per step.
+                if host is not None and warm is not None:
+                    copies = host.copies_for_size(adapter, warm, padded)
                 captured = self.strategy.capture(args, kwargs, padded, sig, self.pool,
-                                                 tail=copies.tail if copies is not None else None)
+                                                 tail=copies.tail if copies is not None else None,
+                                                 share=output_sharing.for_size(adapter, sig.entries, padded))
             else:
                 captured = self.strategy.capture(args, kwargs, padded, sig, self.pool)
                 if host is not None and captured.stable_outputs:
@@ -778,7 +782,7 @@ class _PieceRecorder:
 class EagerStrategy:
     """Level 0: capture the eager forward, whole (full_cuda_graph) or split at splitting ops."""
 
-    folds_tail = True  # capture(tail=...) records the host copies at the end of the last graph
+    folds_tail = True  # capture(tail=, share=) records those copies at the end of the last graph
 
     def __init__(self, call: Callable, adapter, selection: Optional[split.SplitSelection]):
         self.call = call
@@ -792,14 +796,19 @@ class EagerStrategy:
     def warmup(self, args, kwargs, padded, sig):
         return self.call(*args, **kwargs)
 
-    def capture(self, args, kwargs, padded, sig, pool, tail: Optional[Callable] = None) -> Captured:
+    def capture(self, args, kwargs, padded, sig, pool, tail: Optional[Callable] = None,
+                share: Optional[output_sharing.SharedOutputs] = None) -> Captured:
         if simulation_enabled():
-            return self._capture_simulated(args, kwargs, tail)
+            return self._capture_simulated(args, kwargs, tail, share)
         recorder = _PieceRecorder(self.adapter, pool, self.selection, self.landing)
         with split.active_hook(recorder.on_split if self.selection is not None else None):
             recorder.begin()
             try:
                 outputs = self.call(*args, **kwargs)
+                if share is not None:
+                    kept = share.redirect(outputs)
+                    share.copy(outputs, kept)
+                    outputs = kept  # this size's own output blocks are free once the capture ends
                 if tail is not None:
                     tail(outputs)
                 recorder.end()
@@ -813,7 +822,7 @@ class EagerStrategy:
         pieces = len(recorder.graphs)
         return Captured(outputs, replay, True, pieces, pieces, keepalive=list(recorder.graphs) + recorder.splits)
 
-    def _capture_simulated(self, args, kwargs, tail=None) -> Captured:
+    def _capture_simulated(self, args, kwargs, tail=None, share=None) -> Captured:
         splits = [0]
         selection = self.selection
         # The split hook is process-wide: a splitting op another thread calls meanwhile runs plain.
@@ -828,6 +837,7 @@ class EagerStrategy:
         with split.active_hook(count_split):
             outputs = self.call(*args, **kwargs)
         out_leaves, _ = flatten(outputs, self.adapter.is_tensor)
+        kept = share.redirect(outputs) if share is not None else None
 
         def eager_split(op, a, k):
             if selection is None or not selection.matches_function(op) or threading.get_ident() != owner[0]:
@@ -843,13 +853,15 @@ class EagerStrategy:
                 with guards.sot_warmup_guard(True), guards._capture_phase_guard(True), self.adapter.no_grad():
                     with split.active_hook(eager_split):
                         out = self.call(*args, **kwargs)
+                        if kept is not None:
+                            share.copy(out, kept)
                         if tail is not None:
-                            tail(out)
+                            tail(kept if kept is not None else out)
                         return out
 
         graph = HostGraph(self.adapter, rerun, out_leaves)
         pieces = splits[0] + 1
-        return Captured(outputs, graph.replay, True, pieces, pieces, keepalive=[graph])
+        return Captured(outputs if kept is None else kept, graph.replay, True, pieces, pieces, keepalive=[graph])
 
     def release(self) -> None:
         self.landing.clear()

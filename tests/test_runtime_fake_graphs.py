@@ -34,6 +34,10 @@ def op(fn, *inputs):
     return out
 
 
+def _same(a):
+    return a
+
+
 class FakeGraph:
     def __init__(self, pool):
         self.pool = pool
@@ -84,6 +88,8 @@ class FakeAdapter:
 
     def copy_(self, dst, src):
         dst.a[...] = src.a
+        if _capturing:  # a copy inside a capture is a node of the graph, as on a device
+            _capturing[-1].tape.append((_same, (src,), dst))
 
     def data_ptr(self, t):
         return t.a.__array_interface__["data"][0]
@@ -225,3 +231,39 @@ def test_a_replay_reads_the_captured_buffers_and_returns_the_same_output_objects
     second = runner(T(np.full((4, 4), 2.0, np.float32)))
     assert second is first  # overwritten in place by the replay
     np.testing.assert_allclose(second.a, eager(np.full((4, 4), 2.0, np.float32)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_smaller_sizes_write_their_outputs_into_the_largest_sizes_storage(full):
+    """graph_opt.output_sharing: a smaller size's graph ends with a copy of its batch-major outputs into
+    the rows of the largest size's output, and returns views of those; a fixed-shape output keeps its own."""
+    from graph_opt.output_sharing import shares_storage
+
+    adapter = FakeAdapter()
+
+    def forward(x):
+        h = op(lambda a: np.tanh(a @ W), x)
+        if not full:
+            h = rowscale(h)
+        return h, op(lambda a: a.sum(axis=0)[:3], h)  # [batch, 4] and a fixed-shape [3]
+
+    config = GraphOptConfig(cudagraph_capture_sizes=[1, 2, 4, 8], full_cuda_graph=full)
+    runner = runner_for(config, adapter, forward)
+    for size in (8, 4, 2, 1):
+        runner.capture((T(np.ones((size, 4), np.float32)),), {}, size)
+    entries = next(iter(runner.signatures.values())).entries
+    largest = entries[8].captured.outputs
+    for size in (4, 2, 1):
+        batch, fixed = entries[size].captured.outputs
+        assert shares_storage(adapter, batch, largest[0]) and batch.a.shape == (size, 4)
+        assert not shares_storage(adapter, fixed, largest[1])
+    rng = np.random.RandomState(2)
+    for n in (3, 8, 1, 5):
+        x = rng.randn(n, 4).astype(np.float32)
+        batch, fixed = runner(T(x))
+        want = np.tanh(x @ W) * (np.arange(1, n + 1, dtype=np.float32)[:, None] if not full else 1.0)
+        np.testing.assert_allclose(batch.a, want, rtol=1e-6)
+    x4 = rng.randn(4, 4).astype(np.float32)
+    held = runner(T(x4))[0]
+    runner(T(rng.randn(8, 4).astype(np.float32)))  # another size: valid until the next call, as documented
+    assert not np.allclose(held.a, np.tanh(x4 @ W) * (np.arange(1, 5, dtype=np.float32)[:, None] if not full else 1))
