@@ -18,10 +18,13 @@ from .pytree import flatten, unflatten
 class SharedOutputs:
     """Where one size's outputs go: views of a larger size's outputs, leaf by leaf where they fit."""
 
-    def __init__(self, adapter, larger_outputs, padded: int):
+    def __init__(self, adapter, larger_outputs, padded: int, usable: Optional[list] = None):
         self.adapter = adapter
         self.targets, self.spec = flatten(larger_outputs, adapter.is_tensor)
         self.padded = padded
+        # Per leaf: whether the larger output is owned (a leaf held only through a non-owning alias is
+        # pool memory other graphs use, and must not be written).
+        self.usable = usable if usable is not None else [True] * len(self.targets)
 
     def redirect(self, outputs):
         """`outputs` with each batch-major leaf replaced by the rows of the larger output it will be
@@ -29,10 +32,13 @@ class SharedOutputs:
         leaves, spec = flatten(outputs, self.adapter.is_tensor)
         if spec != self.spec:
             return outputs
-        return unflatten(spec, [self._target(big, t) for big, t in zip(self.targets, leaves)], template=outputs)
+        return unflatten(spec, [self._target(big, t, ok) for big, t, ok in zip(self.targets, leaves, self.usable)],
+                         template=outputs)
 
-    def _target(self, big, t):
+    def _target(self, big, t, usable: bool = True):
         adapter = self.adapter
+        if not usable:
+            return t
         shape, big_shape = list(adapter.shape(t)), list(adapter.shape(big))
         fits = (len(shape) > 0 and shape[0] == self.padded and len(big_shape) == len(shape)
                 and big_shape[0] >= self.padded and big_shape[1:] == shape[1:]

@@ -28,6 +28,7 @@ run(): a second, ordinary torch.compile of the forward, guards and recompiles in
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import types
@@ -132,7 +133,10 @@ class DynamoStrategy:
     def capture(self, args, kwargs, padded, sig, pool) -> Captured:
         key = sig.key(padded)
         self._mark_dynamic(args, kwargs, sig)
-        outputs, ran = self._graph_path(Mode.CAPTURE, key, args, kwargs, pool, simulation_enabled())
+        larger = [size for size in sig.entries if size > padded]  # its owned outputs take ours
+        share_key = sig.key(max(larger)) if larger else None
+        outputs, ran = self._graph_path(Mode.CAPTURE, key, args, kwargs, pool, simulation_enabled(),
+                                        share_key, padded)
         if not ran:
             raise CaptureError("Dynamo produced no FX graph for the forward, so there is nothing to capture")
         forward = ran[0]
@@ -181,11 +185,11 @@ class DynamoStrategy:
         _install_hook()
         self._compiled = torch.compile(self._graph_fn, backend=self._backend, fullgraph=True, dynamic=None)
 
-    def _graph_path(self, mode: Mode, key, args, kwargs, pool=None, simulate=False):
+    def _graph_path(self, mode: Mode, key, args, kwargs, pool=None, simulate=False, share_key=None, padded=0):
         self._ensure_graph_path()
         state = self.state
         before = graphs_compiled()
-        state.begin(mode, key, pool, simulate)
+        state.begin(mode, key, pool, simulate, share_key, padded)
         try:
             with split.active_hook(self._trace_hook):
                 outputs = self._compiled(self.model, *args, **kwargs)
@@ -324,6 +328,7 @@ _PURE_ATTRS = frozenset({"_modules", "_parameters", "_buffers", "call_size", "re
                          "record_pregraph_bytecode_exit"})
 
 
+@functools.lru_cache(maxsize=256)  # one code object serves every size: disassembling it took 15 ms a size
 def pure_replay_code(code: types.CodeType) -> bool:
     """Whether Dynamo's transformed code only gathers the compiled graph's inputs from the module tree
     and the arguments and returns its outputs: no store outside its locals, no call but the graph's

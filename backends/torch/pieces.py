@@ -18,11 +18,12 @@ import contextlib
 import enum
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from ...errors import ReplayDivergence
+from ...output_sharing import SharedOutputs
 from ...pytree import flatten, unflatten
 from ...testing import HostGraph
 
@@ -44,14 +45,18 @@ class GraphState:
     simulate: bool = False
     forwards_run: List[Any] = field(default_factory=list)  # CompiledForwards entered while capturing
     fresh: set = field(default_factory=set)  # ids of tensors eager pieces made during this capture
+    share_key: Any = None  # capture: a larger size whose owned outputs this size's outputs go into
+    padded: int = 0
 
-    def begin(self, mode: Mode, key: Any = None, pool: Any = None, simulate: bool = False) -> None:
+    def begin(self, mode: Mode, key: Any = None, pool: Any = None, simulate: bool = False,
+              share_key: Any = None, padded: int = 0) -> None:
         self.mode, self.key, self.pool, self.simulate = mode, key, pool, simulate
+        self.share_key, self.padded = share_key, padded
         self.forwards_run.clear()
         self.fresh.clear()
 
     def end(self) -> None:
-        self.mode, self.key, self.pool = Mode.EAGER, None, None
+        self.mode, self.key, self.pool, self.share_key = Mode.EAGER, None, None, None
         self.fresh.clear()
 
 
@@ -65,6 +70,7 @@ class PieceGraph:
     outputs: Any  # the piece's outputs at capture; replay writes these very tensors
     pick: Callable = None  # args -> the tensors at tensor_slots, as a tuple
     captured: tuple = ()  # inputs at tensor_slots
+    owned: Optional[List[bool]] = None  # per output leaf, once weakened: still owned (a forward output)
 
     def __post_init__(self):
         self.refresh()
@@ -127,8 +133,11 @@ class CapturablePiece:
         for i in slots:
             if id(inputs[i]) in state.fresh:
                 inputs[i] = self._land(i, inputs[i])
+        share = self._sharing()
         if state.simulate:
             outputs = self.fn(*inputs)
+            if share is not None:
+                outputs = share.redirect(outputs)  # the stand-in copies each replay's values there
             fn = self.fn
             graph = HostGraph(self.adapter, lambda: fn(*inputs), flatten(outputs, self.adapter.is_tensor)[0])
         else:
@@ -136,6 +145,10 @@ class CapturablePiece:
             graph.capture_begin()
             try:
                 outputs = self.fn(*inputs)
+                if share is not None:
+                    kept = share.redirect(outputs)
+                    share.copy(outputs, kept)
+                    outputs = kept  # this size's own output blocks are free once the capture ends
             except BaseException:
                 with contextlib.suppress(Exception):
                     graph.capture_end()
@@ -145,6 +158,15 @@ class CapturablePiece:
             graph.capture_end()
         self.entries[state.key] = PieceGraph(graph, inputs, slots, outputs)
         return outputs
+
+    def _sharing(self) -> Optional[SharedOutputs]:
+        """Outputs of this piece that a larger size kept owned (the forward's outputs) take this size's
+        outputs into their first rows (graph_opt/output_sharing.py)."""
+        state = self.state
+        larger = self.entries.get(state.share_key) if state.share_key is not None else None
+        if larger is None or larger.owned is None or not any(larger.owned):
+            return None
+        return SharedOutputs(self.adapter, larger.outputs, state.padded, larger.owned)
 
     def _land(self, index: int, fresh: torch.Tensor) -> torch.Tensor:
         """A view with fresh's shape and strides over this input's landing buffer, holding fresh's values.
@@ -180,6 +202,7 @@ class CapturablePiece:
         if entry is None:
             return
         leaves, spec = flatten(entry.outputs, self.adapter.is_tensor)
+        entry.owned = [id(t) in keep for t in leaves]
         for t in leaves:
             if id(t) not in keep and id(t) not in aliases:
                 aliases[id(t)] = self.adapter.weak_alias(t)

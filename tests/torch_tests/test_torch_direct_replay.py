@@ -118,3 +118,25 @@ def test_pure_replay_code_refuses_stores_and_foreign_calls():
     assert not pure_replay_code(stores.__code__)
     assert not pure_replay_code(calls.__code__)
     assert pure_replay_code(gathers.__code__)
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_level_1_sizes_write_their_outputs_into_the_largest_sizes_storage(full):
+    """graph_opt.output_sharing at level >= 1: the last piece's capture of a smaller size copies the
+    forward's outputs into the rows of the largest size's (owned) outputs. Size 1 is traced apart by
+    Dynamo (it specialises sizes 0 and 1), so it keeps its own."""
+    from graph_opt.output_sharing import shares_storage
+
+    torch.manual_seed(0)
+    m = Stack(graph_opt_config=_cfg(1, full=full))
+    _captured(m)
+    runner = state_of(m).runner
+    entries = next(iter(runner.signatures.values())).entries
+    for size in (2, 4):
+        assert shares_storage(runner.adapter, entries[size].captured.outputs, entries[8].captured.outputs)
+    assert not shares_storage(runner.adapter, entries[1].captured.outputs, entries[8].captured.outputs)
+    for real in (3, 8, 2, 1, 5):
+        x = make_x(real, seed=real)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), _eager(m, x), **TOL)
+    assert graph_opt.stats(m).replays == 5
