@@ -651,6 +651,7 @@ class _SplitStep:
     """A splitting op re-run eagerly between replayed pieces, on the tensors recorded at capture.
 
     Its result is copied where the next piece's graph reads it: the landing buffers (LandingBuffers).
+    An op marked with out= writes it there itself (split.splitting_op).
     """
 
     def __init__(self, adapter, op, args, kwargs, landed: List[Any], spec):
@@ -661,15 +662,23 @@ class _SplitStep:
         self.landed = landed
         self.spec = spec
         self.single = landed[0] if spec is TENSOR else None  # the common case: one tensor out
+        self.call_kwargs = kwargs
+        self._with_out()
+
+    def _with_out(self) -> None:
+        if self.op.out is not None and self.single is not None:
+            self.call_kwargs = dict(self.kwargs, **{self.op.out: self.single})
 
     def weaken(self) -> None:
         """Hold the tensors read from earlier pieces without owning them (see LandingBuffers)."""
         leaves, spec = flatten((self.args, self.kwargs), self.adapter.is_tensor)
         self.args, self.kwargs = unflatten(spec, [self.adapter.weak_alias(t) for t in leaves],
                                            template=(self.args, self.kwargs))
+        self.call_kwargs = self.kwargs
+        self._with_out()
 
     def __call__(self) -> None:
-        fresh = self.op.fn(*self.args, **self.kwargs)
+        fresh = self.op.fn(*self.args, **self.call_kwargs)
         dst = self.single
         if dst is not None:
             if fresh is not dst:

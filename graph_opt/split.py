@@ -25,17 +25,30 @@ class SplittingOp:
     name: str
     qualified_name: str
     fn: Callable
+    out: Optional[str] = None  # keyword through which fn writes its one tensor result into a given tensor
 
 
-def splitting_op(fn: Optional[Callable] = None, *, name: Optional[str] = None):
+def splitting_op(fn: Optional[Callable] = None, *, name: Optional[str] = None, out: Optional[str] = None):
     """Mark `fn` as a splitting op. Use as @splitting_op or @splitting_op(name="attention").
 
     The name (default: the function's __name__) is what `cudagraph_splitting_ops` refers to; the
     fully qualified "module.qualname" is accepted too.
+
+    out="output": fn accepts that keyword, writes its (one tensor) result into the tensor given there
+    and returns it, as attention kernels with an output argument do; called without it (at capture, and
+    at level >= 1) it returns a new tensor. A level-0 piecewise replay then passes the buffer the next
+    piece's graph reads, instead of copying a fresh result there: about 8 µs of host time per splitting
+    op on an H200 (a copy launch and the fresh tensor's allocation and free).
     """
+    if out is not None and (not isinstance(out, str) or not out.isidentifier()):
+        raise ValueError(f"@splitting_op(out={out!r}): expected the name of the keyword argument through which "
+                         "the function writes its result, e.g. out='output'")
 
     def mark(fn: Callable) -> Callable:
-        op = SplittingOp(name or fn.__name__, f"{fn.__module__}.{fn.__qualname__}", fn)
+        if out is not None and not _accepts_keyword(fn, out):
+            raise ValueError(f"@splitting_op(out={out!r}) on {fn.__qualname__}: the function has no {out!r} "
+                             "parameter (nor **kwargs); it must accept the tensor to write its result into")
+        op = SplittingOp(name or fn.__name__, f"{fn.__module__}.{fn.__qualname__}", fn, out)
         existing = _REGISTRY.get(op.name)
         if existing is not None and existing.__graph_opt_split__.qualified_name != op.qualified_name:
             raise ValueError(
@@ -57,6 +70,17 @@ def splitting_op(fn: Optional[Callable] = None, *, name: Optional[str] = None):
     if fn is not None:
         return mark(fn)
     return mark
+
+
+def _accepts_keyword(fn: Callable, keyword: str) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: trust the caller
+        return True
+    return any(p.name == keyword and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.kind == p.VAR_KEYWORD
+               for p in params)
 
 
 def registered() -> Dict[str, Callable]:

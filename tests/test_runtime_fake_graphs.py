@@ -6,6 +6,7 @@ drives the real-graph path of the level-0 runtime (pieces, splitting ops, landin
 pools) on any machine.
 """
 import contextlib
+import sys
 
 import numpy as np
 import pytest
@@ -267,3 +268,51 @@ def test_smaller_sizes_write_their_outputs_into_the_largest_sizes_storage(full):
     held = runner(T(x4))[0]
     runner(T(rng.randn(8, 4).astype(np.float32)))  # another size: valid until the next call, as documented
     assert not np.allclose(held.a, np.tanh(x4 @ W) * (np.arange(1, 5, dtype=np.float32)[:, None] if not full else 1))
+
+
+@split.splitting_op(name="fake_rowscale_out", out="out")
+def rowscale_out(x, out=None):
+    """rowscale that writes into `out` when given one, as an attention kernel with an output argument."""
+    split_calls.append(1)
+    scaled = x.a * np.arange(1, x.a.shape[0] + 1, dtype=x.a.dtype)[:, None]
+    if out is None:
+        return T(scaled)
+    out.a[...] = scaled
+    return out if not IGNORE_OUT else T(scaled)
+
+
+IGNORE_OUT = False
+
+
+@pytest.mark.parametrize("ignores_out", [False, True])
+def test_a_splitting_op_with_out_writes_where_the_next_piece_reads(ignores_out, monkeypatch):
+    """@splitting_op(out=...): the replay passes the landing buffer, and no copy of a fresh result follows;
+    an op that returns a fresh tensor anyway is still copied (correct either way)."""
+    monkeypatch.setattr(sys.modules[__name__], "IGNORE_OUT", ignores_out)
+    adapter = FakeAdapter()
+    copies = []
+    real_copy = adapter.copy_
+    monkeypatch.setattr(adapter, "copy_", lambda dst, src: (copies.append(1), real_copy(dst, src)))
+
+    def forward(x):
+        return op(lambda a: np.tanh(a) + 1.0, rowscale_out(op(lambda a: a @ W, x)))
+
+    config = GraphOptConfig(cudagraph_capture_sizes=[1, 2, 4, 8], full_cuda_graph=False,
+                            cudagraph_splitting_ops=["fake_rowscale_out"])
+    runner = runner_for(config, adapter, forward)
+    for size in (8, 4, 2, 1):
+        runner.capture((T(np.ones((size, 4), np.float32)),), {}, size)
+    rng = np.random.RandomState(3)
+    for n in (3, 8, 1):
+        x = rng.randn(n, 4).astype(np.float32)
+        copies.clear()
+        np.testing.assert_allclose(runner(T(x)).a, eager(x), rtol=1e-6)
+        assert len(copies) == (2 if ignores_out else 1)  # the input copy, and the result's if the op ignored out
+    assert runner.counters.replays == 3
+
+
+def test_splitting_op_out_errors_name_the_keyword():
+    with pytest.raises(ValueError, match=r"out=3.*name of the keyword argument"):
+        split.splitting_op(out=3)
+    with pytest.raises(ValueError, match=r"out='output'.*has no 'output' parameter"):
+        split.splitting_op(lambda x: x, name="no_output_param", out="output")
