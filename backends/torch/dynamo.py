@@ -156,11 +156,15 @@ class DynamoStrategy:
         stable = all(id(t) in captured_ids for t in out_leaves)
         keepalive = [_ReleaseSize(forward, key)]
         one_graph = len(forward.split.pieces) == 1 and len(forward.pieces) == 1 and graphs == 1
+        graph_args = forward.captured_args.pop(key, None)
         replay = _make_replay(self.state, key, direct, self.model, args, kwargs)
-        if stable and one_graph and _tensors_only(outputs, self.adapter.is_tensor) and pure_replay_code(code):
-            # The transformed code would only read the same inputs and return these very tensors.
+        if stable and _tensors_only(outputs, self.adapter.is_tensor) and pure_replay_code(code):
+            # The transformed code would only read the same inputs and return these very tensors: run
+            # the one graph, or the split module's pieces on the inputs it gathered at capture.
             self.direct_replays += 1
-            replay = self._tensors.direct(forward.pieces[0].entries[key].graph.replay, replay, outputs)
+            work = (forward.pieces[0].entries[key].graph.replay if one_graph
+                    else _make_pieces_replay(self.state, key, forward, graph_args))
+            replay = self._tensors.direct(work, replay, outputs)
         return Captured(outputs, replay, stable, graphs, graphs, keepalive=keepalive)
 
     def release(self) -> None:
@@ -355,6 +359,23 @@ def _tensors_only(tree, is_tensor) -> bool:
     if type(tree) is dict:
         return all(_tensors_only(x, is_tensor) for x in tree.values())
     return False
+
+
+def _make_pieces_replay(state: GraphState, key, forward: CompiledForward, graph_args):
+    """The split module's forward on the inputs the transformed code handed it at capture (parameters,
+    the static input buffers, sizes): the pieces replay and the splitting ops run, no bytecode."""
+    replay_mode, eager_mode = Mode.REPLAY, Mode.EAGER
+    run = forward.split.module.forward
+
+    def replay():
+        state.mode = replay_mode
+        state.key = key
+        try:
+            run(*graph_args)
+        finally:
+            state.mode = eager_mode
+
+    return replay
 
 
 def _traced(gm: torch.fx.GraphModule, example_inputs):

@@ -246,11 +246,13 @@ class CompiledForward:
         self.state = state
         self._forward = split.module.forward
         self.captured_outputs: Dict[Any, set] = {}  # key -> ids of what the forward returned at capture
+        self.captured_args: Dict[Any, tuple] = {}  # key -> the inputs the transformed code gathered at capture
 
     def __call__(self, *args):
         if self.state.mode is not Mode.CAPTURE:
             return self._forward(*args)
         self.state.forwards_run.append(self)
+        self.captured_args[self.state.key] = args
         out = self._forward(*args)
         self.captured_outputs[self.state.key] = {id(t) for t in flatten(out, _is_tensor)[0]}
         return out
@@ -271,3 +273,7 @@ class CompiledForward:
     def release(self, key=None) -> None:
         for piece in self.pieces:
             piece.release(key)
+        if key is None:
+            self.captured_args.clear()
+        else:
+            self.captured_args.pop(key, None)

@@ -50,22 +50,31 @@ class WithConstant(torch.nn.Module):
         return self.proj(x), "tag"
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_a_pure_full_graph_replays_without_the_transformed_code(level):
+@pytest.mark.parametrize("level,full", [(1, True), (2, True), (1, False)])
+def test_a_pure_forward_replays_without_the_transformed_code(level, full, monkeypatch):
+    """Full: the graph's replay() alone. Piecewise: the split module's pieces and splitting ops on the
+    inputs the transformed code gathered at capture."""
     torch.manual_seed(0)
-    m = Stack(graph_opt_config=_cfg(level))
+    m = Stack(graph_opt_config=_cfg(level, full))
+    replayed = []
+    real_replay = graph_opt.testing.HostGraph.replay
+    monkeypatch.setattr(graph_opt.testing.HostGraph, "replay", lambda g: (replayed.append(g), real_replay(g)))
     strategy = _captured(m)
     assert strategy.direct_replays == len(SIZES)
+    replayed.clear()
     for real in (1, 3, 8):
         x = make_x(real, seed=real)
         with torch.no_grad():
             torch.testing.assert_close(m(x), _eager(m, x), **TOL)
     assert graph_opt.stats(m).replays == 3
+    pieces_per_call = 1 if full else 3  # Stack: two layers, each cut at its splitting op `mix`
+    assert len(replayed) == 3 * pieces_per_call, "the captured graphs replayed, nothing ran as traced"
 
 
-def test_a_replaced_parameter_sends_the_replays_back_through_the_transformed_code():
+@pytest.mark.parametrize("full", [True, False])
+def test_a_replaced_parameter_sends_the_replays_back_through_the_transformed_code(full):
     torch.manual_seed(0)
-    m = Stack(graph_opt_config=_cfg(1))
+    m = Stack(graph_opt_config=_cfg(1, full))
     strategy = _captured(m)
     x = make_x(3)
     with torch.no_grad():
