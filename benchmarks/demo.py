@@ -26,6 +26,8 @@ MODES = [
     ("L1 piecewise", dict(graph_opt_level=1, use_cudagraph=True, full_cuda_graph=False)),
     ("L2 full graph", dict(graph_opt_level=2, use_cudagraph=True, full_cuda_graph=True)),
     ("L2 piecewise", dict(graph_opt_level=2, use_cudagraph=True, full_cuda_graph=False)),
+    # calls alternate between the full graph and the pieces (the demo kits' AlternatingKind)
+    ("L0 full+pieces", dict(graph_opt_level=0, use_cudagraph=True, cudagraph_mode="full_and_piecewise")),
 ]
 
 
@@ -69,7 +71,9 @@ def run_framework(framework: str, sizes: List[int], calls: int, hidden: int, lay
     with sim, kit.no_grad():
         for label, overrides in MODES:
             cfg = GraphOptConfig(cudagraph_capture_sizes=list(sizes), **overrides)
-            model, reference = kit.build(cfg, hidden=hidden, layers=layers)
+            both = overrides.get("cudagraph_mode") == "full_and_piecewise"
+            model, reference = kit.build(cfg, hidden=hidden, layers=layers,
+                                         cls=kit.DispatchedDecoder if both else None)
             report = capture_model(model, lambda bs: kit.make_inputs(bs, hidden), progress=False)
             # Captured sizes: bitwise against eager on the same inputs. Padded sizes: the real rows
             # against an unpadded eager run, within TOLERANCE (another batch size may take another kernel).

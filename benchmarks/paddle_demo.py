@@ -52,6 +52,21 @@ class DemoDecoder(paddle.nn.Layer):
 GraphDecoder = graph_opt.support_graph_optimization(type("GraphDecoder", (DemoDecoder,), {}))
 
 
+class AlternatingKind:
+    """dispatch_key_fn of the demo's full-and-piecewise mode: every other call replays the pieces."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return "piecewise" if self.calls % 2 == 0 else "full"
+
+
+DispatchedDecoder = graph_opt.support_graph_optimization(type("DispatchedDecoder", (DemoDecoder,), {}),
+                                                         dispatch_key_fn=AlternatingKind())
+
+
 def device() -> str:
     return "gpu" if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "cpu"
 
