@@ -153,6 +153,11 @@ class Signature:
     def buffer_bytes(self, adapter) -> int:
         return sum(adapter.nbytes(b) for b in self.buffers) if self.buffers else 0
 
+    def largest_above(self, padded: int) -> Optional[int]:
+        """The largest size captured with this signature above `padded` (output_sharing), or None."""
+        larger = [size for size in self.entries if size > padded]
+        return max(larger) if larger else None
+
 
 @contextlib.contextmanager
 def frozen_gc(collect: bool = True):
@@ -180,7 +185,7 @@ class GraphRunner:
     """Dispatch, pad, copy and replay for one model; capture sizes on demand."""
 
     def __init__(self, *, adapter, config, strategy, eager: Callable, dynamic_arg_dims,
-                 params: Sequence[Tuple[str, Any]], name: str, host_outputs=None):
+                 params: Sequence[Tuple[str, Any]], name: str, host_outputs=None, guard=None):
         self.adapter = adapter
         self.host_outputs = host_outputs  # HostOutputs whose copies captured sizes make in their graphs
         self.config = config
@@ -207,7 +212,8 @@ class GraphRunner:
         # threads at once would copy into and replay from the same buffers, and each returns views of
         # the same output tensors: the second one is refused (non-blocking acquire: no waiting, no
         # allocation). Re-entrant, so the forward or make_inputs may call the model on the same thread.
-        self.guard = threading.RLock()
+        # Runners of one model's graph kinds (graph_opt.dispatch) share one.
+        self.guard = guard if guard is not None else threading.RLock()
         self._acquire = self.guard.acquire
         self._release = self.guard.release
 
@@ -545,7 +551,7 @@ class GraphRunner:
                     copies = host.copies_for_size(adapter, warm, padded)
                 captured = self.strategy.capture(args, kwargs, padded, sig, self.pool,
                                                  tail=copies.tail if copies is not None else None,
-                                                 share=output_sharing.for_size(adapter, sig.entries, padded))
+                                                 share=output_sharing.for_size(adapter, sig, padded))
             else:
                 captured = self.strategy.capture(args, kwargs, padded, sig, self.pool)
                 if host is not None and captured.stable_outputs:
@@ -662,19 +668,19 @@ class _SplitStep:
         self.landed = landed
         self.spec = spec
         self.single = landed[0] if spec is TENSOR else None  # the common case: one tensor out
-        self.call_kwargs = kwargs
         self._with_out()
 
     def _with_out(self) -> None:
-        if self.op.out is not None and self.single is not None:
-            self.call_kwargs = dict(self.kwargs, **{self.op.out: self.single})
+        """The keyword arguments of a replay: an op marked out= also gets the landing buffer."""
+        out = self.op.out
+        with_out = out is not None and self.single is not None
+        self.call_kwargs = dict(self.kwargs, **{out: self.single}) if with_out else self.kwargs
 
     def weaken(self) -> None:
         """Hold the tensors read from earlier pieces without owning them (see LandingBuffers)."""
         leaves, spec = flatten((self.args, self.kwargs), self.adapter.is_tensor)
         self.args, self.kwargs = unflatten(spec, [self.adapter.weak_alias(t) for t in leaves],
                                            template=(self.args, self.kwargs))
-        self.call_kwargs = self.kwargs
         self._with_out()
 
     def __call__(self) -> None:

@@ -5,6 +5,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import threading
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
@@ -119,13 +120,14 @@ class GraphOptState:
                 self.notes.append(msg)
             return None
         if cfg.graph_mode == "full_and_piecewise":
-            self.runner = dispatch.KindDispatch(self._new_runner(None), self._new_runner(self.selection),
-                                                self.dispatch_key_fn, self.name)
+            guard = threading.RLock()  # a call of either kind is refused while another thread uses the other
+            full, pieces = self._new_runner(None, guard), self._new_runner(self.selection, guard)
+            self.runner = dispatch.KindDispatch(full, pieces, self.dispatch_key_fn, self.name)
         else:
             self.runner = self._new_runner(self.selection)
         return self.runner
 
-    def _new_runner(self, selection) -> GraphRunner:
+    def _new_runner(self, selection, guard=None) -> GraphRunner:
         """A runner of one kind of graph: full (selection None) or split at the selected ops."""
         cfg = self.config
         if cfg.graph_opt_level == 0:
@@ -135,7 +137,7 @@ class GraphOptState:
         return GraphRunner(
             adapter=self.adapter, config=cfg, strategy=strategy, eager=self._eager_call,
             dynamic_arg_dims=self.dynamic_arg_dims,
-            params=_params(self.forward_fn), name=self.name, host_outputs=self.host_outputs,
+            params=_params(self.forward_fn), name=self.name, host_outputs=self.host_outputs, guard=guard,
         )
 
     # -- the call --------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ sums them and counts replays per kind, clear_graphs() drops both.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Optional
 
@@ -66,11 +65,9 @@ class KindDispatch:
         self.name = name
         self.table = full.table
         self.strategy = _Strategies([full, piecewise])
-        # One guard for both: a call of either kind is refused while the other thread captures or calls.
-        self.guard = threading.RLock()
-        for runner in (full, piecewise):
-            runner.guard = self.guard
-            runner._acquire, runner._release = self.guard.acquire, self.guard.release
+        if full.guard is not piecewise.guard:
+            raise ValueError("KindDispatch: the two runners must share one guard (GraphRunner(guard=...))")
+        self.guard = full.guard
 
     # -- the call ------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

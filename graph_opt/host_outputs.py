@@ -254,7 +254,6 @@ class GraphCopies:
         self.holders: List[tuple] = [() for _ in range(self.depth)]  # weakrefs of each slot's futures
         self.events = [adapter.new_event(like) for _ in range(self.depth)]  # None without a device
         self.rings: Dict[Any, Tuple[Any, Any, int]] = {}  # leaf key -> (pinned ring, device view, rows)
-        self.pinned_bytes = 0
 
     def for_size(self, leaves, padded: int) -> Optional["SizeCopies"]:
         adapter = self.adapter
@@ -270,7 +269,6 @@ class GraphCopies:
                 if device is None:
                     return None
                 ring = self.rings[key] = (pinned, device, shape[0] if major else 0)
-                self.pinned_bytes += adapter.nbytes(pinned)
             pinned, device, _ = ring
             targets.append(adapter.narrow(device, 1, padded) if major else device)
             hosts.append([adapter.narrow(adapter.select(pinned, s), 0, padded) if major else adapter.select(pinned, s)

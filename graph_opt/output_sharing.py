@@ -54,13 +54,11 @@ class SharedOutputs:
                 copy_(dst, src)
 
 
-def for_size(adapter, entries, padded: int) -> Optional[SharedOutputs]:
-    """The sharing for a new size `padded` given the sizes captured so far ({padded: CapturedSize}):
-    into the largest one above it, or None where there is none."""
-    larger = [size for size in entries if size > padded]
-    if not larger:
-        return None
-    return SharedOutputs(adapter, entries[max(larger)].captured.outputs, padded)
+def for_size(adapter, sig, padded: int) -> Optional[SharedOutputs]:
+    """The sharing for a new size `padded` of a signature (cudagraph.Signature): into the largest size
+    captured above it, or None where there is none."""
+    larger = sig.largest_above(padded)
+    return None if larger is None else SharedOutputs(adapter, sig.entries[larger].captured.outputs, padded)
 
 
 def shares_storage(adapter, a: Any, b: Any) -> bool:

@@ -93,9 +93,7 @@ class TorchAdapter:
         CUDA tensors: those come from the graph pool; a host tensor is returned as is)."""
         if not t.is_cuda:
             return t
-        storage = t.untyped_storage()
-        weak = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
-        return torch.empty(0, dtype=t.dtype, device=t.device).set_(weak, t.storage_offset(), t.shape, t.stride())
+        return _alias(t, t.device)
 
     # -- execution context -----------------------------------------------------------------------
     def grad_enabled(self) -> bool:
@@ -177,7 +175,7 @@ class TorchAdapter:
             return pinned
         if not self._device_sees_pinned(like.device):
             return None
-        return _device_alias(pinned, like.device)
+        return _alias(pinned, like.device)
 
     def _device_sees_pinned(self, device) -> bool:
         # With unified addressing a pinned buffer has the same address on host and device; a kernel
@@ -186,7 +184,7 @@ class TorchAdapter:
         if seen is None:
             try:
                 probe = torch.full((4,), 3, dtype=torch.int32, pin_memory=True)
-                _device_alias(probe, device).add_(4)
+                _alias(probe, device).add_(4)
                 torch.cuda.synchronize(device)
                 seen = probe.tolist() == [7, 7, 7, 7]
             except RuntimeError as exc:
@@ -238,12 +236,12 @@ class TorchAdapter:
             torch.cuda.empty_cache()
 
 
-def _device_alias(host, device):
-    """A tensor on `device` over a pinned host tensor's memory (not owning it)."""
-    storage = host.untyped_storage()
+def _alias(t, device):
+    """A tensor on `device` over t's memory that does not own it: a graph-pool tensor seen weakly, or a
+    pinned host tensor seen from the device (one address for both with unified addressing)."""
+    storage = t.untyped_storage()
     alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), device, storage.nbytes())
-    return torch.empty(0, dtype=host.dtype, device=device).set_(alias, host.storage_offset(), host.shape,
-                                                                 host.stride())
+    return torch.empty(0, dtype=t.dtype, device=device).set_(alias, t.storage_offset(), t.shape, t.stride())
 
 
 ADAPTER = TorchAdapter()

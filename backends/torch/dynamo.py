@@ -133,8 +133,8 @@ class DynamoStrategy:
     def capture(self, args, kwargs, padded, sig, pool) -> Captured:
         key = sig.key(padded)
         self._mark_dynamic(args, kwargs, sig)
-        larger = [size for size in sig.entries if size > padded]  # its owned outputs take ours
-        share_key = sig.key(max(larger)) if larger else None
+        larger = sig.largest_above(padded)  # its owned outputs take ours (output_sharing)
+        share_key = None if larger is None else sig.key(larger)
         outputs, ran = self._graph_path(Mode.CAPTURE, key, args, kwargs, pool, simulation_enabled(),
                                         share_key, padded)
         if not ran:
@@ -157,13 +157,16 @@ class DynamoStrategy:
         keepalive = [_ReleaseSize(forward, key)]
         one_graph = len(forward.split.pieces) == 1 and len(forward.pieces) == 1 and graphs == 1
         graph_args = forward.captured_args.pop(key, None)
-        replay = _make_replay(self.state, key, direct, self.model, args, kwargs)
+        replay = _in_replay_mode(self.state, key, functools.partial(direct, self.model, *args, **kwargs))
         if stable and _tensors_only(outputs, self.adapter.is_tensor) and pure_replay_code(code):
             # The transformed code would only read the same inputs and return these very tensors: run
             # the one graph, or the split module's pieces on the inputs it gathered at capture.
             self.direct_replays += 1
+            # (piecewise: the split module's forward on what the transformed code handed it at capture:
+            # parameters, the static input buffers, sizes)
             work = (forward.pieces[0].entries[key].graph.replay if one_graph
-                    else _make_pieces_replay(self.state, key, forward, graph_args))
+                    else _in_replay_mode(self.state, key, functools.partial(forward.split.module.forward,
+                                                                            *graph_args)))
             replay = self._tensors.direct(work, replay, outputs)
         return Captured(outputs, replay, stable, graphs, graphs, keepalive=keepalive)
 
@@ -242,14 +245,15 @@ class DynamoStrategy:
             self._pending.clear()
 
 
-def _make_replay(state: GraphState, key, direct, model, args, kwargs):
+def _in_replay_mode(state: GraphState, key, run):
+    """run() with every piece in REPLAY mode for this size's key."""
     replay_mode, eager_mode = Mode.REPLAY, Mode.EAGER
 
     def replay():
         state.mode = replay_mode
         state.key = key
         try:
-            return direct(model, *args, **kwargs)
+            return run()
         finally:
             state.mode = eager_mode
 
@@ -359,23 +363,6 @@ def _tensors_only(tree, is_tensor) -> bool:
     if type(tree) is dict:
         return all(_tensors_only(x, is_tensor) for x in tree.values())
     return False
-
-
-def _make_pieces_replay(state: GraphState, key, forward: CompiledForward, graph_args):
-    """The split module's forward on the inputs the transformed code handed it at capture (parameters,
-    the static input buffers, sizes): the pieces replay and the splitting ops run, no bytecode."""
-    replay_mode, eager_mode = Mode.REPLAY, Mode.EAGER
-    run = forward.split.module.forward
-
-    def replay():
-        state.mode = replay_mode
-        state.key = key
-        try:
-            run(*graph_args)
-        finally:
-            state.mode = eager_mode
-
-    return replay
 
 
 def _traced(gm: torch.fx.GraphModule, example_inputs):
