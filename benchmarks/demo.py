@@ -26,9 +26,22 @@ MODES = [
     ("L1 piecewise", dict(graph_opt_level=1, use_cudagraph=True, full_cuda_graph=False)),
     ("L2 full graph", dict(graph_opt_level=2, use_cudagraph=True, full_cuda_graph=True)),
     ("L2 piecewise", dict(graph_opt_level=2, use_cudagraph=True, full_cuda_graph=False)),
-    # calls alternate between the full graph and the pieces (the demo kits' AlternatingKind)
+    # calls alternate between the full graph and the pieces (the demo kits' MixedKey(every=2))
     ("L0 full+pieces", dict(graph_opt_level=0, use_cudagraph=True, cudagraph_mode="full_and_piecewise")),
 ]
+
+
+class MixedKey:
+    """dispatch_key_fn of a mixed workload: every `every`-th call is a mixed batch (pieces, attention
+    eager), the others decode-only (the full graph). Framework-free: the demos and bench_gpu use it."""
+
+    def __init__(self, every: int = 5):
+        self.every = every
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return "piecewise" if self.calls % self.every == 0 else "full"
 
 
 TOLERANCE = 1e-4  # float32 demo model; real rows of padded batches vs unpadded eager

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 import graph_opt
 
+from .demo import MixedKey
+
 name = "torch"
 
 
@@ -53,19 +55,9 @@ class DemoDecoder(torch.nn.Module):
 GraphDecoder = graph_opt.support_graph_optimization(type("GraphDecoder", (DemoDecoder,), {}))
 
 
-class AlternatingKind:
-    """dispatch_key_fn of the demo's full-and-piecewise mode: every other call replays the pieces."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, x):
-        self.calls += 1
-        return "piecewise" if self.calls % 2 == 0 else "full"
-
-
+# The demo's full-and-piecewise mode: every other call replays the pieces.
 DispatchedDecoder = graph_opt.support_graph_optimization(type("DispatchedDecoder", (DemoDecoder,), {}),
-                                                         dispatch_key_fn=AlternatingKind())
+                                                         dispatch_key_fn=MixedKey(every=2))
 
 
 def device() -> str:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import graph_opt
 from graph_opt.decorator import state_of
 
+from .demo import MixedKey
 from .report import new_figure, save_figure, write_json
 
 HIDDEN, LAYERS, HEADS, CACHE_LEN, MLP = 1024, 24, 16, 128, 4096
@@ -93,21 +94,8 @@ class Decoder(torch.nn.Module):
         return self.norm(x)
 
 
-class MixedKey:
-    """dispatch_key_fn of a mixed workload: every `every`-th call is a mixed batch (pieces, attention
-    eager), the others decode-only (the full graph)."""
-
-    def __init__(self, every=5):
-        self.every = every
-        self.calls = 0
-
-    def __call__(self, x):
-        self.calls += 1
-        return "piecewise" if self.calls % self.every == 0 else "full"
-
-
 DispatchedDecoder = graph_opt.support_graph_optimization(type("DispatchedDecoder", (Decoder,), {}),
-                                                         dispatch_key_fn=MixedKey())
+                                                         dispatch_key_fn=MixedKey(every=5))
 
 
 def make_kv(layers=LAYERS, max_batch=256, heads=HEADS, cache_len=CACHE_LEN, hidden=HIDDEN,
