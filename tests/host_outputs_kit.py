@@ -15,23 +15,24 @@ import graph_opt
 BATCHES = [1, 3, 8]  # 3 is replayed padded to 4: only its real rows come back
 
 
-def _sync(H, out):
-    return {"next_tokens": H.numpy(out["next_tokens"]), "stop": H.numpy(out["stop"])}
+def _steps_match_twin(H, model, twin, state, steps: int, keys) -> None:
+    """`steps` decode steps of `model` (with host_outputs) and of its plain twin from `state`: at every
+    step the futures of `keys` hold the twin's synchronous values, real rows only."""
+    twin_state = state
+    for step in range(steps):
+        out, ref = model(state), twin(twin_state)
+        for k in keys:
+            assert isinstance(out[k], graph_opt.HostFuture), k
+            got, want = out[k].result(), H.numpy(ref[k])
+            assert got.shape == want.shape, f"step {step}: {k} has shape {got.shape}; only real rows come back"
+            assert np.array_equal(got, want), f"step {step}: {k}"
+        state, twin_state = out["state"], ref["state"]
 
 
 def test_futures_equal_the_synchronous_values_every_step(H):
     for batch in BATCHES:
         model, twin = H.model(host_outputs=["next_tokens", "stop"]), H.model()
-        state = twin_state = H.state(batch, seed=batch)
-        for step in range(200):
-            out, ref = model(state), twin(twin_state)
-            assert isinstance(out["next_tokens"], graph_opt.HostFuture)
-            host = {k: out[k].result() for k in ("next_tokens", "stop")}
-            want = _sync(H, ref)
-            assert host["next_tokens"].shape == (batch,), "only real rows come back"
-            for k in want:
-                assert np.array_equal(host[k], want[k]), f"batch {batch} step {step}: {k}"
-            state, twin_state = out["state"], ref["state"]
+        _steps_match_twin(H, model, twin, H.state(batch, seed=batch), 200, ("next_tokens", "stop"))
         assert graph_opt.stats(model).replays == 200
 
 
@@ -78,11 +79,7 @@ def test_one_step_lag_gives_the_same_tokens_as_the_synchronous_loop(H):
 
 def test_host_outputs_of_a_replay_are_copied_by_its_graph(H):
     model, twin = H.model(host_outputs=["next_tokens", "stop"]), H.model()
-    state = ref = H.state(3, seed=8)
-    for _ in range(5):
-        out, want = model(state), twin(ref)
-        assert np.array_equal(out["stop"].result(), H.numpy(want["stop"]))
-        state, ref = out["state"], want["state"]
+    _steps_match_twin(H, model, twin, H.state(3, seed=8), 5, ("stop",))
     stats = graph_opt.stats(model)
     assert stats.replays == 5 and stats.host_copies_in_graph == 5 and stats.host_copies_streamed == 0
     assert stats.graphs == stats.pieces, "level 0: the copies end the forward's own graph, no graph of their own"
@@ -93,11 +90,7 @@ def test_host_outputs_of_a_replay_are_copied_by_its_graph(H):
 
 def test_level_1_copies_in_a_graph_after_the_forwards(H):
     model, twin = H.model(host_outputs=["next_tokens"], level=1), H.model()
-    state = ref = H.state(4, seed=11)
-    for _ in range(4):
-        out, want = model(state), twin(ref)
-        assert np.array_equal(out["next_tokens"].result(), H.numpy(want["next_tokens"]))
-        state, ref = out["state"], want["state"]
+    _steps_match_twin(H, model, twin, H.state(4, seed=11), 4, ("next_tokens",))
     stats = graph_opt.stats(model)
     assert stats.host_copies_in_graph == 4 and stats.host_copies_streamed == 0
 
@@ -114,7 +107,7 @@ def test_a_ring_too_shallow_for_the_readers_lag_is_an_error_not_stale_data(H, in
     with pytest.raises(graph_opt.GraphOptError, match=pattern):
         model(second["state"])
     assert graph_opt.stats(model).disabled_reason is None  # the caller's error: the graphs stay
-    want = _sync(H, H.model()(state))["next_tokens"]
+    want = H.numpy(H.model()(state)["next_tokens"])
     assert np.array_equal(first["next_tokens"].result(), want)  # reading frees a buffer
     third = model(second["state"])
     del second  # a dropped future frees its buffer too
