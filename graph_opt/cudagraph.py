@@ -657,7 +657,8 @@ class _SplitStep:
     """A splitting op re-run eagerly between replayed pieces, on the tensors recorded at capture.
 
     Its result is copied where the next piece's graph reads it: the landing buffers (LandingBuffers).
-    An op marked with out= writes it there itself (split.splitting_op).
+    An op marked with out= writes it there itself (split.splitting_op); an op that returns a tensor it
+    was given needs no copy either.
     """
 
     def __init__(self, adapter, op, args, kwargs, landed: List[Any], spec):
@@ -677,10 +678,16 @@ class _SplitStep:
         self.call_kwargs = dict(self.kwargs, **{out: self.single}) if with_out else self.kwargs
 
     def weaken(self) -> None:
-        """Hold the tensors read from earlier pieces without owning them (see LandingBuffers)."""
+        """Hold the tensors read from earlier pieces without owning them (see LandingBuffers). A result
+        that is one of them becomes the same alias, so that a replay sees it come back and copies nothing."""
         leaves, spec = flatten((self.args, self.kwargs), self.adapter.is_tensor)
-        self.args, self.kwargs = unflatten(spec, [self.adapter.weak_alias(t) for t in leaves],
-                                           template=(self.args, self.kwargs))
+        aliases: Dict[int, Any] = {}
+        for t in leaves:
+            if id(t) not in aliases:
+                aliases[id(t)] = self.adapter.weak_alias(t)
+        self.args, self.kwargs = unflatten(spec, [aliases[id(t)] for t in leaves], template=(self.args, self.kwargs))
+        self.landed = [aliases.get(id(t), t) for t in self.landed]
+        self.single = self.landed[0] if self.spec is TENSOR else None
         self._with_out()
 
     def __call__(self) -> None:
@@ -712,8 +719,8 @@ class LandingBuffers:
     A piece's graph reads its inputs at fixed addresses, so a splitting op's fresh result is copied
     there at each replay. Sizes are captured largest first and never replay at the same time, so one
     buffer at the largest size serves every size through views. Likewise the tensors a splitting op
-    reads from earlier pieces live in the graph pool; once a size is captured they are held through
-    non-owning aliases (adapter.weak_alias), so the next size's capture can reuse their blocks.
+    reads from earlier pieces live in the graph pool; from the op's capture on they are held through
+    non-owning aliases (adapter.weak_alias), so later pieces and smaller sizes can reuse their blocks.
     Without both, piecewise graph memory grows with every captured size.
     """
 
@@ -786,12 +793,20 @@ class _PieceRecorder:
         result = op.fn(*args, **kwargs)
         leaves, spec = flatten(result, self.adapter.is_tensor)
         site = len(self.splits)
-        landed = [self.landing.land(site, i, t) for i, t in enumerate(leaves)]
+        # An op that writes into a tensor it was given and returns it (an attention kernel's output
+        # argument) hands back memory the next pieces already read at a fixed address: no landing.
+        given = {id(t) for t in flatten((args, kwargs), self.adapter.is_tensor)[0]}
+        landed = [t if id(t) in given else self.landing.land(site, i, t) for i, t in enumerate(leaves)]
+        returned = unflatten(spec, landed, template=result)
         step = _SplitStep(self.adapter, op, args, kwargs, landed, spec)
+        # Held weakly from here on: the model's own references decide when a block read here may be
+        # reused, as in eager. Later pieces that reuse it replay after this op; held strongly until the
+        # size's capture ended, every such block of every layer would be live at once.
+        step.weaken()
         self.splits.append(step)
         self.steps.append(step)
         self.begin()
-        return unflatten(spec, landed, template=result)
+        return returned
 
 
 class EagerStrategy:
@@ -830,8 +845,6 @@ class EagerStrategy:
             except BaseException:
                 recorder.abort()
                 raise
-        for step in recorder.splits:
-            step.weaken()
         steps = tuple(recorder.steps)
         replay = steps[0] if len(steps) == 1 else _run_all(steps)
         pieces = len(recorder.graphs)

@@ -18,20 +18,60 @@ _capturing = []  # the FakeGraph being captured, if any
 
 
 class T:
-    """A fake tensor over a numpy array (views share memory, as device tensors do)."""
+    """A fake tensor over a numpy array (views share memory, as device tensors do).
 
-    def __init__(self, a):
+    With a BlockPool active, op results own a block that returns to the pool when the tensor dies,
+    as with a caching allocator: `base` keeps the block of a view's tensor alive."""
+
+    def __init__(self, a, pool=None, base=None):
         self.a = a
+        self.pool = pool
+        self.base = base
 
     @property
     def shape(self):
         return self.a.shape
 
+    def __del__(self):
+        if self.pool is not None:
+            self.pool.give(self.a)
+
+
+class BlockPool:
+    """Freed blocks are handed out again (filled with NaN meanwhile, so a stale read shows)."""
+
+    def __init__(self):
+        self.free = {}
+        self.live = self.peak = self.reused = 0
+
+    def take(self, shape, dtype):
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+        blocks = self.free.get((shape, dtype))
+        if blocks:
+            self.reused += 1
+            return blocks.pop()
+        return np.empty(shape, dtype)
+
+    def give(self, a):
+        self.live -= 1
+        a[...] = np.nan
+        self.free.setdefault((a.shape, a.dtype), []).append(a)
+
+
+_pools = []  # the BlockPool op results come from, if any
+
 
 def op(fn, *inputs):
-    out = T(fn(*[i.a for i in inputs]))
-    if _capturing:
-        _capturing[-1].tape.append((fn, inputs, out))
+    value = fn(*[i.a for i in inputs])
+    if _pools:
+        block = _pools[-1].take(value.shape, value.dtype)
+        block[...] = value
+        out = T(block, _pools[-1])
+    else:
+        out = T(value)
+    if _capturing:  # a graph does not keep the tensors it reads and writes alive
+        _capturing[-1].tape.append((fn, [T(i.a) for i in inputs], T(out.a)))
     return out
 
 
@@ -85,12 +125,12 @@ class FakeAdapter:
     def narrow(self, t, dim, length):
         index = [slice(None)] * t.a.ndim
         index[dim] = slice(0, length)
-        return T(t.a[tuple(index)])
+        return T(t.a[tuple(index)], base=t)
 
     def copy_(self, dst, src):
         dst.a[...] = src.a
         if _capturing:  # a copy inside a capture is a node of the graph, as on a device
-            _capturing[-1].tape.append((_same, (src,), dst))
+            _capturing[-1].tape.append((_same, (T(src.a),), T(dst.a)))
 
     def data_ptr(self, t):
         return t.a.__array_interface__["data"][0]
@@ -102,7 +142,7 @@ class FakeAdapter:
         return (t.a.dtype, "host")
 
     def weak_alias(self, t):
-        return t
+        return T(t.a)  # the same memory, not keeping its block
 
     def grad_enabled(self):
         return False
@@ -316,3 +356,85 @@ def test_splitting_op_out_errors_name_the_keyword():
         split.splitting_op(out=3)
     with pytest.raises(ValueError, match=r"out='output'.*has no 'output' parameter"):
         split.splitting_op(lambda x: x, name="no_output_param", out="output")
+
+
+def test_blocks_a_splitting_op_reads_return_to_the_pool_once_the_model_drops_them():
+    """A tensor a splitting op reads is held weakly from the op's capture on: the model's references
+    decide when its block is reused, as in eager, so a deep model's capture needs as many blocks as
+    a shallow one's (held until the size's capture ended, every layer's would be live at once). Later
+    pieces write into reused blocks, and replays still match eager."""
+
+    def forward_of(layers):
+        def forward(x):
+            for _ in range(layers):
+                h = rowscale(op(lambda a: a @ W, x))  # the block read by rowscale is dropped right after
+                x = op(lambda a, b: np.tanh(a) + b, h, x)
+            return x
+        return forward
+
+    def reference(x, layers):
+        for _ in range(layers):
+            x = np.tanh((x @ W) * np.arange(1, x.shape[0] + 1, dtype=x.dtype)[:, None]) + x
+        return x
+
+    peaks = {}
+    for layers in (2, 8):
+        pool = BlockPool()
+        _pools.append(pool)
+        try:
+            runner = runner_for(GraphOptConfig(cudagraph_capture_sizes=[2, 4], full_cuda_graph=False,
+                                               cudagraph_splitting_ops=["fake_rowscale"]),
+                                FakeAdapter(), forward_of(layers))
+            for size in (4, 2):
+                runner.capture((T(np.ones((size, 4), np.float32)),), {}, size)
+            peaks[layers] = pool.peak
+            assert pool.reused > 0
+            rng = np.random.RandomState(4)
+            for n in (4, 3, 2, 1):
+                x = rng.randn(n, 4).astype(np.float32)
+                np.testing.assert_allclose(runner(T(x)).a, reference(x, layers), rtol=1e-5)
+        finally:
+            _pools.remove(pool)
+    assert peaks[8] == peaks[2], peaks
+
+
+@split.splitting_op(name="fake_rowscale_into")
+def rowscale_into(x, out):
+    """rowscale written into a buffer the model made (vLLM's attention with an output argument)."""
+    split_calls.append(1)
+    out.a[...] = x.a * np.arange(1, x.a.shape[0] + 1, dtype=x.a.dtype)[:, None]
+    return out if RETURNS_GIVEN else None
+
+
+RETURNS_GIVEN = True
+
+
+@pytest.mark.parametrize("returns_given", [True, False])
+def test_a_splitting_op_writing_into_a_buffer_of_the_model_is_not_copied(returns_given, monkeypatch):
+    """The buffer comes from a piece's graph, so it sits at a fixed address the next piece reads: whether
+    the op returns it or nothing, a replay copies nothing but the input."""
+    monkeypatch.setattr(sys.modules[__name__], "RETURNS_GIVEN", returns_given)
+    adapter = FakeAdapter()
+    copies = []
+    real_copy = adapter.copy_
+    monkeypatch.setattr(adapter, "copy_", lambda dst, src: (copies.append(1), real_copy(dst, src)))
+
+    def forward(x):
+        h = op(lambda a: a @ W, x)
+        buf = op(np.zeros_like, h)
+        returned = rowscale_into(h, buf)
+        return op(lambda a: np.tanh(a) + 1.0, returned if returns_given else buf)
+
+    config = GraphOptConfig(cudagraph_capture_sizes=[1, 2, 4, 8], full_cuda_graph=False,
+                            cudagraph_splitting_ops=["fake_rowscale_into"])
+    runner = runner_for(config, adapter, forward)
+    for size in (8, 4, 2, 1):
+        runner.capture((T(np.ones((size, 4), np.float32)),), {}, size)
+    assert runner.strategy.landing.buffers == {}
+    rng = np.random.RandomState(5)
+    for n in (3, 8, 1):
+        x = rng.randn(n, 4).astype(np.float32)
+        copies.clear()
+        np.testing.assert_allclose(runner(T(x)).a, eager(x), rtol=1e-6)
+        assert len(copies) == 1  # the input
+    assert runner.counters.replays == 3
