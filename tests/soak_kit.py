@@ -410,39 +410,40 @@ def test_a_replay_that_raises_answers_eagerly_warns_once_and_recovers(kit, mode,
 
 # -- 3. two threads -------------------------------------------------------------------------------
 def test_a_call_from_a_second_thread_while_one_replays_is_a_clear_error(kit):
-    inside, go = threading.Event(), threading.Event()
+    inside, go, armed = threading.Event(), threading.Event(), threading.Event()
     real = testing.HostGraph.replay
 
     def blocking_replay(self):
-        if not inside.is_set():
+        if armed.is_set() and not inside.is_set():
             inside.set()
             assert go.wait(30)
         return real(self)
 
-    with testing.simulate_cuda_graphs(), kit.no_grad():
+    # Patched before the capture: a replay may hold the graphs' bound replay methods from then on.
+    with testing.simulate_cuda_graphs(), kit.no_grad(), patched(testing.HostGraph, "replay", blocking_replay):
         model, twin = kit.build(**MODES[kit.busy_mode])
         kit.capture(model)
-        with patched(testing.HostGraph, "replay", blocking_replay):
-            x1, g1 = kit.make_inputs(4, rng=kit.rng(1))
-            result = {}
+        armed.set()
+        x1, g1 = kit.make_inputs(4, rng=kit.rng(1))
+        result = {}
 
-            def first():
-                with kit.no_grad():
-                    result["out"] = kit.read(model(x1, g1))
+        def first():
+            with kit.no_grad():
+                result["out"] = kit.read(model(x1, g1))
 
-            t = threading.Thread(target=first)
-            t.start()
-            assert inside.wait(30)
-            x2, g2 = kit.make_inputs(2, rng=kit.rng(2))
-            busy = r"GraphNet is being called from two threads at once; graph replay is not thread-safe"
-            with pytest.raises(graph_opt.GraphOptError, match=busy):
-                model(x2, g2)
-            with pytest.raises(graph_opt.GraphOptError, match=busy):
-                graph_opt.clear_graphs(model)
-            with pytest.raises(graph_opt.GraphOptError, match=busy):
-                kit.capture(model)
-            go.set()
-            t.join(30)
+        t = threading.Thread(target=first)
+        t.start()
+        assert inside.wait(30)
+        x2, g2 = kit.make_inputs(2, rng=kit.rng(2))
+        busy = r"GraphNet is being called from two threads at once; graph replay is not thread-safe"
+        with pytest.raises(graph_opt.GraphOptError, match=busy):
+            model(x2, g2)
+        with pytest.raises(graph_opt.GraphOptError, match=busy):
+            graph_opt.clear_graphs(model)
+        with pytest.raises(graph_opt.GraphOptError, match=busy):
+            kit.capture(model)
+        go.set()
+        t.join(30)
         if (kit.busy_mode, "captured") in kit.bitwise:
             assert kit.equal(result["out"], kit.read(twin(x1, g1)))
             assert kit.equal(kit.read(model(x2, g2)), kit.read(twin(x2, g2)))

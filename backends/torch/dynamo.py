@@ -15,7 +15,8 @@ How one padded size goes:
   the non-capture branch. The plugin guards what it skips instead: the padded size and the
   non-tensor arguments are the runner's dispatch key. Where the size's work is one graph and the
   transformed code provably does nothing but gather the graph's inputs and return its outputs
-  (pure_replay_code), not even that code runs: a replay is the graph's replay(), as at level 0.
+  (pure_replay_code), not even that code runs: a replay is the graph's replay(), as at level 0;
+  piecewise, it is the pieces' graphs and the eager pieces in the captured order (pieces.ReplayPlan).
 
 The traced forward must be one graph (fullgraph=True): after a graph break the rest of the forward
 runs in resume functions that only Dynamo's frame hook compiles, and a direct call of the code would
@@ -98,6 +99,7 @@ class DynamoStrategy:
         self.level = config.graph_opt_level
         self.translations = 0
         self.direct_replays = 0  # sizes whose replay is the graph's replay() alone (pure_replay_code)
+        self.planned_replays = 0  # of those, piecewise sizes replayed by a pieces.ReplayPlan
         self.pass_counts = {}  # no program passes on torch
         self.state = GraphState()
         self._tensors = _ModuleTensors(model)
@@ -149,7 +151,7 @@ class DynamoStrategy:
         direct = types.FunctionType(code, graph_fn.__globals__, graph_fn.__name__, graph_fn.__defaults__,
                                     graph_fn.__closure__)
         direct.__kwdefaults__ = graph_fn.__kwdefaults__
-        forward.weaken(key)  # simulated graphs too: they keep owning references, the bookkeeping is the same
+        forward.finish(key)  # simulated graphs too: host tensors are their own aliases, the bookkeeping is the same
         graphs = sum(1 for p in forward.pieces if key in p.entries)
         captured_ids = forward.output_ids(key)
         out_leaves, _ = flatten(outputs, self.adapter.is_tensor)
@@ -162,11 +164,17 @@ class DynamoStrategy:
             # The transformed code would only read the same inputs and return these very tensors: run
             # the one graph, or the split module's pieces on the inputs it gathered at capture.
             self.direct_replays += 1
-            # (piecewise: the split module's forward on what the transformed code handed it at capture:
-            # parameters, the static input buffers, sizes)
-            work = (forward.pieces[0].entries[key].graph.replay if one_graph
-                    else _in_replay_mode(self.state, key, functools.partial(forward.split.module.forward,
-                                                                            *graph_args)))
+            # Piecewise: the pieces' graphs and the eager pieces on the arguments they got at capture
+            # (pieces.ReplayPlan), or where that is not sound the split module's forward on what the
+            # transformed code handed it at capture (parameters, the static input buffers, sizes).
+            plan = forward.plans.get(key)
+            if one_graph:
+                work = forward.pieces[0].entries[key].graph.replay
+            elif plan is not None:
+                work = plan
+                self.planned_replays += 1
+            else:
+                work = _in_replay_mode(self.state, key, functools.partial(forward.split.module.forward, *graph_args))
             replay = self._tensors.direct(work, replay, outputs)
         return Captured(outputs, replay, stable, graphs, graphs, keepalive=keepalive)
 

@@ -7,16 +7,20 @@ the strategy is the one place that decides.
 Memory at piece boundaries, which would otherwise grow with every captured size:
 - a tensor an eager piece hands to a capturable piece is fresh at every replay and is copied to
   where the graph reads. That landing place is one buffer per (piece, input), shared by all sizes;
-- a tensor one graph writes and a later piece reads lives in the graph pool. Once a size is
-  captured, the pieces keep only a non-owning alias of it (adapter.weak_alias), so its block returns to
-  the pool and the next, smaller size reuses it: sizes never replay at the same time. This is
-  vLLM's weak_ref_tensors. Outputs of the compiled forward itself stay owned: callers keep them.
+- a tensor one graph writes and a later piece reads lives in the graph pool. From its piece's capture
+  on, the pieces keep only a non-owning alias of it (adapter.weak_alias): the split module's own
+  references decide when its block returns to the pool, as in eager, so later pieces of the same size
+  and every smaller size reuse it (they replay after its last reader; sizes never replay at the same
+  time). This is vLLM's weak_ref_tensors. Outputs of the compiled forward itself end up owned:
+  callers keep them.
 """
 from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -47,6 +51,13 @@ class GraphState:
     fresh: set = field(default_factory=set)  # ids of tensors eager pieces made during this capture
     share_key: Any = None  # capture: a larger size whose owned outputs this size's outputs go into
     padded: int = 0
+    # capture: id(graph-written tensor) -> (weakref to it, its alias); id(alias) -> weakref to the tensor
+    aliases: Dict[int, tuple] = field(default_factory=dict)
+    strong_of: Dict[int, Any] = field(default_factory=dict)
+    # capture: the pieces' calls in order, for CompiledForward's replay plan (kept past end(), as strong_of)
+    calls: List[Any] = field(default_factory=list)
+    made: Dict[int, tuple] = field(default_factory=dict)  # id(eager result) -> (weakref, call index, leaf)
+    plannable: bool = True  # no eager piece reads another's result, and none returns a non-tensor
 
     def begin(self, mode: Mode, key: Any = None, pool: Any = None, simulate: bool = False,
               share_key: Any = None, padded: int = 0) -> None:
@@ -54,10 +65,37 @@ class GraphState:
         self.share_key, self.padded = share_key, padded
         self.forwards_run.clear()
         self.fresh.clear()
+        self.aliases.clear()
+        self.strong_of.clear()  # kept past end(): CompiledForward.finish reads it
+        self.calls.clear()
+        self.made.clear()
+        self.plannable = True
 
     def end(self) -> None:
         self.mode, self.key, self.pool, self.share_key = Mode.EAGER, None, None, None
         self.fresh.clear()
+        self.aliases.clear()
+
+    def alias(self, t, adapter):
+        """The non-owning alias of a tensor a graph of this capture wrote (one per tensor), or t itself."""
+        hit = self.aliases.get(id(t))
+        if hit is not None and hit[0]() is t:  # the id of a dead tensor may have been reused
+            return hit[1]
+        alias = adapter.weak_alias(t)
+        if alias is not t:
+            self.aliases[id(t)] = (weakref.ref(t), alias)
+            self.strong_of[id(alias)] = weakref.ref(t)
+        return alias
+
+    def made_by_eager(self, t) -> Optional[tuple]:
+        """(the _EagerCall, leaf index) that returned t in this capture, or None."""
+        hit = self.made.get(id(t))
+        return hit[1:] if hit is not None and hit[0]() is t else None
+
+    def known_alias(self, t):
+        """t's alias when a graph of this capture wrote t, else t."""
+        hit = self.aliases.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else t
 
 
 @dataclass
@@ -70,7 +108,7 @@ class PieceGraph:
     outputs: Any  # the piece's outputs at capture; replay writes these very tensors
     pick: Callable = None  # args -> the tensors at tensor_slots, as a tuple
     captured: tuple = ()  # inputs at tensor_slots
-    owned: Optional[List[bool]] = None  # per output leaf, once weakened: still owned (a forward output)
+    owned: Optional[List[bool]] = None  # per output leaf, once finished: owned (a forward output)
 
     def __post_init__(self):
         self.refresh()
@@ -156,7 +194,19 @@ class CapturablePiece:
                     graph.reset()
                 raise
             graph.capture_end()
-        self.entries[state.key] = PieceGraph(graph, inputs, slots, outputs)
+        # Held through aliases from here on (module doc); the split module goes on with the tensors.
+        held = [state.known_alias(a) if i in slots else a for i, a in enumerate(inputs)]
+        leaves, spec = flatten(outputs, _is_tensor)
+        entry = PieceGraph(graph, held, slots, unflatten(spec, [state.alias(t, self.adapter) for t in leaves]))
+        self.entries[state.key] = entry
+        for i in slots:  # for the replay plan: an eager piece's result lands in entry.inputs[i]
+            where = state.made_by_eager(args[i])
+            if where is not None:
+                if inputs[i] is args[i]:  # not landed (broadcast memory): nothing to copy into
+                    state.plannable = False
+                else:
+                    where[0].dests.append((where[1], entry.inputs[i]))
+        state.calls.append(entry.graph)
         return outputs
 
     def _sharing(self) -> Optional[SharedOutputs]:
@@ -192,22 +242,21 @@ class CapturablePiece:
         entry = self.entries.get(key)
         return set() if entry is None else {id(t) for t in flatten(entry.outputs, self.adapter.is_tensor)[0]}
 
-    def weaken(self, key, aliases: Dict[int, torch.Tensor], keep: set) -> None:
-        """Hold this size's graph-written tensors through non-owning aliases, except those in `keep`.
+    def finish(self, key, owners: Dict[int, torch.Tensor], keep: set) -> None:
+        """Once the size is captured: the aliases of what the forward returned (ids in `keep`) become
+        those tensors again.
 
-        `aliases` maps id(tensor) -> alias across all pieces of the forward, so a piece's input stays
-        the very object the previous piece returns and replays still skip the copy.
+        `owners` maps id(alias) -> the tensor the forward returned, so that a piece's input stays the
+        very object the previous piece returns and replays skip the copy.
         """
         entry = self.entries.get(key)
         if entry is None:
             return
         leaves, spec = flatten(entry.outputs, self.adapter.is_tensor)
+        leaves = [owners.get(id(t), t) for t in leaves]
         entry.owned = [id(t) in keep for t in leaves]
-        for t in leaves:
-            if id(t) not in keep and id(t) not in aliases:
-                aliases[id(t)] = self.adapter.weak_alias(t)
-        entry.outputs = unflatten(spec, [aliases.get(id(t), t) for t in leaves])
-        entry.inputs = [aliases.get(id(a), a) for a in entry.inputs]
+        entry.outputs = unflatten(spec, leaves)
+        entry.inputs = [owners.get(id(a), a) for a in entry.inputs]
         entry.refresh()
 
     def release(self, key=None) -> None:
@@ -228,9 +277,78 @@ class EagerPiece:
 
     def __call__(self, *args):
         out = self.fn(*args)
-        if self.state.mode is Mode.CAPTURE:
-            self.state.fresh.update(id(t) for t in flatten(out, _is_tensor)[0])
+        state = self.state
+        if state.mode is Mode.CAPTURE:
+            leaves, _ = flatten(out, _is_tensor)
+            state.fresh.update(id(t) for t in leaves)
+            if any(state.made_by_eager(a) is not None for a in flatten(args, _is_tensor)[0]) or \
+                    not _tensors_or_none(out):
+                state.plannable = False
+            call = _EagerCall(self.fn, [state.known_alias(a) for a in args])
+            for j, t in enumerate(leaves):
+                state.made[id(t)] = (weakref.ref(t), call, j)
+            state.calls.append(call)
         return out
+
+
+def _tensors_or_none(value) -> bool:
+    if value is None or isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and all(_tensors_or_none(v) for v in value)
+
+
+@dataclass
+class _EagerCall:
+    fn: Callable
+    args: List[Any]  # as held for replays: graph-written tensors through their aliases
+    dests: List[tuple] = field(default_factory=list)  # (leaf index of the result, where a graph reads it)
+
+
+class ReplayPlan:
+    """One size's piecewise replay without the split module: each piece's graph.replay() and each eager
+    piece's function on the arguments it got at capture, in the captured order; an eager piece's fresh
+    results are copied where the graphs that read them read (vLLM's piecewise backend does the same).
+
+    Sound where every argument of an eager piece is the same object at every replay: the inputs the
+    transformed code gathers (checked pure by the caller) and graph-written tensors. A result of one
+    eager piece read by another eager piece, or a non-tensor result read at all, keeps the split module.
+    """
+
+    def __init__(self, steps: List[Callable]):
+        self.steps = tuple(steps)
+
+    def __call__(self) -> None:
+        for step in self.steps:
+            step()
+
+    @staticmethod
+    def build(state: GraphState, owners: Dict[int, torch.Tensor]) -> Optional["ReplayPlan"]:
+        """The plan of the capture that just ended, or None where it would not be sound (see above)."""
+        if not state.plannable:
+            return None
+        steps: List[Callable] = []
+        for call in state.calls:
+            if isinstance(call, _EagerCall):
+                steps.append(_eager_step(call.fn, [owners.get(id(a), a) for a in call.args], call.dests))
+            else:
+                steps.append(call.replay)
+        return ReplayPlan(steps)
+
+
+def _eager_step(fn: Callable, args: List[Any], dests: List[tuple]) -> Callable:
+    if not dests:
+        return functools.partial(fn, *args)
+
+    def step():
+        leaves, _ = flatten(fn(*args), _is_tensor)
+        for j, dst in dests:
+            src = leaves[j]
+            if src.shape != dst.shape:
+                raise ReplayDivergence(f"an eager piece returned shape {tuple(src.shape)} at replay where the "
+                                       f"capture had {tuple(dst.shape)}; the graphs after it baked that shape")
+            dst.copy_(src)
+
+    return step
 
 
 def _is_tensor(x) -> bool:
@@ -247,6 +365,7 @@ class CompiledForward:
         self._forward = split.module.forward
         self.captured_outputs: Dict[Any, set] = {}  # key -> ids of what the forward returned at capture
         self.captured_args: Dict[Any, tuple] = {}  # key -> the inputs the transformed code gathered at capture
+        self.plans: Dict[Any, Optional[ReplayPlan]] = {}  # key -> its replay without the split module
 
     def __call__(self, *args):
         if self.state.mode is not Mode.CAPTURE:
@@ -257,12 +376,20 @@ class CompiledForward:
         self.captured_outputs[self.state.key] = {id(t) for t in flatten(out, _is_tensor)[0]}
         return out
 
-    def weaken(self, key) -> None:
-        """After a size is captured: its intermediate graph tensors go back to the pool (see the module doc)."""
-        aliases: Dict[int, torch.Tensor] = {}
+    def finish(self, key) -> None:
+        """After a size is captured: the pieces own what the forward returned, and nothing else (module doc)."""
         keep = self.captured_outputs.pop(key, set())
+        owners: Dict[int, torch.Tensor] = {}
+        for alias_id, ref in self.state.strong_of.items():
+            t = ref()
+            if t is not None and id(t) in keep:
+                owners[alias_id] = t
+        self.state.strong_of.clear()
         for piece in self.pieces:
-            piece.weaken(key, aliases, keep)
+            piece.finish(key, owners, keep)
+        self.plans[key] = ReplayPlan.build(self.state, owners)
+        self.state.calls.clear()
+        self.state.made.clear()
 
     def output_ids(self, key) -> set:
         ids = set()
@@ -275,5 +402,7 @@ class CompiledForward:
             piece.release(key)
         if key is None:
             self.captured_args.clear()
+            self.plans.clear()
         else:
             self.captured_args.pop(key, None)
+            self.plans.pop(key, None)

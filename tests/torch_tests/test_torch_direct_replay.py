@@ -1,4 +1,5 @@
-"""Level >= 1, full graph: a replay is the graph's replay() alone where Dynamo's transformed code provably
+"""Level >= 1: a replay is the graph's replay() alone (full graph), or the pieces' graphs and the eager
+pieces in the captured order (piecewise, pieces.ReplayPlan), where Dynamo's transformed code provably
 only gathers the graph's inputs and returns its outputs; otherwise that code still runs."""
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 import graph_opt
 from graph_opt.backends.torch.dynamo import pure_replay_code
 from graph_opt.decorator import state_of
-from torch_models import SIZES, HIDDEN, Stack, make_x
+from torch_models import SIZES, HIDDEN, Stack, make_x, mix
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -52,8 +53,8 @@ class WithConstant(torch.nn.Module):
 
 @pytest.mark.parametrize("level,full", [(1, True), (2, True), (1, False)])
 def test_a_pure_forward_replays_without_the_transformed_code(level, full, monkeypatch):
-    """Full: the graph's replay() alone. Piecewise: the split module's pieces and splitting ops on the
-    inputs the transformed code gathered at capture."""
+    """Full: the graph's replay() alone. Piecewise: the pieces' graphs and the splitting ops on the
+    arguments they got at capture, without the split module's forward."""
     torch.manual_seed(0)
     m = Stack(graph_opt_config=_cfg(level, full))
     replayed = []
@@ -61,6 +62,10 @@ def test_a_pure_forward_replays_without_the_transformed_code(level, full, monkey
     monkeypatch.setattr(graph_opt.testing.HostGraph, "replay", lambda g: (replayed.append(g), real_replay(g)))
     strategy = _captured(m)
     assert strategy.direct_replays == len(SIZES)
+    assert strategy.planned_replays == (0 if full else len(SIZES))
+    if not full:
+        for forward in strategy.forwards:
+            monkeypatch.setattr(forward.split.module, "forward", None)  # a replay that called it would fail
     replayed.clear()
     for real in (1, 3, 8):
         x = make_x(real, seed=real)
@@ -149,3 +154,38 @@ def test_level_1_sizes_write_their_outputs_into_the_largest_sizes_storage(full):
         with torch.no_grad():
             torch.testing.assert_close(m(x), _eager(m, x), **TOL)
     assert graph_opt.stats(m).replays == 5
+
+
+@graph_opt.splitting_op(name="test_join")
+def join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * 0.5 + b
+
+
+@graph_opt.support_graph_optimization
+class Chained(torch.nn.Module):
+    """The second splitting op reads the first one's result directly, across a captured piece."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.out = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        h = mix(self.proj(x))
+        g = self.out(x)
+        return self.head(join(h, g))
+
+
+def test_an_eager_piece_reading_another_eager_pieces_result_keeps_the_split_module():
+    """A replay plan would hand the second op the first op's result from capture; the split module
+    passes this replay's."""
+    torch.manual_seed(0)
+    m = Chained(graph_opt_config=_cfg(1, full=False))
+    strategy = _captured(m)
+    assert strategy.direct_replays == len(SIZES) and strategy.planned_replays == 0
+    assert max(graph_opt.stats(m).graphs.values()) == 3
+    for real in (1, 3, 8):
+        x = make_x(real, seed=real)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), _eager(m, x), **TOL)
