@@ -48,7 +48,6 @@ class GraphState:
     pool: Any = None
     simulate: bool = False
     forwards_run: List[Any] = field(default_factory=list)  # CompiledForwards entered while capturing
-    fresh: set = field(default_factory=set)  # ids of tensors eager pieces made during this capture
     share_key: Any = None  # capture: a larger size whose owned outputs this size's outputs go into
     padded: int = 0
     # capture: id(graph-written tensor) -> (weakref to it, its alias); id(alias) -> weakref to the tensor
@@ -56,7 +55,7 @@ class GraphState:
     strong_of: Dict[int, Any] = field(default_factory=dict)
     # capture: the pieces' calls in order, for CompiledForward's replay plan (kept past end(), as strong_of)
     calls: List[Any] = field(default_factory=list)
-    made: Dict[int, tuple] = field(default_factory=dict)  # id(eager result) -> (weakref, call index, leaf)
+    made: Dict[int, tuple] = field(default_factory=dict)  # id(eager result) -> (weakref, _EagerCall, leaf)
     plannable: bool = True  # no eager piece reads another's result, and none returns a non-tensor
 
     def begin(self, mode: Mode, key: Any = None, pool: Any = None, simulate: bool = False,
@@ -64,7 +63,6 @@ class GraphState:
         self.mode, self.key, self.pool, self.simulate = mode, key, pool, simulate
         self.share_key, self.padded = share_key, padded
         self.forwards_run.clear()
-        self.fresh.clear()
         self.aliases.clear()
         self.strong_of.clear()  # kept past end(): CompiledForward.finish reads it
         self.calls.clear()
@@ -73,7 +71,6 @@ class GraphState:
 
     def end(self) -> None:
         self.mode, self.key, self.pool, self.share_key = Mode.EAGER, None, None, None
-        self.fresh.clear()
         self.aliases.clear()
 
     def alias(self, t, adapter):
@@ -169,7 +166,8 @@ class CapturablePiece:
         inputs = list(args)
         slots = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
         for i in slots:
-            if id(inputs[i]) in state.fresh:
+            # A tensor an eager piece made (by identity: the id of a dead one may have been reused)
+            if state.made_by_eager(inputs[i]) is not None:
                 inputs[i] = self._land(i, inputs[i])
         share = self._sharing()
         if state.simulate:
@@ -280,7 +278,6 @@ class EagerPiece:
         state = self.state
         if state.mode is Mode.CAPTURE:
             leaves, _ = flatten(out, _is_tensor)
-            state.fresh.update(id(t) for t in leaves)
             if any(state.made_by_eager(a) is not None for a in flatten(args, _is_tensor)[0]) or \
                     not _tensors_or_none(out):
                 state.plannable = False
