@@ -307,8 +307,9 @@ class ReplayPlan:
     results are copied where the graphs that read them read (vLLM's piecewise backend does the same).
 
     Sound where every argument of an eager piece is the same object at every replay: the inputs the
-    transformed code gathers (checked pure by the caller) and graph-written tensors. A result of one
-    eager piece read by another eager piece, or a non-tensor result read at all, keeps the split module.
+    transformed code gathers (checked pure by the caller) and graph-written tensors. Where an eager
+    piece reads another eager piece's result, or returns anything but tensors and None, the split
+    module's forward keeps running (it passes each replay's values).
     """
 
     def __init__(self, steps: List[Callable]):
