@@ -222,3 +222,42 @@ def test_an_eager_result_is_known_by_identity_not_by_a_reused_id():
     state.made[id(alive)] = state.made.pop(id(dead))  # as if alive had the id of a dead result
     del dead
     assert state.made_by_eager(alive) is None
+
+
+@torch.library.custom_op("graph_opt_test::scale_into", mutates_args=("out",))
+def scale_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    torch.mul(x, 2.0, out=out)
+
+
+@graph_opt.support_graph_optimization
+class WritesIntoBuffer(torch.nn.Module):
+    """The splitting op writes into a buffer the model allocated in the piece before (vLLM's attention
+    with an output argument)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.out = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        h = self.proj(x)
+        buf = torch.empty_like(h)
+        scale_into(h, buf)
+        return self.out(buf)
+
+
+def test_a_splitting_op_writing_into_the_models_buffer_lands_nothing():
+    """The buffer is a graph's output at a fixed address: no landing buffer, no copy, values right."""
+    torch.manual_seed(0)
+    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
+                                   cudagraph_splitting_ops=["graph_opt_test::scale_into"])
+    m = WritesIntoBuffer(graph_opt_config=cfg)
+    strategy = _captured(m)
+    assert strategy.planned_replays == len(SIZES)
+    assert max(graph_opt.stats(m).graphs.values()) == 2
+    assert all(not piece.landing for forward in strategy.forwards for piece in forward.pieces)
+    with graph_opt.testing.simulate_cuda_graphs():
+        for real in (1, 3, 8):
+            x = make_x(real, seed=real)
+            with torch.no_grad():
+                torch.testing.assert_close(m(x), _eager(m, x), **TOL)
