@@ -11,6 +11,7 @@ translator. The runner does not care which: it trusts the strategy it is given.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import logging
@@ -231,9 +232,13 @@ class GraphRunner:
             self._release()
 
     def _dispatch(self, args, kwargs):
-        if kwargs or len(args) < len(self.params):
-            args, kwargs = self.canonical(args, kwargs)
-        leaves, spec = flatten((args, kwargs), self._is_tensor)
+        if not kwargs and len(args) == len(self.params) and all(map(self._is_tensor, args)):
+            # The common call, m(x) or m(x, lens): its spec is known without walking the arguments.
+            leaves, spec = list(args), _all_tensors_spec(len(args))
+        else:
+            if kwargs or len(args) < len(self.params):
+                args, kwargs = self.canonical(args, kwargs)
+            leaves, spec = flatten((args, kwargs), self._is_tensor)
         sig = self.signatures.get(spec)
         if sig is None:
             sig = self._new_signature(spec, leaves, args, kwargs)
@@ -893,6 +898,13 @@ class EagerStrategy:
 
     def release(self) -> None:
         self.landing.clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _all_tensors_spec(n: int):
+    """flatten()'s spec of (args, {}) where args are n tensors."""
+    leaf = object()
+    return flatten(((leaf,) * n, {}), lambda x: x is leaf)[1]
 
 
 def _run_all(steps):

@@ -438,3 +438,21 @@ def test_a_splitting_op_writing_into_a_buffer_of_the_model_is_not_copied(returns
         np.testing.assert_allclose(runner(T(x)).a, eager(x), rtol=1e-6)
         assert len(copies) == 1  # the input
     assert runner.counters.replays == 3
+
+
+def test_positional_and_keyword_calls_share_one_signature():
+    """m(x) takes the dispatch's fast path (all positional tensors: no walk of the arguments), m(x=x)
+    the general one; both must find the same captured graphs."""
+    adapter = FakeAdapter()
+    forward, calls = forward_calls()
+    runner = runner_for(GraphOptConfig(cudagraph_capture_sizes=[2, 4]), adapter, forward)
+    for size in (4, 2):
+        runner.capture((T(np.ones((size, 4), np.float32)),), {}, size)
+    x = np.random.RandomState(6).randn(3, 4).astype(np.float32)
+    calls.clear()
+    a = runner(T(x)).a.copy()
+    b = runner(x=T(x)).a.copy()
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, eager(x), rtol=1e-6)
+    assert len(runner.signatures) == 1 and runner.counters.replays == 2 and runner.counters.fallbacks == 0
+    assert calls == []
