@@ -310,6 +310,15 @@ def test_smaller_sizes_write_their_outputs_into_the_largest_sizes_storage(full):
     assert not np.allclose(held.a, np.tanh(x4 @ W) * (np.arange(1, 5, dtype=np.float32)[:, None] if not full else 1))
 
 
+def counting_copies(monkeypatch):
+    """A FakeAdapter whose copy_ calls are counted in the returned list."""
+    adapter = FakeAdapter()
+    copies = []
+    real_copy = adapter.copy_
+    monkeypatch.setattr(adapter, "copy_", lambda dst, src: (copies.append(1), real_copy(dst, src)))
+    return adapter, copies
+
+
 @split.splitting_op(name="fake_rowscale_out", out="out")
 def rowscale_out(x, out=None):
     """rowscale that writes into `out` when given one, as an attention kernel with an output argument."""
@@ -329,10 +338,7 @@ def test_a_splitting_op_with_out_writes_where_the_next_piece_reads(ignores_out, 
     """@splitting_op(out=...): the replay passes the landing buffer, and no copy of a fresh result follows;
     an op that returns a fresh tensor anyway is still copied (correct either way)."""
     monkeypatch.setattr(sys.modules[__name__], "IGNORE_OUT", ignores_out)
-    adapter = FakeAdapter()
-    copies = []
-    real_copy = adapter.copy_
-    monkeypatch.setattr(adapter, "copy_", lambda dst, src: (copies.append(1), real_copy(dst, src)))
+    adapter, copies = counting_copies(monkeypatch)
 
     def forward(x):
         return op(lambda a: np.tanh(a) + 1.0, rowscale_out(op(lambda a: a @ W, x)))
@@ -414,10 +420,7 @@ def test_a_splitting_op_writing_into_a_buffer_of_the_model_is_not_copied(returns
     """The buffer comes from a piece's graph, so it sits at a fixed address the next piece reads: whether
     the op returns it or nothing, a replay copies nothing but the input."""
     monkeypatch.setattr(sys.modules[__name__], "RETURNS_GIVEN", returns_given)
-    adapter = FakeAdapter()
-    copies = []
-    real_copy = adapter.copy_
-    monkeypatch.setattr(adapter, "copy_", lambda dst, src: (copies.append(1), real_copy(dst, src)))
+    adapter, copies = counting_copies(monkeypatch)
 
     def forward(x):
         h = op(lambda a: a @ W, x)

@@ -75,9 +75,9 @@ class GraphState:
 
     def alias(self, t, adapter):
         """The non-owning alias of a tensor a graph of this capture wrote (one per tensor), or t itself."""
-        hit = self.aliases.get(id(t))
-        if hit is not None and hit[0]() is t:  # the id of a dead tensor may have been reused
-            return hit[1]
+        known = self.known_alias(t)
+        if known is not t:
+            return known
         alias = adapter.weak_alias(t)
         if alias is not t:
             self.aliases[id(t)] = (weakref.ref(t), alias)
@@ -92,7 +92,7 @@ class GraphState:
     def known_alias(self, t):
         """t's alias when a graph of this capture wrote t, else t."""
         hit = self.aliases.get(id(t))
-        return hit[1] if hit is not None and hit[0]() is t else t
+        return hit[1] if hit is not None and hit[0]() is t else t  # the id of a dead tensor may be reused
 
 
 @dataclass
@@ -165,9 +165,9 @@ class CapturablePiece:
         state = self.state
         inputs = list(args)
         slots = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
-        for i in slots:
-            # A tensor an eager piece made (by identity: the id of a dead one may have been reused)
-            if state.made_by_eager(inputs[i]) is not None:
+        made = {i: state.made_by_eager(inputs[i]) for i in slots}  # (eager call, leaf) of eager results
+        for i, where in made.items():
+            if where is not None:
                 inputs[i] = self._land(i, inputs[i])
         share = self._sharing()
         if state.simulate:
@@ -197,8 +197,7 @@ class CapturablePiece:
         leaves, spec = flatten(outputs, _is_tensor)
         entry = PieceGraph(graph, held, slots, unflatten(spec, [state.alias(t, self.adapter) for t in leaves]))
         self.entries[state.key] = entry
-        for i in slots:  # for the replay plan: an eager piece's result lands in entry.inputs[i]
-            where = state.made_by_eager(args[i])
+        for i, where in made.items():  # for the replay plan: an eager piece's result lands in entry.inputs[i]
             if where is not None:
                 if inputs[i] is args[i]:  # not landed (broadcast memory): nothing to copy into
                     state.plannable = False
