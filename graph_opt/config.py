@@ -40,6 +40,11 @@ class GraphOptConfig:
         views of the same buffers at every call (checked), and nothing is copied.
     program_passes: PIR passes run on every static program before its first run (level >= 1, Paddle);
         by default protect_inplace_writes (the safety pass, first) then remove_loop_carried_copies.
+    cudagraph_max_signatures: call structures (non-tensor argument values) that get graphs at call
+        time, without capture_model; calls with further values run without graphs.
+    guarded_replays: level >= 1, evaluate the framework's guards (Dynamo's guard manager, SOT's guard
+        functions) before every replay, except those on graph_opt's own capture flags. False skips
+        them, as vLLM does: the Python state the forward reads must then not change after capture.
     """
 
     graph_opt_level: int = 0
@@ -53,6 +58,8 @@ class GraphOptConfig:
     use_unique_memory_pool: bool = True
     cudagraph_copy_inputs: bool = True
     program_passes: List[str] = field(default_factory=lambda: list(KNOWN_PASSES))
+    cudagraph_max_signatures: int = 8
+    guarded_replays: bool = True
     sources: Dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -216,7 +223,8 @@ def validate(cfg: GraphOptConfig) -> None:
 
     if not _is_int(cfg.graph_opt_level) or cfg.graph_opt_level not in (0, 1, 2):
         fail("graph_opt_level", "must be 0 (eager), 1 (static) or 2 (static + compiler)")
-    for name in ("use_cudagraph", "full_cuda_graph", "use_unique_memory_pool", "cudagraph_copy_inputs"):
+    for name in ("use_cudagraph", "full_cuda_graph", "use_unique_memory_pool", "cudagraph_copy_inputs",
+                 "guarded_replays"):
         if not isinstance(getattr(cfg, name), bool):
             fail(name, "must be a boolean (true or false)")
     if cfg.cudagraph_mode is not None:
@@ -228,6 +236,8 @@ def validate(cfg: GraphOptConfig) -> None:
             fail("cudagraph_mode", f"disagrees with full_cuda_graph={cfg.full_cuda_graph!r}"
                                    f"{_origin(cfg, 'full_cuda_graph')}; full_cuda_graph is the older name of "
                                    "cudagraph_mode 'full' / 'piecewise': set one of the two")
+    if not _is_int(cfg.cudagraph_max_signatures) or cfg.cudagraph_max_signatures < 1:
+        fail("cudagraph_max_signatures", "must be a positive integer")
     if not _is_int(cfg.cudagraph_num_of_warmups) or cfg.cudagraph_num_of_warmups < 0:
         fail("cudagraph_num_of_warmups", "must be an integer >= 0")
     if cfg.max_capture_size is not None and (not _is_int(cfg.max_capture_size) or cfg.max_capture_size < 1):

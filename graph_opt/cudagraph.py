@@ -20,9 +20,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import guards, output_sharing, ranks, split
-from .errors import CaptureError, GraphOptConfigError, GraphOptError, GraphOptInputError, ReplayDivergence
-from .pytree import TENSOR, flatten, tensor_leaf_owners, unflatten
+from . import capture_checks, guards, output_layout, output_sharing, ranks, split
+from .errors import CaptureError, GraphOptConfigError, GraphOptError, GraphOptInputError, GuardFailed, ReplayDivergence
+from .pytree import TENSOR, flatten, leaf_paths, tensor_leaf_owners, unflatten
+from .replay_guards import ModelState, Unwatched
+from .padding import Padding
 from .sizes import PaddingTable
 from .stats import Counters
 from .host_outputs import HostRingFull, SizeCopies, _pending as _pending_host_copies, land_pending_copies
@@ -44,6 +46,8 @@ class Captured:
     pieces: int
     graphs: int
     keepalive: List[Any] = field(default_factory=list)  # graphs and tensors the replay reads
+    # The framework's guards (level >= 1): None when a replay may run, else (key, what changed).
+    check: Optional[Callable[[], Optional[Tuple[str, str]]]] = None
 
 
 @dataclass
@@ -51,16 +55,16 @@ class CapturedSize:
     """Everything one padded size needs at replay."""
 
     padded_size: int
+    sig: "Signature"  # its call structure: static buffers, padding, output layout, mutated inputs
     inputs: List[Any]  # the tensors the graph reads, one per tensor leaf, at the padded size
     dims: List[Optional[int]]  # dynamic dim of each leaf, None for static leaves
     copy_inputs: bool
     input_ptrs: List[int]
     captured: Captured
-    out_sliced: List[bool]  # output leaves whose first dim is the padded size: returned sliced to real rows
     capture_ms: float
     memory_bytes: Optional[int]
     copies: Optional[SizeCopies] = None  # host_outputs copied by the graph itself
-    views: Dict[int, Tuple[list, list, list, Any]] = field(default_factory=dict)
+    views: Dict[int, tuple] = field(default_factory=dict)
 
     def run(self, adapter, leaves: Sequence[Any], real: int):
         copies = self.copies
@@ -69,9 +73,10 @@ class CapturedSize:
         views = self.views.get(real)
         if views is None:
             views = self._views_for(adapter, real)
-        dsts, shapes, dtypes, output = views
+        dsts, shapes, dtypes, strides, output = views
         if _pending_host_copies:  # simulated slow copies (tests) still reading outputs land first
             land_pending_copies()
+        sig = self.sig
         if self.copy_inputs:
             # The dtype check matters: copy_ would cast silently (torch) or fail inside the framework (Paddle).
             for dst, shape, dtype, src in zip(dsts, shapes, dtypes, leaves):
@@ -79,32 +84,49 @@ class CapturedSize:
                     if adapter.shape(src) != shape or adapter.dtype(src) != dtype:
                         return _MISMATCH
                     adapter.copy_(dst, src)
+            padding = sig.padding
+            if padding.dirty > real:  # an earlier call left real rows where this one pads
+                padding.wrote(real)
+            else:
+                padding.dirty = real
         else:
-            for ptr, shape, dtype, src in zip(self.input_ptrs, shapes, dtypes, leaves):
-                if adapter.data_ptr(src) != ptr or adapter.shape(src) != shape or adapter.dtype(src) != dtype:
+            # The caller's own buffers: the very memory, shape and strides the graph read at capture
+            # (buf.t() has buf's address and another meaning).
+            for ptr, shape, dtype, stride, src in zip(self.input_ptrs, shapes, dtypes, strides, leaves):
+                if adapter.data_ptr(src) != ptr or adapter.shape(src) != shape or adapter.dtype(src) != dtype \
+                        or adapter.stride(src) != stride:
                     return _MISMATCH
         fresh = self.captured.replay()
+        if sig.mutated:
+            self._write_back(adapter, sig, dsts, leaves)
         if self.captured.stable_outputs:
             if copies is not None:
                 return copies.after_replay(output, real)
             return output
-        return self._slice_outputs(adapter, fresh, real)
+        return self._cut_outputs(adapter, fresh, real)
+
+    def _write_back(self, adapter, sig, dsts, leaves) -> None:
+        """The forward writes some inputs in place: eager would have written the caller's tensors."""
+        for i in sig.mutated:
+            if leaves[i] is not dsts[i]:
+                adapter.copy_(leaves[i], dsts[i])
+        if sig.padding is not None:
+            sig.padding.touched(self.padded_size)  # the forward wrote the padding rows too
 
     def _views_for(self, adapter, real: int):
         dsts = [t if d is None else adapter.narrow(t, d, real) for t, d in zip(self.inputs, self.dims)]
         shapes = [adapter.shape(t) for t in dsts]
         dtypes = [adapter.dtype(t) for t in dsts]
-        output = self._slice_outputs(adapter, self.captured.outputs, real) if self.captured.stable_outputs else None
-        views = (dsts, shapes, dtypes, output)
+        strides = [adapter.stride(t) for t in dsts]
+        output = self._cut_outputs(adapter, self.captured.outputs, real) if self.captured.stable_outputs else None
+        views = (dsts, shapes, dtypes, strides, output)
         self.views[real] = views
         return views
 
-    def _slice_outputs(self, adapter, outputs, real: int):
+    def _cut_outputs(self, adapter, outputs, real: int):
         if real == self.padded_size:
             return outputs
-        leaves, spec = flatten(outputs, adapter.is_tensor)
-        sliced = [adapter.narrow(t, 0, real) if s else t for t, s in zip(leaves, self.out_sliced)]
-        return unflatten(spec, sliced, template=outputs)
+        return self.sig.layout.cut(adapter, outputs, real)
 
     def release(self) -> None:
         for obj in self.captured.keepalive:
@@ -121,16 +143,25 @@ class Signature:
     """One call structure: its non-tensor arguments, where its tensors are, their static buffers."""
 
     def __init__(self, index: int, spec, dims: List[Optional[int]], template,
-                 layout: Optional[List[Tuple[Any, list]]] = None):
+                 layout: Optional[List[Tuple[Any, list]]] = None, lazy: bool = False):
         self.index = index  # 1, 2, ...: this signature's number in its runner
         self.spec = spec
         self.dims = dims
         self.template = template  # the first call's (args, kwargs), to rebuild dataclass arguments
         # (dtype, shape with None at the dynamic dim) of each tensor leaf: what every call must match
-        self.layout = layout or []
+        self.input_layout = layout or []
         self.dynamic = [i for i, d in enumerate(dims) if d is not None]
+        self.lazy = lazy  # made by a call rather than by capture_model
         self.entries: Dict[int, CapturedSize] = {}
         self.buffers: Optional[List[Any]] = None  # static input buffers at the max size (copy_inputs)
+        self.padding: Optional[Padding] = None  # their padding rows (copy_inputs)
+        self.mutated: List[int] = []  # leaves the forward writes in place: written back after a replay
+        self.observations: List[output_layout.Observation] = []  # outputs seen at each size
+        self.layout = output_layout.OutputLayout()  # the outputs' batch dims, once seen at two sizes
+        self.probed = False  # capture_checks.probe ran for this signature
+        self.eager_writes: set = set()  # leaves the plain forward writes in place (capture_checks)
+        self.eager_buffer_writes: set = set()  # model buffers it writes in place
+        self.static_buffer_writes: set = set()  # model buffers the captured path writes in place
 
     def key(self, padded: int) -> int:
         """An integer naming (this signature, padded size): what strategies key their graphs by."""
@@ -159,6 +190,15 @@ class Signature:
         larger = [size for size in self.entries if size > padded]
         return max(larger) if larger else None
 
+    def observe(self, observation: "output_layout.Observation") -> None:
+        """Learn the output layout from one more size; cached replay views are cut anew if it changed."""
+        self.observations.append(observation)
+        layout = output_layout.learn(self.observations)
+        if layout != self.layout:
+            self.layout = layout
+            for entry in self.entries.values():
+                entry.views.clear()
+
 
 @contextlib.contextmanager
 def frozen_gc(collect: bool = True):
@@ -186,27 +226,36 @@ class GraphRunner:
     """Dispatch, pad, copy and replay for one model; capture sizes on demand."""
 
     def __init__(self, *, adapter, config, strategy, eager: Callable, dynamic_arg_dims,
-                 params: Sequence[Tuple[str, Any]], name: str, host_outputs=None, guard=None):
+                 params: Sequence[Tuple[str, Any]], name: str, host_outputs=None, guard=None,
+                 model_state: Optional[ModelState] = None, pad_values: Optional[Dict[str, Any]] = None):
         self.adapter = adapter
         self.host_outputs = host_outputs  # HostOutputs whose copies captured sizes make in their graphs
         self.config = config
         self.strategy = strategy
-        self.eager = eager  # the plain eager forward: what runs once a capture has failed
+        # The plain forward, without the module's hooks (the decorated call runs those around the
+        # runner): what runs once a capture has failed, and what capture_checks probes.
+        self.eager = eager
         self.dynamic_arg_dims = dynamic_arg_dims  # None: dim 0 of every tensor argument
         # forward's positional-or-keyword parameters after self: (name, default or REQUIRED)
         self.params = list(params)
         self.arg_names = [name for name, _ in self.params]
         self.name = name
+        self.pad_values = pad_values or {}
+        # Training flags, autocast, replaced parameters, level-0 attributes: checked before every replay.
+        self.model_state = model_state if model_state is not None else Unwatched()
         self.table = PaddingTable(config.capture_sizes)
         self.max_size = self.table.max_size
         self.signatures: Dict[Any, Signature] = {}
         self._sig_numbers = itertools.count(1)  # not reused for a signature dropped unused (restarts on release)
         self.counters = Counters()
+        self.fallback_reasons: Dict[str, int] = {}  # why calls ran without graphs, by kind
+        self.capture_notes: List[str] = []  # what capture_checks found, for the capture report
         self.capture_seconds = 0.0
         self.memory_bytes: Optional[int] = None
         self.disabled_reason: Optional[str] = None
         self.capture_model_done = False
         self.pool = None
+        self.group = None  # the ranks that agree on every replay (graph_opt.ranks), set when capturing
         self._warned: set = set()
         self._is_tensor = adapter.is_tensor
         # Held by the call (and capture_model, clear_graphs) using the static buffers. Calls from two
@@ -241,9 +290,10 @@ class GraphRunner:
             leaves, spec = flatten((args, kwargs), self._is_tensor)
         sig = self.signatures.get(spec)
         if sig is None:
-            sig = self._new_signature(spec, leaves, args, kwargs)
+            refusal = self._refuse_lazy_signature(spec)
+            sig = None if refusal is not None else self._new_signature(spec, leaves, args, kwargs, lazy=True)
             if sig is None:
-                return self._fallback(args, kwargs, "new_signature")
+                return self._fallback(args, kwargs, refusal or _NO_BATCH)
         try:
             real = sig.batch_size(self.adapter, leaves)
         except IndexError:  # a tensor with fewer dimensions than its dynamic dim
@@ -256,33 +306,48 @@ class GraphRunner:
                 raise self._bad_call(sig, leaves, self._misfit(sig, leaves, "argument"))
             return self._fallback(args, kwargs, None)
         if self.adapter.grad_enabled():
-            return self._fallback(args, kwargs, "grad")
+            return self._fallback(args, kwargs, ("grad", _FALLBACK_REASONS["grad"]))
+        state = self.model_state
+        if state.captured:
+            blocked = state.check()  # before a lazy capture too: never capture in another mode
+            if blocked is not None:
+                return self._fallback(args, kwargs, blocked)
         entry = sig.entries.get(padded)
         if entry is None:
             misfit = self._misfit(sig, leaves, "argument")
             if misfit is not None:
                 if misfit[0] != "shape":
                     raise self._bad_call(sig, leaves, misfit)
-                return self._fallback(args, kwargs, "mismatch")
+                return self._fallback(args, kwargs, ("mismatch", _FALLBACK_REASONS["mismatch"]))
             entry = self._capture_lazily(sig, padded, real, leaves)
             if entry is None:
                 return self._fallback(args, kwargs, None)
+        check = entry.captured.check
+        blocked = check() if check is not None else None
+        if blocked is None and real != padded and sig.layout.exact_only:
+            blocked = ("outputs", f"a call of {real} rows would replay size {padded}, and {sig.layout.why_exact_only()}; "
+                                  "calls of a size that is not captured run without graphs")
+        if self.group is not None:
+            blocked = ranks.agree_on_replay(self.group, blocked)
+        if blocked is not None:
+            return self._fallback(args, kwargs, blocked)
         try:
             out = entry.run(self.adapter, leaves, real)
         except HostRingFull:
             raise  # the caller's error, found before anything ran: the graphs are fine
+        except GuardFailed as exc:
+            return self._fallback(args, kwargs, ("guard", exc.guard))
         except ReplayDivergence as exc:
-            self._warn_once("divergence", f"{exc}; this call runs without graphs")
-            return self._fallback(args, kwargs, None)
+            return self._fallback(args, kwargs, ("divergence", f"{exc}; this call runs without graphs"))
         except Exception as exc:
             return self._replay_failed(exc, padded, args, kwargs)
         if out is _MISMATCH:
             # The slow path: a rank or dtype the graph cannot take is the caller's error; another
-            # non-batch shape (or, without copied inputs, another address) runs without graphs.
+            # non-batch shape (or, without copied inputs, another address or strides) runs without graphs.
             misfit = self._misfit(sig, leaves, "argument")
             if misfit is not None and misfit[0] != "shape":
                 raise self._bad_call(sig, leaves, misfit)
-            return self._fallback(args, kwargs, "mismatch")
+            return self._fallback(args, kwargs, ("mismatch", _FALLBACK_REASONS["mismatch"]))
         self.counters.replays += 1
         return out
 
@@ -300,10 +365,16 @@ class GraphRunner:
                 break
         return tuple(args), kwargs
 
-    def _fallback(self, args, kwargs, why: Optional[str]):
+    def _fallback(self, args, kwargs, why: Optional[tuple]):
+        """Run this call without graphs. why: (kind, message[, warning key]) for stats().fallback_reasons
+        and one warning per key (default: kind and message); None for the silent, expected cases (a
+        size above the max)."""
         self.counters.fallbacks += 1
         if why is not None:
-            self._warn_once(why, _FALLBACK_REASONS[why])
+            kind, message = why[0], why[1]
+            self.fallback_reasons[kind] = self.fallback_reasons.get(kind, 0) + 1
+            self._warn_once(why[2] if len(why) > 2 else why[:2],
+                            message if message.endswith("without graphs") else f"{message}; this call runs without graphs")
         return self.strategy.run(args, kwargs)
 
     def _replay_failed(self, exc: Exception, padded: int, args, kwargs):
@@ -330,10 +401,17 @@ class GraphRunner:
             "the calls (one lock around each call and the use of its outputs) or give each thread its own model"
         )
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning("%s: %s", self.name, message)
+    def _warn_once(self, key, message: str) -> None:
+        """One warning per key; at most a few per kind of key, so that a value changing at every call
+        (an attribute used as a counter) does not warn at every call."""
+        if key in self._warned:
+            return
+        kind = key[0] if isinstance(key, tuple) else key
+        per_kind = sum(1 for k in self._warned if (k[0] if isinstance(k, tuple) else k) == kind)
+        if per_kind >= _WARNINGS_PER_KIND:
+            return
+        self._warned.add(key)
+        logger.warning("%s: %s", self.name, message)
 
     # -- inputs that do not fit (slow paths only) ---------------------------------------------------
     def _leaf_names(self, spec) -> List[str]:
@@ -363,7 +441,7 @@ class GraphRunner:
         adapter = self.adapter
         names = self._leaf_names(sig.spec)
         found = None
-        for name, leaf, dim, (dtype, shape) in zip(names, leaves, sig.dims, sig.layout):
+        for name, leaf, dim, (dtype, shape) in zip(names, leaves, sig.dims, sig.input_layout):
             got = list(adapter.shape(leaf))
             if len(got) != len(shape):
                 return "rank", (f"{what} {name} has {len(got)} dimensions (shape {got}); "
@@ -406,18 +484,57 @@ class GraphRunner:
         return self._disagreement(sig, leaves)
 
     # -- signatures --------------------------------------------------------------------------------
-    def _new_signature(self, spec, leaves, args, kwargs) -> Optional[Signature]:
+    def _refuse_lazy_signature(self, spec) -> Optional[Tuple[str, str]]:
+        """Why a call with a structure or non-tensor value never seen before may not get graphs of its
+        own at call time, or None. Replaying a graph captured with another value would be wrong; a
+        graph per value without bound would capture (and hold static buffers) at every new value."""
         if self.capture_model_done and self.signatures:
-            # A structure or non-tensor value never seen at capture: replaying a graph captured with
-            # another value would be wrong, so these calls run without graphs.
-            return None
+            return ("new_signature", f"{self._new_values(spec)}: a call with a structure or non-tensor value not "
+                    "seen at capture runs without graphs (capture_model() with inputs of that value captures it too)",
+                    ("new_signature",))
+        limit = self.config.cudagraph_max_signatures
+        if sum(1 for sig in self.signatures.values() if sig.lazy) >= limit:
+            return ("signature_limit", f"{self._new_values(spec)}; graphs are captured per non-tensor argument value "
+                    f"and {limit} were captured at call time (cudagraph_max_signatures={limit}), so calls with "
+                    "further values run without graphs. Pass a value that changes from call to call as a tensor",
+                    ("signature_limit",))
+        return None
+
+    def _new_values(self, spec) -> str:
+        """What differs between a call's structure and the nearest one seen before, naming the argument."""
+        new = self._named_leaves(spec)
+        best = None
+        for sig in self.signatures.values():
+            old = self._named_leaves(sig.spec)
+            diffs = [(path, value, dict(old).get(path, _ABSENT)) for path, value in new if dict(old).get(path, _ABSENT) != value]
+            diffs += [(path, _ABSENT, value) for path, value in old if path not in dict(new)]
+            if best is None or len(diffs) < len(best):
+                best = diffs
+        if not best:
+            return "a call with another structure or non-tensor argument value than the calls seen before"
+        path, value, before = best[0]
+        return (f"forward argument {path} is {_show_value(value)}; the calls seen before had "
+                f"{_show_value(before)}")
+
+    def _named_leaves(self, spec) -> List[Tuple[str, Any]]:
+        """(argument path, leaf) for every leaf of a call's spec: ('scale', <1.0>), ("cfg['k']", TENSOR)."""
+        args_spec, kwargs_spec = spec[1]
+        out: List[Tuple[str, Any]] = []
+        for i, child in enumerate(args_spec[1]):
+            name = self.arg_names[i] if i < len(self.arg_names) else f"args[{i}]"
+            out.extend(leaf_paths(child, root=name))
+        for key, child in zip(kwargs_spec[1], kwargs_spec[2]):
+            out.extend(leaf_paths(child, root=key))
+        return out
+
+    def _new_signature(self, spec, leaves, args, kwargs, lazy: bool = False) -> Optional[Signature]:
         dims = self._dynamic_dims(spec, leaves)
         if not any(d is not None for d in dims):
             return None
         adapter = self.adapter
         layout = [(adapter.dtype(t), [None if i == d else n for i, n in enumerate(adapter.shape(t))])
                   for t, d in zip(leaves, dims)]
-        sig = Signature(next(self._sig_numbers), spec, dims, (args, kwargs), layout)
+        sig = Signature(next(self._sig_numbers), spec, dims, (args, kwargs), layout, lazy=lazy)
         self.signatures[spec] = sig
         return sig
 
@@ -492,7 +609,8 @@ class GraphRunner:
                 entry = self._capture_size(sig, padded, leaves)
         except Exception as exc:  # the model must keep working: run without graphs from now on
             error = exc
-        across_ranks = ranks.agree_on_capture(ranks.group_for(self.adapter), padded, error)
+        self.group = ranks.group_for(self.adapter)
+        across_ranks = ranks.agree_on_capture(self.group, padded, error)
         if error is not None or across_ranks is not None:
             self.capture_failed(error, padded, across_ranks)
             return None
@@ -508,6 +626,7 @@ class GraphRunner:
         logger.warning("%s: %s; running without graphs", self.name, self.disabled_reason)
 
     def _static_inputs(self, sig: Signature, padded: int, leaves) -> List[Any]:
+        """The tensors a graph of size `padded` reads, holding `leaves` (their padding rows the pad values)."""
         adapter = self.adapter
         if not self.config.cudagraph_copy_inputs:
             return list(leaves)
@@ -518,14 +637,25 @@ class GraphRunner:
                 adapter.zeros_like(t, d, self.max_size) if d is not None else adapter.zeros_like(t, None, 0)
                 for t, d in zip(leaves, sig.dims)
             ]
+            owners = tensor_leaf_owners(sig.spec)
+            values = [self.pad_values.get(self.arg_names[o] if isinstance(o, int) and o < len(self.arg_names) else o, 0)
+                      for o in owners]
+            sig.padding = Padding(adapter, sig.buffers, sig.dims, values)
         views = [b if d is None else adapter.narrow(b, d, padded) for b, d in zip(sig.buffers, sig.dims)]
+        self._copy_in(sig, views, leaves, padded)
+        return views
+
+    def _copy_in(self, sig: Signature, views, leaves, padded: int) -> None:
+        adapter = self.adapter
+        real = padded
         for dst, src, d in zip(views, leaves, sig.dims):
             if d is None:
                 adapter.copy_(dst, src)
             else:
                 real = adapter.shape(src)[d]
                 adapter.copy_(adapter.narrow(dst, d, real), src)
-        return views
+        if sig.padding is not None:
+            sig.padding.wrote(real)
 
     def _capture_size(self, sig: Signature, padded: int, leaves) -> CapturedSize:
         adapter = self.adapter
@@ -540,52 +670,92 @@ class GraphRunner:
         args, kwargs = unflatten(sig.spec, static, template=sig.template)
         if self.pool is None and self.config.use_unique_memory_pool:
             self.pool = adapter.new_pool() if not simulation_enabled() else None
+        if not self.model_state.captured:
+            self.model_state.snapshot()  # training flags and autocast, as every replay must find them
         mem_before = None if simulation_enabled() else adapter.memory_in_use()
         start = time.perf_counter()
         host = self.host_outputs
         copies = None
-        with _capture_phase(adapter):
-            warm = None
-            for _ in range(self.config.cudagraph_num_of_warmups):
-                warm = self.strategy.warmup(args, kwargs, padded, sig)
-            folds = getattr(self.strategy, "folds_tail", False)
-            if folds:
-                # The output copies into a larger size's storage and the host copies become the last
-                # nodes of the forward's own graph: one launch per step.
-                if host is not None and warm is not None:
-                    copies = host.copies_for_size(adapter, warm, padded)
-                captured = self.strategy.capture(args, kwargs, padded, sig, self.pool,
-                                                 tail=copies.tail if copies is not None else None,
-                                                 share=output_sharing.for_size(adapter, sig, padded))
-            else:
-                captured = self.strategy.capture(args, kwargs, padded, sig, self.pool)
-                if host is not None and captured.stable_outputs:
-                    copies = host.copies_for_size(adapter, captured.outputs, padded)
-                    if copies is not None:
-                        self._capture_tail(captured, copies)
-            adapter.synchronize()
+        self.model_state.paused = True
+        try:
+            with _capture_phase(adapter):
+                versions = [adapter.version(t) for t in static]
+                buffers = self.model_state.buffer_versions()
+                warm = None
+                for _ in range(self.config.cudagraph_num_of_warmups):
+                    warm = self.strategy.warmup(args, kwargs, padded, sig)
+                mutated = {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
+                sig.static_buffer_writes |= capture_checks.written(buffers, self.model_state.buffer_versions())
+                if not sig.probed:
+                    # Once per call structure: which output dimension is the batch, and whether real
+                    # rows depend on the padding rows (capture_checks).
+                    sig.probed = True
+                    capture_checks.probe(self, sig, padded, static, leaves)
+                    self._copy_in(sig, static, leaves, padded)
+                versions = [adapter.version(t) for t in static]
+                buffers = self.model_state.buffer_versions()
+                folds = getattr(self.strategy, "folds_tail", False)
+                if folds:
+                    # The output copies into a larger size's storage and the host copies become the last
+                    # nodes of the forward's own graph: one launch per step.
+                    if host is not None and warm is not None:
+                        copies = host.copies_for_size(adapter, warm, padded)
+                    captured = self.strategy.capture(args, kwargs, padded, sig, self.pool,
+                                                     tail=copies.tail if copies is not None else None,
+                                                     share=output_sharing.for_size(adapter, sig, padded))
+                else:
+                    captured = self.strategy.capture(args, kwargs, padded, sig, self.pool)
+                    if host is not None and captured.stable_outputs:
+                        copies = host.copies_for_size(adapter, captured.outputs, padded)
+                        if copies is not None:
+                            self._capture_tail(captured, copies)
+                mutated |= {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
+                sig.static_buffer_writes |= capture_checks.written(buffers, self.model_state.buffer_versions())
+                adapter.synchronize()
+        finally:
+            self.model_state.paused = False
+        if mutated:
+            sig.mutated = sorted(set(sig.mutated) | mutated)
+        self._check_writes_kept(sig)
+        if sig.padding is not None:
+            sig.padding.touched(padded)
         capture_ms = (time.perf_counter() - start) * 1e3
         mem_after = None if mem_before is None else adapter.memory_in_use()
         memory = None if mem_before is None or mem_after is None else max(0, mem_after - mem_before)
-        out_leaves, _ = flatten(captured.outputs, adapter.is_tensor)
         entry = CapturedSize(
             padded_size=padded,
+            sig=sig,
             inputs=static,
             dims=sig.dims,
             copy_inputs=self.config.cudagraph_copy_inputs,
             input_ptrs=[adapter.data_ptr(t) for t in static],
             captured=captured,
-            out_sliced=[len(adapter.shape(t)) > 0 and adapter.shape(t)[0] == padded for t in out_leaves],
             capture_ms=capture_ms,
             memory_bytes=memory,
             copies=copies,
         )
         sig.entries[padded] = entry
+        sig.observe(output_layout.observe(adapter, captured.outputs, padded))
         self.counters.captures += 1
         self.capture_seconds += capture_ms / 1e3
         if memory is not None:
             self.memory_bytes = (self.memory_bytes or 0) + memory
         return entry
+
+    def _check_writes_kept(self, sig: Signature) -> None:
+        """CaptureError where the plain forward writes an argument or a buffer in place and the captured
+        path does not (Paddle's SOT drops writes into its programs' inputs): replays would differ."""
+        dropped = sig.eager_writes - set(sig.mutated)
+        dropped_buffers = sig.eager_buffer_writes - sig.static_buffer_writes
+        if not dropped and not dropped_buffers:
+            return
+        what = [f"its argument {self._leaf_names(sig.spec)[i]}" for i in sorted(dropped)]
+        what += [f"the model's buffer {name!r}" for name in sorted(dropped_buffers)]
+        path = getattr(self.strategy, "describe", "the captured path")
+        raise CaptureError(
+            f"forward writes {' and '.join(what)} in place, and at graph_opt_level={self.config.graph_opt_level} "
+            f"{path} does not write it back: a replay (and this level without graphs) would differ from eager. "
+            "Use graph_opt_level=0 for this model, or return the new value instead of writing in place")
 
     def _capture_tail(self, captured: Captured, copies: SizeCopies) -> None:
         """A strategy that cannot end its graph with the host copies: a small graph of them after it."""
@@ -631,20 +801,36 @@ class GraphRunner:
                 entry.release()
             sig.entries.clear()
             sig.buffers = None
+            sig.padding = None
         self.signatures.clear()
         self._sig_numbers = itertools.count(1)
         self.strategy.release()
+        self.model_state.release()
+        self._warned.clear()
         self.pool = None
         self.memory_bytes = None
         self.capture_model_done = False
         self.adapter.release_memory()
 
 
+_WARNINGS_PER_KIND = 3
+_ABSENT = object()
+_NO_BATCH = ("no_batch", "a call whose tensors have no batch dimension (dim 0, or dynamic_arg_dims) runs without graphs")
+
+
+def _show_value(value) -> str:
+    if value is _ABSENT:
+        return "no such argument"
+    if value is TENSOR:
+        return "a tensor"
+    inner = getattr(value, "value", getattr(value, "obj", value))
+    return f"{inner!r} ({type(inner).__name__})"
+
+
 _FALLBACK_REASONS = {
-    "new_signature": "a call with a structure or non-tensor argument value not seen at capture runs without graphs",
     "grad": "autograd is enabled: graphs replay only under no_grad, so this call runs without graphs",
-    "mismatch": "an input does not match the captured buffers (shape, or address with cudagraph_copy_inputs=false); "
-    "this call runs without graphs",
+    "mismatch": "an input does not match the captured buffers (shape, or address and strides with "
+    "cudagraph_copy_inputs=false); this call runs without graphs",
 }
 
 

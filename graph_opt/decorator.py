@@ -9,10 +9,11 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from . import backends, config as config_mod, dispatch, env, ranks, split, training
+from . import backends, config as config_mod, dispatch, env, padding, ranks, split, training
 from .cudagraph import REQUIRED, EagerStrategy, GraphRunner, frozen_gc
 from .errors import GraphOptConfigError, GraphOptInputError
 from .host_outputs import HostOutputs
+from .replay_guards import ModelState
 from .stats import CaptureReport, SizeReport, Stats
 from .testing import simulation_enabled
 
@@ -25,15 +26,23 @@ class GraphOptState:
     """Per-model plugin state: the config, the mode, and the runner once graphs are in use."""
 
     def __init__(self, model, cfg, dynamic_arg_dims, framework: str, orig_call: Callable,
-                 dispatch_key_fn: Optional[Callable] = None):
+                 dispatch_key_fn: Optional[Callable] = None, pad_values: Optional[Dict[str, Any]] = None,
+                 owner: Optional[type] = None):
         self.model = model
         self.config = cfg
         self.dynamic_arg_dims = dynamic_arg_dims
+        self.pad_values = pad_values
+        self.owner = owner  # the decorated class whose options built this state (pickling rebuilds from it)
         self.backend = backends.load(framework)
         self.adapter = self.backend.ADAPTER
+        self.call_hooks = self.adapter.call_hooks
         self.orig_call = orig_call
-        self.forward_fn = type(model).forward
+        self.forward_fn = forward_fn = type(model).forward
         self.name = type(model).__name__
+        # The forward without the module's hooks: the decorated call runs the hooks around the plugin,
+        # so that they run at every call, replays included (and not twice on a fallback).
+        self.forward_call = lambda *args, **kwargs: forward_fn(model, *args, **kwargs)
+        self.model_state = ModelState(self.adapter, model, self.name, watch_attributes=cfg.graph_opt_level == 0)
         self.disabled = env.disabled()
         self.runner: Optional[GraphRunner] = None
         self.plain: Optional[Callable] = None  # the path without graphs, once chosen
@@ -70,14 +79,11 @@ class GraphOptState:
     def graphs_available(self) -> bool:
         return self.adapter.graphs_supported() or simulation_enabled()
 
-    def _eager_call(self, *args, **kwargs):
-        return self.orig_call(self.model, *args, **kwargs)
-
     def plain_call(self) -> Callable:
         """The path a call takes without graphs: eager at level 0, SOT at level >= 1."""
         if self.plain is None:
             if self.config.graph_opt_level == 0 or self.disabled:
-                self.plain = self._eager_call
+                self.plain = self.forward_call
             else:
                 # Level >= 1 without graphs: the strategy's plain static path (SOT / torch.compile).
                 strategy = self.backend.static_strategy(self.model, self.forward_fn, self.config, None)
@@ -131,17 +137,24 @@ class GraphOptState:
         """A runner of one kind of graph: full (selection None) or split at the selected ops."""
         cfg = self.config
         if cfg.graph_opt_level == 0:
-            strategy = EagerStrategy(self._eager_call, self.adapter, selection)
+            strategy = EagerStrategy(self.forward_call, self.adapter, selection)
         else:
             strategy = self.backend.static_strategy(self.model, self.forward_fn, cfg, selection)
         return GraphRunner(
-            adapter=self.adapter, config=cfg, strategy=strategy, eager=self._eager_call,
+            adapter=self.adapter, config=cfg, strategy=strategy, eager=self.forward_call,
             dynamic_arg_dims=self.dynamic_arg_dims,
             params=_params(self.forward_fn), name=self.name, host_outputs=self.host_outputs, guard=guard,
+            model_state=self.model_state, pad_values=self.pad_values,
         )
 
     # -- the call --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if self.call_hooks(self.model):
+            return self._with_hooks(args, kwargs)
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """The plugin in the place of the model's forward: replay, capture or run without graphs."""
         runner = self.runner
         if runner is not None:
             out = runner(*args, **kwargs)
@@ -151,6 +164,57 @@ class GraphOptState:
         if self.host_outputs is not None:
             return self.host_outputs.apply(self.adapter, out)
         return out
+
+    def _with_hooks(self, args, kwargs):
+        """The framework's own module call (its hooks, in its order), with the plugin as the forward it
+        calls: the instance attribute `forward` is ours for the duration of the call."""
+        held = self.model.__dict__
+        had = "forward" in held
+        previous = held.get("forward")
+        held["forward"] = self.forward
+        try:
+            return self.orig_call(self.model, *args, **kwargs)
+        finally:
+            if had:
+                held["forward"] = previous
+            else:
+                held.pop("forward", None)
+
+    # -- copies of the model (copy.deepcopy, pickle, torch.save) ------------------------------------
+    def __reduce__(self):
+        # A copy is a decorated model of its own, with no graphs yet: graphs, static buffers and the
+        # runner belong to this instance.
+        return _restored_state, (self.model, self.config, self.owner)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return _restored_state(memo.get(id(self.model), self.model), copy.deepcopy(self.config, memo), self.owner)
+
+
+def _new_state(model, cfg, owner: type) -> "GraphOptState":
+    """The plugin state of `model` from the options its decorated class `owner` was given."""
+    options = owner.__dict__["__graph_opt_options__"]
+    state = GraphOptState(model, cfg, options["dynamic_arg_dims"], options["framework"], options["orig_call"],
+                          options["dispatch_key_fn"], options["pad_values"], owner)
+    if options["host_outputs"] is not None:
+        state.host_outputs = HostOutputs(options["host_outputs"], options["host_ring_depth"], owner.__qualname__)
+    return state
+
+
+def _restored_state(model, cfg, owner) -> "GraphOptState":
+    """A fresh state for a copy of a decorated model (deepcopy, unpickling): the config, no graphs."""
+    return _new_state(model, cfg, owner)
+
+
+def _state_for_call(model) -> Optional["GraphOptState"]:
+    """The model's state; a fresh one where it belongs to another instance (a shallow copy.copy shares
+    its __dict__'s values: the copy must not run the original's graphs)."""
+    state = model.__dict__.get(_STATE_ATTR)
+    if state is not None and state.model is not model:
+        state = _new_state(model, state.config, state.owner)
+        object.__setattr__(model, _STATE_ATTR, state)
+    return state
 
 
 def _params(forward_fn) -> list:
@@ -186,15 +250,21 @@ def _check_dynamic_arg_dims(cls, dynamic_arg_dims) -> Optional[Dict[str, int]]:
 
 def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str, int]] = None,
                                host_outputs: Optional[Sequence[str]] = None, host_ring_depth: int = 2,
-                               dispatch_key_fn: Optional[Callable[..., str]] = None):
+                               dispatch_key_fn: Optional[Callable[..., str]] = None,
+                               pad_values: Optional[Dict[str, Any]] = None):
     """Class decorator for a paddle.nn.Layer or torch.nn.Module subclass.
 
     The constructor then accepts `graph_opt_config=` (a GraphOptConfig, a dict or a YAML path; default
     load_config()). Calls go through the plugin: padded to the nearest captured size and replayed when
-    graphs are captured, otherwise eager (level 0) or static (level >= 1).
+    graphs are captured, otherwise eager (level 0) or static (level >= 1). The module's hooks run
+    around it at every call, as around an eager forward.
 
     dynamic_arg_dims maps forward argument names to their batch dimension; by default dimension 0 of
     every tensor argument is the batch dimension.
+
+    pad_values maps forward argument names to the number their padding rows hold when a call is padded
+    to a captured size (default 0): {"slot_mapping": -1} for a kernel that skips slot -1 (see
+    graph_opt.padding). Padding rows never hold an earlier call's data.
 
     host_outputs names output leaves ("next_tokens", "out.tokens", "aux.0") that come back as
     HostFutures: their device-to-host copies start at once and the host waits only in result(). Each
@@ -206,7 +276,8 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
     """
     if cls is None:
         return lambda c: support_graph_optimization(c, dynamic_arg_dims=dynamic_arg_dims, host_outputs=host_outputs,
-                                                    host_ring_depth=host_ring_depth, dispatch_key_fn=dispatch_key_fn)
+                                                    host_ring_depth=host_ring_depth, dispatch_key_fn=dispatch_key_fn,
+                                                    pad_values=pad_values)
     if not isinstance(cls, type):
         raise TypeError(
             "@support_graph_optimization decorates a class (a paddle.nn.Layer or torch.nn.Module subclass), "
@@ -214,6 +285,9 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
         )
     framework = backends.framework_of(cls)
     dims = _check_dynamic_arg_dims(cls, dynamic_arg_dims)
+    forward_params = inspect.signature(cls.forward).parameters
+    pads = padding.check_pad_values(cls.__qualname__, pad_values, list(forward_params)[1:],
+                                    any(p.kind == p.VAR_KEYWORD for p in forward_params.values()))
     dispatch.check_key_fn(dispatch_key_fn, cls.__qualname__)
     if host_outputs is not None:  # checked now: a bad path list is an error at decoration
         HostOutputs(host_outputs, host_ring_depth, cls.__qualname__)
@@ -224,33 +298,47 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
     if cls.__dict__.get("__graph_opt_decorated__"):
         return cls
     orig_init = cls.__init__
-    # A subclass of a decorated class inherits the plugin's __call__: wrap the framework's own, or a
-    # call would go plugin -> "original" (the base's plugin call) -> plugin ... without end.
+    # A subclass of a decorated class inherits the plugin's __call__ and __setattr__: wrap the
+    # framework's own, or a call would go plugin -> "original" (the base's plugin call) -> plugin ...
     orig_call = getattr(cls.__call__, "_graph_opt_orig_call", cls.__call__)
+    orig_setattr = getattr(cls.__setattr__, "_graph_opt_orig_setattr", cls.__setattr__)
+    cls.__graph_opt_options__ = dict(dynamic_arg_dims=dims, framework=framework, orig_call=orig_call,
+                                     dispatch_key_fn=dispatch_key_fn, pad_values=pads, host_outputs=host_outputs,
+                                     host_ring_depth=host_ring_depth)
 
     @functools.wraps(orig_init)
     def __init__(self, *args, graph_opt_config=None, **kwargs):
         orig_init(self, *args, **kwargs)
         # A decorated subclass runs its own __init__ last: the outermost config wins.
         if graph_opt_config is not None or _STATE_ATTR not in self.__dict__:
-            state = GraphOptState(self, config_mod.resolve(graph_opt_config), dims, framework, orig_call,
-                                  dispatch_key_fn)
-            if host_outputs is not None:
-                state.host_outputs = HostOutputs(host_outputs, host_ring_depth, cls.__qualname__)
-            object.__setattr__(self, _STATE_ATTR, state)
+            object.__setattr__(self, _STATE_ATTR, _new_state(self, config_mod.resolve(graph_opt_config), cls))
 
     def __call__(self, *args, **kwargs):
         state = self.__dict__.get(_STATE_ATTR)
-        if state is None:
+        if state is not None and state.model is not self:
+            state = _state_for_call(self)
+        if state is None or state.disabled:
             return orig_call(self, *args, **kwargs)
         runner = state.runner
-        if runner is not None and state.host_outputs is None:
+        if runner is not None and state.host_outputs is None and not state.call_hooks(self):
             return runner(*args, **kwargs)  # the hot path: one frame less than state(...)
         return state(*args, **kwargs)
 
+    def __setattr__(self, name, value):
+        # Level 0 bakes the attributes forward read: one set after capture is compared at replay.
+        state = self.__dict__.get(_STATE_ATTR)
+        watch = state is not None and state.model_state.watching and name not in state.adapter.framework_attributes
+        if watch:
+            state.model_state.before_set(name)
+        orig_setattr(self, name, value)
+        if watch:
+            state.model_state.after_set(name)
+
     __call__._graph_opt_orig_call = orig_call
+    __setattr__._graph_opt_orig_setattr = orig_setattr
     cls.__init__ = __init__
     cls.__call__ = __call__
+    cls.__setattr__ = __setattr__
     cls.__graph_opt_decorated__ = True
     return cls
 
@@ -329,6 +417,7 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
         report.translations = _translations(state)
         return report
     group = ranks.group_for(state.adapter)  # None in a single process
+    runner.group = group  # every replay is agreed between the ranks too
     with ranks.all_or_none(group, f"{state.name}: capture_model", GraphOptConfigError):
         wanted = _check_sizes(sizes, runner)
     # Largest first: smaller graphs then reuse the memory pool the largest one reserved.
@@ -360,6 +449,7 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
                                            cfg.cudagraph_num_of_warmups, entry.capture_ms, entry.memory_bytes))
             bar.update(1)
     runner.capture_model_done = report.failed is None
+    report.notes.extend(note for note in runner.capture_notes if note not in report.notes)
     report.mode = state.mode
     report.seconds = time.perf_counter() - start
     report.translations = _translations(state) - translations_before
@@ -463,4 +553,5 @@ def stats(model):
         static_buffer_bytes=runner.buffer_bytes(), disabled_reason=runner.disabled_reason,
         replay_failures=c.replay_failures, **_host_copy_counts(state),
         replays_by_kind=runner.replays_by_kind() if isinstance(runner, dispatch.KindDispatch) else {},
+        fallback_reasons=dict(runner.fallback_reasons),
     )

@@ -122,6 +122,25 @@ class KindDispatch:
     def pool(self):
         return self.full.pool
 
+    @property
+    def group(self):
+        return self.full.group
+
+    @group.setter
+    def group(self, value) -> None:
+        self.full.group = self.piecewise.group = value
+
+    @property
+    def capture_notes(self) -> List[str]:
+        return self.full.capture_notes + [n for n in self.piecewise.capture_notes if n not in self.full.capture_notes]
+
+    @property
+    def fallback_reasons(self) -> Dict[str, int]:
+        merged = dict(self.full.fallback_reasons)
+        for kind, n in self.piecewise.fallback_reasons.items():
+            merged[kind] = merged.get(kind, 0) + n
+        return merged
+
     def release(self) -> None:
         self.full.release()
         self.piecewise.release()

@@ -98,6 +98,9 @@ ENV_VARS = (
     EnvVar("GRAPH_OPT_SPLITTING_OPS", "cudagraph_splitting_ops", parse_str_list, "splitting ops, comma list"),
     EnvVar("GRAPH_OPT_USE_UNIQUE_MEMORY_POOL", "use_unique_memory_pool", parse_bool, "use_unique_memory_pool"),
     EnvVar("GRAPH_OPT_COPY_INPUTS", "cudagraph_copy_inputs", parse_bool, "cudagraph_copy_inputs"),
+    EnvVar("GRAPH_OPT_MAX_SIGNATURES", "cudagraph_max_signatures", parse_int,
+           "cudagraph_max_signatures, a positive integer"),
+    EnvVar("GRAPH_OPT_GUARDED_REPLAYS", "guarded_replays", parse_bool, "guarded_replays"),
     EnvVar("GRAPH_OPT_LOG_LEVEL", None, parse_log_level, "level of the 'graph_opt' logger (DEBUG..CRITICAL)"),
     EnvVar("GRAPH_OPT_SIMULATE_CUDAGRAPH", None, parse_bool, "replay host stand-in graphs where CUDA graphs are unavailable"),
 )

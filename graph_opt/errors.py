@@ -17,6 +17,15 @@ class ReplayDivergence(GraphOptError, RuntimeError):
     """A replay reached code that was not recorded at capture; the call runs without graphs."""
 
 
+class GuardFailed(ReplayDivergence):
+    """A guard of the framework's translation failed during a replay: Python state the forward read
+    changed since capture. The call runs without graphs, with one warning per guard."""
+
+    def __init__(self, guard: str):
+        super().__init__(guard)
+        self.guard = guard
+
+
 class GraphOptInputError(GraphOptError, ValueError):
     """Inputs that do not fit the model: what make_inputs returned to capture_model, or a call's tensors
     against what was captured. The message names the argument and what it accepts; nothing was captured

@@ -21,6 +21,12 @@ state_lock = threading.RLock()
 
 def create_guard(default) -> Tuple[Callable[[Any], ContextManager[None]], Callable[[], Any]]:
     """A (context manager, getter) pair over one value held in a closure."""
+    guard, get, _ = _create_flag(default)
+    return guard, get
+
+
+def _create_flag(default):
+    """create_guard's pair, and a plain setter (returns the old value) for graph_opt's own fast paths."""
     state = default
 
     @contextlib.contextmanager
@@ -36,11 +42,30 @@ def create_guard(default) -> Tuple[Callable[[Any], ContextManager[None]], Callab
     def get():
         return state
 
-    return guard, get
+    def set_(value):
+        nonlocal state
+        old = state
+        state = value
+        return old
+
+    return guard, get, set_
 
 
-sot_warmup_guard, in_sot_warmup_mode = create_guard(False)
-_capture_phase_guard, is_capturing = create_guard(False)
+sot_warmup_guard, in_sot_warmup_mode, _set_sot_warmup = _create_flag(False)
+_capture_phase_guard, is_capturing, _set_capturing = _create_flag(False)
+
+
+def as_captured(check: Callable[..., Any], *args) -> Any:
+    """check(*args) with graph_opt's flags as they were at capture (in_sot_warmup_mode() and
+    is_capturing() true). For evaluating the framework's guards before a replay: those on these flags
+    hold by construction (the graph was captured on that branch), the others are checked."""
+    with state_lock:
+        warm, capturing = _set_sot_warmup(True), _set_capturing(True)
+        try:
+            return check(*args)
+        finally:
+            _set_sot_warmup(warm)
+            _set_capturing(capturing)
 
 _communicators: List[Any] = []
 

@@ -24,7 +24,8 @@ class SharedOutputs:
         self.padded = padded
         # Per leaf: whether the larger output is owned (a leaf held only through a non-owning alias is
         # pool memory other graphs use, and must not be written).
-        self.usable = usable if usable is not None else [True] * len(self.targets)
+        self.usable = usable if usable is not None and len(usable) == len(self.targets) else [True] * len(self.targets)
+        self.shared = [False] * len(self.targets)  # per leaf: redirect() moved it into a larger output
 
     def redirect(self, outputs):
         """`outputs` with each batch-major leaf replaced by the rows of the larger output it will be
@@ -32,33 +33,42 @@ class SharedOutputs:
         leaves, spec = flatten(outputs, self.adapter.is_tensor)
         if spec != self.spec:
             return outputs
-        return unflatten(spec, [self._target(big, t, ok) for big, t, ok in zip(self.targets, leaves, self.usable)],
-                         template=outputs)
+        targets = [self._target(big, t, ok) for big, t, ok in zip(self.targets, leaves, self.usable)]
+        self.shared = [dst is not t for dst, t in zip(targets, leaves)]
+        return unflatten(spec, targets, template=outputs)
 
     def _target(self, big, t, usable: bool = True):
         adapter = self.adapter
         if not usable:
             return t
         shape, big_shape = list(adapter.shape(t)), list(adapter.shape(big))
+        # Only dense tensors: a broadcast output (arange(n).expand(bs, -1)) has one element per
+        # location for many indices, and a copy into it is not defined.
         fits = (len(shape) > 0 and shape[0] == self.padded and len(big_shape) == len(shape)
                 and big_shape[0] >= self.padded and big_shape[1:] == shape[1:]
-                and adapter.layout(big) == adapter.layout(t))
+                and adapter.layout(big) == adapter.layout(t) and adapter.dense(big) and adapter.dense(t))
         return adapter.narrow(big, 0, self.padded) if fits else t
 
     def copy(self, outputs, redirected) -> None:
-        """Inside the capture: copy each output to where redirect() placed it."""
+        """Inside the capture: copy each output to where redirect() placed it (only those it moved: a
+        simulated replay's fresh outputs must not be copied into the ones that stayed)."""
         copy_ = self.adapter.copy_
-        for src, dst in zip(flatten(outputs, self.adapter.is_tensor)[0],
-                            flatten(redirected, self.adapter.is_tensor)[0]):
-            if src is not dst:
+        for src, dst, shared in zip(flatten(outputs, self.adapter.is_tensor)[0],
+                                    flatten(redirected, self.adapter.is_tensor)[0], self.shared):
+            if shared and src is not dst:
                 copy_(dst, src)
 
 
 def for_size(adapter, sig, padded: int) -> Optional[SharedOutputs]:
     """The sharing for a new size `padded` of a signature (cudagraph.Signature): into the largest size
-    captured above it, or None where there is none."""
+    captured above it, or None where there is none. Only outputs whose batch dimension is dim 0
+    (output_layout) share: a [8, 8] weight returned at batch 8 is not batch-major."""
     larger = sig.largest_above(padded)
-    return None if larger is None else SharedOutputs(adapter, sig.entries[larger].captured.outputs, padded)
+    if larger is None:
+        return None
+    layout = sig.layout
+    usable = [d == 0 for d in layout.dims] if layout.known else None
+    return SharedOutputs(adapter, sig.entries[larger].captured.outputs, padded, usable)
 
 
 def shares_storage(adapter, a: Any, b: Any) -> bool:

@@ -1,7 +1,8 @@
 """Flatten nested dict/list/tuple/dataclass structures into tensor leaves and a hashable spec.
 
 The spec holds every non-tensor value, so two calls share a spec only when their non-tensor
-arguments are equal: the spec is the non-tensor part of the dispatch key.
+arguments are the same (value_key: same type and value): the spec is the non-tensor part of the
+dispatch key.
 """
 from __future__ import annotations
 
@@ -30,12 +31,46 @@ class _ById:
         return f"<{type(self.obj).__name__} object by identity>"
 
 
-def _constant(value):
+def value_key(value):
+    """A hashable key that two values share only when a replay may treat them as the same: of the same
+    type and equal, so that 1, 1.0 and True differ (they select different dtypes), as do 0.0 and -0.0
+    (1 / x tells them apart); NaN equals NaN. Unhashable values match only the very same object."""
+    kind = type(value)
+    if kind is float:
+        return (kind, value.hex())
     try:
         hash(value)
     except TypeError:
-        return ("o", _ById(value))
-    return ("c", value)
+        return (kind, _ById(value))
+    if kind is complex:
+        return (kind, value.real.hex(), value.imag.hex())
+    return (kind, value)
+
+
+class _Const:
+    """A non-tensor value in a spec: equal to another only by value_key (1 and 1.0 differ, NaN matches NaN)."""
+
+    __slots__ = ("value", "key")
+
+    def __init__(self, value, key):
+        self.value = value
+        self.key = key
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Const) and other.key == self.key
+
+    def __repr__(self):
+        return repr(self.value)
+
+
+def _constant(value):
+    key = value_key(value)
+    if isinstance(key[1], _ById):
+        return ("o", key[1])
+    return ("c", _Const(value, key))
 
 
 def flatten(obj: Any, is_tensor: Callable[[Any], bool]) -> Tuple[List[Any], Any]:
@@ -75,7 +110,7 @@ def _build(s, it, tmpl):
         return next(it)
     tag = s[0]
     if tag == "c":
-        return s[1]
+        return s[1].value
     if tag == "o":
         return s[1].obj
     if tag == "t":
@@ -136,3 +171,32 @@ def tensor_leaf_owners(spec: Any) -> List[Any]:
     for k, c in zip(kwargs_spec[1], kwargs_spec[2]):
         walk(c, k)
     return owners
+
+
+def leaf_paths(spec: Any, root: str = "output") -> List[Tuple[str, Any]]:
+    """(path, leaf) for every leaf of a spec in flatten order: leaf is TENSOR for a tensor, else the
+    constant's node (compare with ==). Paths read like code: output['y'], output[0], output.field."""
+    out: List[Tuple[str, Any]] = []
+
+    def walk(s, path):
+        if s is TENSOR:
+            out.append((path, TENSOR))
+            return
+        tag = s[0]
+        if tag in ("c", "o"):
+            out.append((path, s[1]))
+        elif tag in ("t", "l"):
+            for i, c in enumerate(s[1]):
+                walk(c, f"{path}[{i}]")
+        elif tag == "n":
+            for name, c in zip(s[1]._fields, s[2]):
+                walk(c, f"{path}.{name}")
+        elif tag == "d":
+            for k, c in zip(s[1], s[2]):
+                walk(c, f"{path}[{k!r}]")
+        elif tag == "dc":
+            for name, c in zip(s[2], s[3]):
+                walk(c, f"{path}.{name}")
+
+    walk(spec, root)
+    return out

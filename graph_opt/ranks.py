@@ -9,7 +9,10 @@ initialized with more than one rank:
   rank its own error, the others one naming that rank, so no rank goes on into a collective alone;
 - after each size is captured the ranks exchange the outcome. If any rank failed, every rank drops
   its graphs and runs without them, with one warning naming the failing ranks and why;
-- a size first seen at call time (a lazy capture) is agreed the same way.
+- a size first seen at call time (a lazy capture) is agreed the same way;
+- every replay is agreed too: where a check before the replay (a guard, the training flag, autocast)
+  fails on one rank, every rank runs that call without graphs, so that no rank replays a graph with
+  the custom all-reduce while a peer runs NCCL eagerly. This costs one small all-reduce per call.
 
 The exchange goes through a group of its own (gloo; the backend makes it), so it never interleaves
 with the model's collectives. It waits for every rank: all ranks call capture_model together and
@@ -38,6 +41,8 @@ class RankGroup(Protocol):
     world_size: int
 
     def all_gather(self, obj: Any) -> List[Any]: ...  # obj of every rank, in rank order
+
+    def any_rank(self, flag: bool) -> bool: ...  # whether flag is true on some rank (one small all-reduce)
 
 
 def set_agreement(enabled: bool) -> None:
@@ -120,3 +125,16 @@ def agree_on_capture(group: Optional[RankGroup], size: int, error: Optional[Base
     if all(e is None for e in errors):
         return None
     return f"capture of size {size} failed on {_failures(errors)}, so every rank of {group.world_size} drops its graphs"
+
+
+def agree_on_replay(group: RankGroup, blocked):
+    """Before a replay, with several ranks: None where every rank may replay, else (kind, why) this
+    rank runs the call without graphs. blocked: this rank's own (kind, why), or None."""
+    if not group.any_rank(blocked is not None):
+        return None
+    reasons = group.all_gather(None if blocked is None else blocked[1])
+    if blocked is not None:
+        return blocked
+    failed = [r for r, why in enumerate(reasons) if why is not None]
+    return ("peer", f"rank {failed[0]} cannot replay this call ({reasons[failed[0]]}), so every rank of "
+                    f"{group.world_size} runs it without graphs, to keep their collectives matched")

@@ -41,6 +41,9 @@ class Stats:
     host_copies_in_graph: int = 0  # replays whose graph copied the host_outputs into pinned memory itself
     host_copies_streamed: int = 0  # calls whose host_outputs were copied on the copy stream afterwards
     replays_by_kind: Dict[str, int] = field(default_factory=dict)  # cudagraph_mode full_and_piecewise
+    # why calls ran without graphs, by kind: "training", "ambient", "attribute", "guard", "outputs",
+    # "new_signature", "signature_limit", "grad", "mismatch", "peer", ...
+    fallback_reasons: Dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)

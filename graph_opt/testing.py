@@ -90,6 +90,10 @@ class HostGraph:
                         f"simulated replay produced shape {list(self.adapter.shape(src))} where the capture "
                         f"produced {list(self.adapter.shape(dst))}; a CUDA graph cannot replay a shape change"
                     )
+                if not self.adapter.dense(dst):
+                    # A broadcast view (arange(n).expand(bs, -1)): a real graph rewrites the memory
+                    # under it; here that memory is the view with its stride-0 dimensions cut to one.
+                    dst, src = self.adapter.compact(dst), self.adapter.compact(src)
                 self.adapter.copy_(dst, src)
 
     def reset(self) -> None:

@@ -217,6 +217,8 @@ for var, value, fragments in [
     ("GRAPH_OPT_SPLITTING_OPS", "a,,b", ("GRAPH_OPT_SPLITTING_OPS='a,,b'", "comma-separated list of names with no empty")),
     ("GRAPH_OPT_USE_UNIQUE_MEMORY_POOL", "sure", ("GRAPH_OPT_USE_UNIQUE_MEMORY_POOL='sure'", BOOL)),
     ("GRAPH_OPT_COPY_INPUTS", "nah", ("GRAPH_OPT_COPY_INPUTS='nah'", BOOL)),
+    ("GRAPH_OPT_MAX_SIGNATURES", "many", ("GRAPH_OPT_MAX_SIGNATURES='many'", "a positive integer")),
+    ("GRAPH_OPT_GUARDED_REPLAYS", "sometimes", ("GRAPH_OPT_GUARDED_REPLAYS='sometimes'", BOOL)),
     ("GRAPH_OPT_LOG_LEVEL", "LOUD", ("GRAPH_OPT_LOG_LEVEL='LOUD'", "one of DEBUG, INFO, WARNING, ERROR, CRITICAL")),
     ("GRAPH_OPT_SIMULATE_CUDAGRAPH", "maybe", ("GRAPH_OPT_SIMULATE_CUDAGRAPH='maybe'", BOOL)),
     ("GRAPH_OPT_LEVLE", "1", ("unknown environment variable GRAPH_OPT_LEVLE", "graph_opt reads GRAPH_OPT_CONFIG")),

@@ -23,8 +23,9 @@ def test_every_design_field_exists_with_its_default():
     expected = {"graph_opt_level", "use_cudagraph", "full_cuda_graph", "cudagraph_mode", "cudagraph_capture_sizes",
                 "max_capture_size",
                 "cudagraph_num_of_warmups", "cudagraph_splitting_ops", "use_unique_memory_pool",
-                "cudagraph_copy_inputs", "program_passes"}
+                "cudagraph_copy_inputs", "program_passes", "cudagraph_max_signatures", "guarded_replays"}
     assert set(field_names()) == expected
+    assert cfg.cudagraph_max_signatures == 8 and cfg.guarded_replays is True
     assert cfg.capture_sizes[:4] == [1, 2, 4, 8] and cfg.capture_sizes[-1] == 256
     assert len(cfg.capture_sizes) == 35
 
@@ -123,6 +124,8 @@ BAD_CONFIGS = [
     ({"full_cuda_graph": None}, "full_cuda_graph=None"),
     ({"use_unique_memory_pool": "true"}, "use_unique_memory_pool"),
     ({"cudagraph_copy_inputs": 0}, "cudagraph_copy_inputs=0"),
+    ({"guarded_replays": "no"}, "guarded_replays='no'"),
+    ({"cudagraph_max_signatures": 0}, "cudagraph_max_signatures=0 (from dict): must be a positive integer"),
     ({"cudagraph_capture_sizes": []}, "cudagraph_capture_sizes=[]"),
     ({"cudagraph_capture_sizes": [1, 0, 4]}, "every size must be a positive integer, got 0"),
     ({"cudagraph_capture_sizes": [1, -2]}, "got -2"),
@@ -212,6 +215,8 @@ ENV_OVERRIDES = [
     ("GRAPH_OPT_SPLITTING_OPS", "attention, pd_op.softmax", "cudagraph_splitting_ops", ["attention", "pd_op.softmax"]),
     ("GRAPH_OPT_USE_UNIQUE_MEMORY_POOL", "false", "use_unique_memory_pool", False),
     ("GRAPH_OPT_COPY_INPUTS", "0", "cudagraph_copy_inputs", False),
+    ("GRAPH_OPT_MAX_SIGNATURES", "3", "cudagraph_max_signatures", 3),
+    ("GRAPH_OPT_GUARDED_REPLAYS", "off", "guarded_replays", False),
 ]
 
 

@@ -144,6 +144,38 @@ class FakeAdapter:
     def weak_alias(self, t):
         return T(t.a)  # the same memory, not keeping its block
 
+    def clone(self, t):
+        return T(t.a.copy())
+
+    def fill_(self, t, value):
+        t.a[...] = value
+
+    def rows(self, t, dim, start, stop):
+        index = [slice(None)] * t.a.ndim
+        index[dim] = slice(start, stop)
+        return T(t.a[tuple(index)], base=t)
+
+    def fill_rows(self, t, dim, start, stop, value):
+        self.rows(t, dim, start, stop).a[...] = value
+
+    def stride(self, t):
+        return t.a.strides
+
+    def version(self, t):
+        return 0  # the fake model never writes its inputs
+
+    def dense(self, t):
+        return t.a.flags.c_contiguous
+
+    def compact(self, t):
+        return t
+
+    def max_abs_diff(self, a, b):
+        return float(np.abs(a.a.astype(np.float64) - b.a.astype(np.float64)).max()) if a.a.size else 0.0
+
+    def max_abs(self, t):
+        return float(np.abs(t.a).max()) if t.a.size else 0.0
+
     def grad_enabled(self):
         return False
 
@@ -216,7 +248,8 @@ def test_replays_run_no_model_python_and_match_eager(full):
     runner = runner_for(config, adapter, forward)
     for size in (4, 2):
         runner.capture((T(np.ones((size, 4), np.float32)),), {}, size)
-    assert len(calls) == 2 * (2 + 1)  # warmups + capture per size, nothing else
+    # warmups + capture per size, and the three runs of capture_checks once per call structure
+    assert len(calls) == 2 * (2 + 1) + 3
     calls.clear()
     split_calls.clear()
     rng = np.random.RandomState(1)

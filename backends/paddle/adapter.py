@@ -7,6 +7,7 @@ CUDA-graph path has not been run (no Paddle GPU build runs on the machines this 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import paddle
@@ -62,6 +63,56 @@ class PaddleAdapter:
             shape[dim] = size
         return paddle.zeros(shape, dtype=t.dtype, device=t.place)
 
+    def clone(self, t):
+        return t.clone()
+
+    def fill_(self, t, value) -> None:
+        t.fill_(value)
+
+    def fill_rows(self, t, dim, start, stop, value) -> None:
+        if dim == 0:
+            t[start:stop] = value
+        else:
+            index = [slice(None)] * len(t.shape)
+            index[dim] = slice(start, stop)
+            t[tuple(index)] = value
+
+    def rows(self, t, dim, start, stop):
+        return paddle.slice(t, [dim], [start], [stop])
+
+    def stride(self, t):
+        return tuple(t.strides)
+
+    def version(self, t) -> int:
+        return t._inplace_version()
+
+    def dense(self, t) -> bool:
+        return t.is_contiguous()
+
+    def compact(self, t):
+        return t  # Paddle's expand copies: no broadcast views
+
+    def max_abs_diff(self, a, b) -> float:
+        """The largest |a - b| (NaN where both are NaN counts as equal); inf where shapes or dtypes differ."""
+        if list(a.shape) != list(b.shape) or a.dtype != b.dtype:
+            return float("inf")
+        x, y = a.numpy(), b.numpy()
+        if x.dtype.kind not in "fc":
+            return 0.0 if (x == y).all() else float("inf")
+        import numpy as np
+
+        diff = np.abs(x.astype(np.float64) - y.astype(np.float64))
+        diff[np.isnan(x) & np.isnan(y)] = 0
+        return float(diff.max()) if diff.size else 0.0
+
+    def max_abs(self, t) -> float:
+        import numpy as np
+
+        x = t.numpy()
+        if x.dtype.kind not in "fc" or not x.size:
+            return 0.0
+        return float(np.nan_to_num(np.abs(x.astype(np.float64)), nan=0, posinf=0, neginf=0).max())
+
     def narrow(self, t, dim, length):
         if dim == 0:
             return t[:length]
@@ -89,6 +140,42 @@ class PaddleAdapter:
 
     def no_grad(self):
         return paddle.no_grad()
+
+    def ambient(self):
+        """The auto_cast state a replay must match; None (the common case) without it. (Paddle's CPU
+        build ignores auto_cast: there this is always None.)"""
+        tracer = paddle.base.framework._dygraph_tracer()
+        level = tracer._amp_level
+        if level == paddle.base.core.AmpLevel.O0:
+            return None
+        return (str(level), str(tracer._amp_dtype))
+
+    def describe_ambient(self, ambient) -> str:
+        if not ambient:
+            return "no auto_cast"
+        return f"paddle.amp.auto_cast (level {ambient[0]}, dtype {ambient[1]})"
+
+    # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
+    def module_dicts(self, model):
+        return [(path, layer.__dict__) for path, layer in model.named_sublayers(include_self=True)]
+
+    @functools.cached_property
+    def framework_attributes(self) -> frozenset:
+        """Attributes Layer keeps for itself (_built, hooks, training): not the model's state a replay checks."""
+        return frozenset(paddle.nn.Layer().__dict__)
+
+    def registration_count(self) -> int:
+        return 0  # Paddle has no registration hooks: a replaced sublayer parameter is the user's contract
+
+    def named_buffers(self, model):
+        return list(model.named_buffers())
+
+    def module_tensor_ids(self, model):
+        return tuple(id(t) for t in model.parameters()) + tuple(id(t) for t in model.buffers())
+
+    def call_hooks(self, model) -> bool:
+        d = model.__dict__
+        return bool(d["_forward_pre_hooks"] or d["_forward_post_hooks"])
 
     def synchronize(self) -> None:
         if self.graphs_supported():

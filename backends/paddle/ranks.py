@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
+import paddle
 import paddle.distributed as dist
 
 logger = logging.getLogger("graph_opt")
@@ -25,6 +26,11 @@ class PaddleRankGroup:
         out: List[Any] = []
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def any_rank(self, flag: bool) -> bool:
+        value = paddle.to_tensor([1 if flag else 0], dtype="int32", place=paddle.CPUPlace())
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(int(value.numpy()[0]))
 
 
 _cached: Optional[PaddleRankGroup] = None

@@ -17,6 +17,7 @@ How one padded size goes:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -35,8 +36,9 @@ from paddle.jit.sot.utils.envs import ENV_MIN_GRAPH_SIZE
 from ... import guards, split
 from .. import private_copy
 from ...cudagraph import Captured
-from ...errors import CaptureError, ReplayDivergence
-from ...pytree import flatten
+from ...errors import CaptureError, GuardFailed, ReplayDivergence
+from ...guards import as_captured
+from ...pytree import flatten, value_key
 from ...testing import HostGraph, simulation_enabled
 
 logger = logging.getLogger("graph_opt")
@@ -192,6 +194,42 @@ class ProgramHook:
 
 
 _RUN_AS_IS = CustomCode(None, False)
+
+
+class _FrameView:
+    """What SOT's guard functions read of a frame (f_locals, f_globals), for a check before a replay."""
+
+    __slots__ = ("f_locals", "f_globals", "f_code", "f_builtins")
+
+    def __init__(self, f_locals, f_globals, f_code):
+        self.f_locals = f_locals
+        self.f_globals = f_globals
+        self.f_code = f_code
+        self.f_builtins = f_globals.get("__builtins__", {})
+
+
+def _guard_of(code, custom):
+    """SOT's guard function of the translation it handed back for `code` (None if not found)."""
+    entry = OpcodeExecutorCache().cache.get(code)
+    if entry is None:
+        return None
+    return next((guard for translated, guard in entry[0] if translated is custom), None)
+
+
+def _failed_guard(guard, frame) -> str:
+    """The first failing term of a SOT guard, as SOT's own cache miss analysis finds it."""
+    text = getattr(guard, "inlined_expr", None) or getattr(guard, "expr", "")
+    head = "lambda frame: "
+    failing = "a guard of SOT's translation"
+    for term in text.replace(head, "", 1).split(" and "):
+        try:
+            ok = as_captured(eval(head + term, guard.__globals__), frame)
+        except Exception:  # noqa: BLE001 - a term that needs an earlier one: keep looking
+            continue
+        if ok is False:
+            failing = f"`{term.strip()}`"
+            break
+    return f"Python state the forward read changed since capture: SOT's guard {failing} fails"
 _VALUE_TYPES = (bool, int, float, str, bytes, type(None))
 
 
@@ -209,7 +247,7 @@ def _value_key(value, depth=0):
     if isinstance(value, paddle.Tensor):
         return None
     if isinstance(value, _VALUE_TYPES):
-        return value
+        return value_key(value)  # 1, 1.0 and True differ; so do 0.0 and -0.0
     if depth < 4 and isinstance(value, (tuple, list)):
         return (type(value).__name__,) + tuple(_value_key(v, depth + 1) for v in value)
     if depth < 4 and isinstance(value, dict):
@@ -228,6 +266,8 @@ def _cg_attrs(cg_attrs, state, key, index):
 
 class SotStrategy:
     """Warm up, capture and replay a Paddle model's forward through SOT, per padded size."""
+
+    describe = "Paddle's SOT (its programs do not support writing their inputs: \"not support input out tensor\")"
 
     def __init__(self, model, forward_fn, config, adapter, selection: Optional[split.SplitSelection]):
         self.model = model
@@ -293,7 +333,7 @@ class SotStrategy:
                 "from a sublayer's forward instead, or name PIR ops in cudagraph_splitting_ops"
             )
         self.records[(id(sig), padded)] = record
-        for code, _, _ in record.frames:
+        for code, _, _, _ in record.frames:
             # Paddle's eval-frame shim stops calling the callback below frames that ran a number of
             # times without a subgraph on their stack; SOT marks them only during its first steps.
             # Replays must keep reaching the recorded frames, so mark them for good.
@@ -302,9 +342,11 @@ class SotStrategy:
         out_leaves, _ = flatten(outputs, self.adapter.is_tensor)
         stable = all(id(t) in captured_outputs for t in out_leaves)
         pieces = sum(self._pieces_of(sub.layer) for sub in record.subgraphs)
-        replay = self._make_replay(args, kwargs, record)
+        check = self._first_frame_check(args, kwargs, record)
+        replay = self._make_replay(args, kwargs, record, first_checked=check is not None)
         return Captured(outputs, replay, stable, pieces, len(record.subgraphs),
-                        keepalive=[sub.graph for sub in record.subgraphs if sub.graph is not None] + [record])
+                        keepalive=[sub.graph for sub in record.subgraphs if sub.graph is not None] + [record],
+                        check=check)
 
     def release(self) -> None:
         for record in self.records.values():
@@ -323,11 +365,14 @@ class SotStrategy:
 
     def _translating_call(self, args, kwargs, state, record, frames, simulate=False):
         sot_kwargs = self.sot_kwargs
+        guarded = self.config.guarded_replays
 
         def callback(frame):
             custom = eval_frame_callback(frame, **sot_kwargs)
             if frames is not None:
-                frames.append((frame.f_code, custom, _argument_key(frame) if custom.code is not None else None))
+                translated = custom.code is not None
+                frames.append((frame.f_code, custom, _argument_key(frame) if translated else None,
+                               _guard_of(frame.f_code, custom) if translated and guarded else None))
             return custom
 
         before = translate_count()
@@ -344,7 +389,7 @@ class SotStrategy:
             self.hook.end()
             self.translations += translate_count() - before
 
-    def _make_replay(self, args, kwargs, record: SizeRecord):
+    def _make_replay(self, args, kwargs, record: SizeRecord, first_checked: bool):
         frames = record.frames
         count = len(frames)
         position = [0]
@@ -365,16 +410,19 @@ class SotStrategy:
             code = frame.f_code
             i = position[0]
             while i < count:
-                recorded_code, custom, key = frames[i]
+                recorded_code, custom, key, guard = frames[i]
                 if recorded_code is code:
                     position[0] = i + 1
-                    # SOT's own guards are skipped (they hold is_capturing()), so check what they
-                    # would have caught otherwise: a non-tensor argument that changed, such as the
-                    # value of a tensor that decided a Python branch before this frame.
+                    # A non-tensor argument that changed, such as the value of a tensor that decided
+                    # a Python branch before this frame.
                     if key is not None and _argument_key(frame) != key:
                         raise ReplayDivergence(
                             f"{code.co_name} got other non-tensor arguments than at capture "
                             "(a Python branch on a tensor value?)")
+                    # SOT's guards, with graph_opt's capture flags as at capture (the first frame's
+                    # were checked before the replay: Captured.check).
+                    if guard is not None and (i > 0 or not first_checked) and not as_captured(guard, frame):
+                        raise GuardFailed(_failed_guard(guard, frame))
                     return custom
                 i += 1
             return _RUN_AS_IS
@@ -397,6 +445,27 @@ class SotStrategy:
             return out
 
         return replay
+
+    def _first_frame_check(self, args, kwargs, record: SizeRecord):
+        """Before a replay: SOT's guards of the forward's own frame, on the arguments the capture ran
+        with (the static buffers; their values are the runner's to check), with graph_opt's state as
+        when SOT translated (the capture flags, the splitting hook). None when they hold, else
+        ("guard", the failing guard). Frames after a graph break are checked as the replay reaches them."""
+        if not record.frames or record.frames[0][3] is None or record.frames[0][0] is not self.forward_fn.__code__:
+            return None
+        guard = record.frames[0][3]
+        bound = inspect.signature(self.forward_fn).bind(self.model, *args, **kwargs)
+        bound.apply_defaults()
+        frame = _FrameView(dict(bound.arguments), self.forward_fn.__globals__, self.forward_fn.__code__)
+        scope = _Scope(self.hook, self.split_names, min_graph_size=False)
+
+        def check():
+            with scope:
+                if as_captured(guard, frame):
+                    return None
+                return ("guard", _failed_guard(guard, frame))
+
+        return check
 
     def _on_new_program(self, layer, counts: Dict[str, int]) -> None:
         for name, n in counts.items():

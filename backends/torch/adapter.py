@@ -13,10 +13,13 @@ two differences that matter for many sizes:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import itertools
 import logging
 
 import torch
+from torch.nn.modules import module as _module_mod
 
 logger = logging.getLogger("graph_opt")
 
@@ -71,7 +74,55 @@ class TorchAdapter:
         shape = list(t.shape)
         if dim is not None:
             shape[dim] = size
-        return torch.zeros(shape, dtype=t.dtype, device=t.device)
+        # Plugin-owned buffers are never inference tensors: a capture under torch.inference_mode() must
+        # still replay for a call under no_grad(), which copies into them.
+        with torch.inference_mode(False):
+            return torch.zeros(shape, dtype=t.dtype, device=t.device)
+
+    def clone(self, t):
+        with torch.inference_mode(False):
+            return t.clone()
+
+    def fill_(self, t, value) -> None:
+        t.fill_(value)
+
+    def fill_rows(self, t, dim, start, stop, value) -> None:
+        t.narrow(dim, start, stop - start).fill_(value)
+
+    def rows(self, t, dim, start, stop):
+        return t.narrow(dim, start, stop - start)
+
+    def stride(self, t):
+        return t.stride()
+
+    def version(self, t) -> int:
+        return t._version
+
+    def dense(self, t) -> bool:
+        """Whether every element has a memory location of its own (a copy_ into t is defined)."""
+        return t.is_contiguous()
+
+    def compact(self, t):
+        """t with every broadcast (stride-0) dimension cut to one element."""
+        for dim, (size, step) in enumerate(zip(t.shape, t.stride())):
+            if step == 0 and size > 1:
+                t = t.narrow(dim, 0, 1)
+        return t
+
+    def max_abs_diff(self, a, b) -> float:
+        """The largest |a - b| (NaN where both are NaN counts as equal); inf where shapes or dtypes differ."""
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return float("inf")
+        if not (a.is_floating_point() or a.is_complex()):
+            return 0.0 if torch.equal(a, b) else float("inf")
+        both_nan = torch.isnan(a) & torch.isnan(b)
+        diff = (a.double() - b.double()).abs().masked_fill(both_nan, 0)
+        return float(diff.max()) if diff.numel() else 0.0
+
+    def max_abs(self, t) -> float:
+        if not (t.is_floating_point() or t.is_complex()) or not t.numel():
+            return 0.0
+        return float(t.double().abs().nan_to_num(0, 0, 0).max())
 
     def narrow(self, t, dim, length):
         return t.narrow(dim, 0, length)
@@ -100,7 +151,46 @@ class TorchAdapter:
         return torch.is_grad_enabled()
 
     def no_grad(self):
-        return torch.no_grad()
+        return _no_grad_normal_tensors()
+
+    def ambient(self):
+        """The autocast state a replay must match; None (the common case) without autocast."""
+        if not torch._C._is_any_autocast_enabled():
+            return None
+        return tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
+                     if torch.is_autocast_enabled(device))
+
+    def describe_ambient(self, ambient) -> str:
+        if not ambient:
+            return "no autocast"
+        return " and ".join(f"torch.autocast({device!r}, dtype={dtype})" for device, dtype in ambient)
+
+    # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
+    def module_dicts(self, model):
+        return [(path, m.__dict__) for path, m in model.named_modules(remove_duplicate=False)]
+
+    @functools.cached_property
+    def framework_attributes(self) -> frozenset:
+        """Attributes nn.Module keeps for itself (hooks, training): not the model's state a replay checks."""
+        return frozenset(torch.nn.Module().__dict__)
+
+    def registration_count(self) -> int:
+        _install_registration_hooks()
+        return _registrations[0]
+
+    def named_buffers(self, model):
+        return list(model.named_buffers())
+
+    def module_tensor_ids(self, model):
+        return tuple(id(t) for t in itertools.chain(model.parameters(), model.buffers()))
+
+    def call_hooks(self, model) -> bool:
+        """Whether calling model runs hooks around its forward (its own, or torch's global ones)."""
+        d = model.__dict__
+        return bool(d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
+                    or d["_backward_pre_hooks"] or _module_mod._global_forward_hooks
+                    or _module_mod._global_forward_pre_hooks or _module_mod._global_backward_hooks
+                    or _module_mod._global_backward_pre_hooks)
 
     def synchronize(self) -> None:
         if self.graphs_supported():
@@ -234,6 +324,35 @@ class TorchAdapter:
     def release_memory(self) -> None:
         if self.graphs_supported():
             torch.cuda.empty_cache()
+
+
+_AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps")
+
+
+@contextlib.contextmanager
+def _no_grad_normal_tensors():
+    """no_grad, and out of inference mode: tensors made in the capture phase (static buffers, outputs,
+    landing buffers) must be normal tensors, so that calls under no_grad can write and return them."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+_registrations = [0]  # parameter, buffer or submodule registrations in this process
+_hooks_installed = False
+
+
+def _install_registration_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+
+    def bump(*args):
+        _registrations[0] += 1
+
+    _module_mod.register_module_parameter_registration_hook(bump)
+    _module_mod.register_module_buffer_registration_hook(bump)
+    _module_mod.register_module_module_registration_hook(bump)
+    _hooks_installed = True
 
 
 def _alias(t, device):

@@ -30,6 +30,7 @@ run(): a second, ordinary torch.compile of the forward, guards and recompiles in
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import logging
 import types
@@ -41,12 +42,14 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from ... import split
+from ...guards import as_captured
 from .. import private_copy
 from ...cudagraph import Captured
 from ...errors import CaptureError
 from ...pytree import flatten
 from ...testing import simulation_enabled
 from . import fx_split
+from .adapter import _install_registration_hooks, _registrations
 from .pieces import CapturablePiece, CompiledForward, EagerPiece, GraphState, Mode
 
 logger = logging.getLogger("graph_opt")
@@ -176,7 +179,9 @@ class DynamoStrategy:
             else:
                 work = _in_replay_mode(self.state, key, functools.partial(forward.split.module.forward, *graph_args))
             replay = self._tensors.direct(work, replay, outputs)
-        return Captured(outputs, replay, stable, graphs, graphs, keepalive=keepalive)
+        check = _guard_check(self._graph_code, code, graph_fn, self.model, args, kwargs, self._trace_hook) \
+            if self.config.guarded_replays else None
+        return Captured(outputs, replay, stable, graphs, graphs, keepalive=keepalive, check=check)
 
     def release(self) -> None:
         for forward in self.forwards:
@@ -253,6 +258,68 @@ class DynamoStrategy:
             self._pending.clear()
 
 
+def _guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook):
+    """Dynamo's guards of the cache entry whose transformed code the replays call, evaluated as a call
+    with the capture's own arguments would, with graph_opt's own state as it was when Dynamo traced:
+    the capture flags (guards.as_captured) and the hook that routes splitting ops to one FX node.
+    None when the guards hold; else ("guard", the failing guard)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    entry = next((e for e in _debug_get_cache_entry_list(original_code) if e.code is code), None)
+    manager = getattr(entry, "guard_manager", None)
+    if manager is None:
+        raise CaptureError("Dynamo's cache holds no guards for the captured code; replays could not check that the "
+                           "Python state the forward read is unchanged (set guarded_replays: false to replay "
+                           "without that check)")
+    bound = inspect.signature(graph_fn).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    frame_locals = dict(bound.arguments)  # the static buffers and values the capture ran with
+    is_inference = torch.is_inference_mode_enabled
+
+    def holds(f_locals):
+        saved = split._split_hook
+        split._split_hook = trace_hook
+        try:
+            return manager.check(f_locals)
+        finally:
+            split._split_hook = saved
+
+    def check():
+        if is_inference():
+            # The captured graph computes the same in inference mode; only the tensors' dispatch keys
+            # differ there, which Dynamo's tensor guards would read as a change.
+            with torch.inference_mode(False), torch.no_grad():
+                ok = as_captured(holds, frame_locals)
+        else:
+            ok = as_captured(holds, frame_locals)
+        if ok:
+            return None
+        return ("guard", _failed_guard(manager, frame_locals, trace_hook))
+
+    return check
+
+
+def _failed_guard(manager, frame_locals, trace_hook) -> str:
+    """The first failing guard, as Dynamo words it, with the model code it came from."""
+    def verbose():
+        saved = split._split_hook
+        split._split_hook = trace_hook
+        try:
+            return manager.check_verbose(frame_locals).verbose_code_parts
+        finally:
+            split._split_hook = saved
+
+    with torch.inference_mode(False), torch.no_grad():
+        parts = as_captured(verbose)
+    if not parts:
+        return "a guard of the captured graph failed (Dynamo gave no detail)"
+    guard, _, where = parts[0].partition("#")
+    guard = " ".join(guard.split())
+    where = " ".join(where.split())
+    return (f"Python state the forward read changed since capture: Dynamo's guard `{guard}` fails"
+            + (f" (from: {where})" if where else ""))
+
+
 def _in_replay_mode(state: GraphState, key, run):
     """run() with every piece in REPLAY mode for this size's key."""
     replay_mode, eager_mode = Mode.REPLAY, Mode.EAGER
@@ -307,25 +374,6 @@ class _ModuleTensors:
             return True
         self.moved = True
         return False
-
-
-_registrations = [0]  # parameter, buffer or submodule registrations in this process
-_hooks_installed = False
-
-
-def _install_registration_hooks() -> None:
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    from torch.nn.modules import module
-
-    def bump(*args):
-        _registrations[0] += 1
-
-    module.register_module_parameter_registration_hook(bump)
-    module.register_module_buffer_registration_hook(bump)
-    module.register_module_module_registration_hook(bump)
-    _hooks_installed = True
 
 
 # What Dynamo's transformed code for a graph without side effects is made of: reads of the module tree,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -19,10 +20,19 @@ class TorchRankGroup:
     world_size: int
     world: Any  # the default group it was made for
 
+    flag: Any = None  # one int on the host, reused by any_rank
+
     def all_gather(self, obj: Any) -> List[Any]:
         out: List[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def any_rank(self, flag: bool) -> bool:
+        if self.flag is None:
+            self.flag = torch.zeros(1, dtype=torch.int32)
+        self.flag.fill_(1 if flag else 0)
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(self.flag.item())
 
 
 _cached: Optional[TorchRankGroup] = None

@@ -85,7 +85,6 @@ class BufferAllReduce:
                                 f"{dtype} element ({itemsize} bytes)")
         self.registered_calls = 0
         self.fallback_calls = 0
-        self._capture_depth = 0
         self._took_part = False  # entered capture() once: graph_opt registered it
         self.buffer = self._allocate(max_bytes // itemsize)
         self.handle = next(_handles)
@@ -95,19 +94,17 @@ class BufferAllReduce:
     @contextlib.contextmanager
     def capture(self):
         """Entered by graph_opt around the warmups and capture of each size (register_custom_allreduce)."""
-        self._capture_depth += 1
         self._took_part = True
-        try:
-            yield
-        finally:
-            self._capture_depth -= 1
+        yield
 
     @property
     def in_capture(self) -> bool:
-        """True where the registered path is taken. The second term: graph_opt's simulated level-0
-        replay runs the forward again with is_capturing() set, without entering capture(); reading
-        it keeps that replay on the branch a real graph recorded."""
-        return self._capture_depth > 0 or (self._took_part and is_capturing())
+        """True where the registered path is taken: graph_opt's capture phase, whose capture() this
+        communicator took part in. Read from graph_opt.is_capturing() alone, not from a flag of its
+        own: a level >= 1 replay checks Dynamo's guards with graph_opt's capture flags as at capture,
+        and a guard on a flag of the communicator's own would fail after capture (and the simulated
+        level-0 replay sets is_capturing() without entering capture())."""
+        return self._took_part and is_capturing()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the group, as a new tensor (x is not changed)."""

@@ -1,0 +1,172 @@
+"""What every replay checks about the model and the ambient mode before it may run.
+
+A graph replays the kernels its capture recorded; it does not run Python. So a replay is right only
+while the Python state the forward read at capture is unchanged. What is checked, at every level:
+
+- the training flag of the model and of every submodule: no level replays a graph captured in the
+  other mode (dropout, batch norm);
+- the ambient mode the framework computes in: autocast (torch) / auto_cast (Paddle) and its dtype;
+- level 0 only: parameters, buffers and submodules replaced by new objects (torch: its registration
+  hooks bump a counter, so a replay compares one integer); and every attribute of the decorated model
+  set after capture, compared with its value at capture (type and value for plain values, identity for
+  objects). At level >= 1 the framework's own guards (Dynamo's guard manager, SOT's guard functions)
+  check what the forward read, anywhere, and a replaced parameter reaches the graph (torch: the
+  replay goes through Dynamo's code, which copies it in).
+
+A failed check is not an error: the call runs without graphs, with one warning naming what changed,
+and replays resume when the state is back (model.eval() again). What level 0 cannot see (a global,
+an attribute of a submodule, a closure) is the user's contract; see the README, "What a replay assumes".
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, List, Optional, Tuple
+
+from .pytree import value_key
+
+_MISSING = object()
+_training = operator.itemgetter("training")  # every nn.Module / Layer keeps its flag in its __dict__
+
+
+def state_key(value) -> Any:
+    """What a level-0 replay compares of an attribute value: plain values by type and value, the rest by identity."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, complex)):
+        return value_key(value)
+    if isinstance(value, tuple) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        return (tuple, tuple(value_key(v) for v in value))
+    return ("id", id(value))
+
+
+class ModelState:
+    """The model's state at capture, and the check a replay makes against it (see the module doc)."""
+
+    def __init__(self, adapter, model, name: str, watch_attributes: bool):
+        self.adapter = adapter
+        self.model = model
+        self.name = name
+        self.watch_attributes = watch_attributes
+        self.captured = False
+        self.paused = False  # a capture phase: attributes set now are what the graphs bake
+        self.modules: List[Tuple[str, dict]] = []
+        self.dicts: List[dict] = []
+        self.flags: List[bool] = []
+        self.ambient: Any = None
+        self.registrations = -1
+        self.tensor_ids: Optional[Tuple[int, ...]] = None
+        self.stale: Optional[Tuple[str, str]] = None  # a parameter replaced: sticky until clear_graphs
+        # level 0, attributes of the decorated model set since capture: name -> (key at capture, value then)
+        self.original: Dict[str, Tuple[Any, Any]] = {}
+        self.changed: Dict[str, Any] = {}
+
+    def snapshot(self) -> None:
+        """Record the state the graphs are captured in (at the first capture after a release)."""
+        adapter = self.adapter
+        self.modules = adapter.module_dicts(self.model)
+        self.dicts = [d for _, d in self.modules]
+        self.flags = list(map(_training, self.dicts))
+        self.ambient = adapter.ambient()
+        self.registrations = adapter.registration_count()
+        self.tensor_ids = adapter.module_tensor_ids(self.model)
+        self.stale = None
+        self.original.clear()
+        self.changed.clear()
+        self.captured = True
+
+    def release(self) -> None:
+        self.captured = False
+        self.modules, self.dicts, self.flags = [], [], []
+        self.original.clear()
+        self.changed.clear()
+        self.stale = None
+
+    def buffer_versions(self) -> List[Tuple[str, int]]:
+        """(name, version counter) of every buffer of the model: which ones a run writes in place."""
+        version = self.adapter.version
+        return [(name, version(t)) for name, t in self.adapter.named_buffers(self.model)]
+
+    # -- the attribute watch (level 0): called by the decorated class's __setattr__ ----------------------
+    @property
+    def watching(self) -> bool:
+        return self.captured and self.watch_attributes and not self.paused
+
+    def before_set(self, name: str) -> None:
+        if name not in self.original:
+            old = getattr(self.model, name, _MISSING)
+            self.original[name] = (state_key(old), old)
+
+    def after_set(self, name: str) -> None:
+        new = getattr(self.model, name, _MISSING)
+        key, old = self.original[name]
+        if state_key(new) == key:
+            self.changed.pop(name, None)
+        else:
+            self.changed[name] = (old, new)
+
+    # -- the check (hot path) ---------------------------------------------------------------------------
+    def check(self) -> Optional[Tuple[str, str]]:
+        """None when a replay may run; else (kind, what changed since capture) for stats() and the one warning."""
+        if self.stale is not None:
+            return self.stale
+        if self.changed:
+            return self._changed_attributes()
+        if list(map(_training, self.dicts)) != self.flags:  # one C-level pass: ~0.5 us for 60 modules
+            return self._training_changed()
+        adapter = self.adapter
+        ambient = adapter.ambient()
+        if ambient != self.ambient:
+            return ("ambient", f"the call runs under {adapter.describe_ambient(ambient)}; the graphs were captured "
+                               f"under {adapter.describe_ambient(self.ambient)}")
+        if self.watch_attributes and self.registrations != adapter.registration_count():
+            return self._registrations_changed()
+        return None
+
+    def _changed_attributes(self) -> tuple:
+        parts = [f"{self.name}.{k} = {_show(new)} (was {_show(old)} at capture)" for k, (old, new) in self.changed.items()]
+        return ("attribute", "attribute changed since capture: " + "; ".join(parts) + ". Level-0 graphs bake the "
+                "Python values forward read; set it back, or clear_graphs() and capture_model() to capture with the "
+                "new value", ("attribute", tuple(self.changed)))
+
+    def _training_changed(self) -> Tuple[str, str]:
+        for (path, d), was in zip(self.modules, self.flags):
+            now = d.get("training")
+            if now is not was:
+                where = f"{self.name}{'.' + path if path else ''}"
+                return ("training", f"{where} is in {'training' if now else 'eval'} mode; the graphs were captured "
+                                    f"in {'training' if was else 'eval'} mode")
+        return ("training", "a submodule's training flag changed since capture")
+
+    def _registrations_changed(self) -> Optional[Tuple[str, str]]:
+        adapter = self.adapter
+        if adapter.module_tensor_ids(self.model) == self.tensor_ids:
+            self.registrations = adapter.registration_count()  # a registration elsewhere
+            return None
+        self.stale = ("replaced", "a parameter, buffer or submodule of the model was replaced by a new object since "
+                      "capture; the graphs read the old one. clear_graphs() and capture_model() capture the new one")
+        return self.stale
+
+
+def _show(value) -> str:
+    if value is _MISSING:
+        return "(unset)"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class Unwatched:
+    """The ModelState of a runner without a model to watch (a runner built directly, as tests do)."""
+
+    captured = False
+    paused = False
+    watching = False
+
+    def snapshot(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def check(self) -> None:
+        return None
+
+    def buffer_versions(self) -> list:
+        return []

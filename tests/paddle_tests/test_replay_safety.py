@@ -1,0 +1,243 @@
+"""Inference replays never silently wrong, on Paddle: tests/replay_safety_kit.py with simulated graphs.
+(Autocast and inference_mode are torch's; Paddle's CPU build runs auto_cast regions in float32.)"""
+import pickle
+import types
+
+import pytest
+
+paddle = pytest.importorskip("paddle")
+
+import graph_opt  # noqa: E402
+from replay_safety_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
+from replay_safety_kit import HIDDEN  # noqa: E402
+
+GLOBAL_SCALE = 1.0  # read by ScaledByGlobal.forward
+
+
+class Scaled(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.lin = paddle.nn.Linear(HIDDEN, HIDDEN)
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return self.lin(x) / self.temperature
+
+
+class ScaledByGlobal(Scaled):
+    def forward(self, x):
+        return self.lin(x) * GLOBAL_SCALE
+
+
+class OptionalBias(Scaled):
+    def __init__(self):
+        super().__init__()
+        self.extra = None
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.extra is not None:
+            y = y + self.extra
+        return y
+
+
+class Mode(paddle.nn.Layer):
+    def forward(self, x):
+        return x * 2.0 if self.training else x - 1.0
+
+
+class ModeSwitch(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.lin = paddle.nn.Linear(HIDDEN, HIDDEN)
+        self.inner = Mode()
+
+    def forward(self, x):
+        return self.inner(self.lin(x))
+
+
+class BatchInDim1(paddle.nn.Layer):
+    """x is [6, batch]: the batch is dim 1 of the input and of output y; w has no batch dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = self.create_parameter([6, 1], default_initializer=paddle.nn.initializer.Constant(0.75))
+        self.lin = paddle.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return {"y": paddle.tanh(x) * self.scale, "w": self.lin.weight * 2.0}
+
+
+class CountsRows(Scaled):
+    def forward(self, x):
+        return {"y": self.lin(x), "n_rows": x.shape[0]}
+
+
+class Scales(Scaled):
+    def forward(self, x, scale, shift):
+        return {"scaled": x.argmax(-1) * scale, "inverse": 1.0 / ((x.abs() + 1.0) * shift)}
+
+
+class WritesInput(Scaled):
+    def forward(self, x):
+        x.add_(paddle.ones_like(x))
+        return self.lin(x)
+
+
+class KVCache(paddle.nn.Layer):
+    """A KV-cache-style write at the rows' positions, then a read of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = paddle.nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("cache", paddle.zeros([16, HIDDEN]))
+
+    def forward(self, x, pos):
+        self.cache.scatter_(pos, self.lin(x))
+        return paddle.index_select(self.cache, pos) * 2.0
+
+
+class BatchMean(Scaled):
+    def forward(self, x):
+        return self.lin(x - x.mean(0, keepdim=True))
+
+
+class Positions(Scaled):
+    def forward(self, x):
+        return {"y": self.lin(x), "pos": paddle.arange(4).expand([x.shape[0], 4])}
+
+
+class Square(Scaled):
+    def forward(self, x):
+        return self.lin(x) + x.sum(0)
+
+
+@graph_opt.support_graph_optimization
+class Picklable(Scaled):
+    """Defined at module level: pickling needs the class importable."""
+
+
+MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+                               ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
+                               WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
+                               Square=Square)
+
+
+class PaddleF:
+    static_writes_inputs = False  # SOT: "Paddle static graph(PIR) not support input out tensor for now"
+
+    @staticmethod
+    def models():
+        return MODELS
+
+    @staticmethod
+    def seed(n):
+        paddle.seed(n)
+
+    @staticmethod
+    def copy_weights(dst, src):
+        dst.set_state_dict(src.state_dict())
+
+    @staticmethod
+    def randn(*shape, seed=0):
+        import numpy as np
+
+        return paddle.to_tensor(np.random.RandomState(seed).randn(*shape).astype("float32"))
+
+    @staticmethod
+    def arange(n, start=0):
+        return paddle.arange(start, start + n, dtype="int64")
+
+    @staticmethod
+    def parameter(shape, value):
+        return paddle.create_parameter(shape, "float32", default_initializer=paddle.nn.initializer.Constant(value))
+
+    @staticmethod
+    def no_grad():
+        return paddle.no_grad()
+
+    @staticmethod
+    def equal(a, b):
+        return list(a.shape) == list(b.shape) and a.dtype == b.dtype and bool((a.numpy() == b.numpy()).all())
+
+    @staticmethod
+    def close(a, b):
+        import numpy as np
+
+        return list(a.shape) == list(b.shape) and a.dtype == b.dtype and np.allclose(a.numpy(), b.numpy(), 1e-5, 1e-5)
+
+    @staticmethod
+    def same_with_nan(a, b):
+        import numpy as np
+
+        return list(a.shape) == list(b.shape) and np.array_equal(a.numpy(), b.numpy(), equal_nan=True)
+
+    @staticmethod
+    def shape(t):
+        return list(t.shape)
+
+    @staticmethod
+    def dtype_name(t):
+        return str(t.dtype).replace("paddle.", "")
+
+    @staticmethod
+    def clone(t):
+        return t.clone()
+
+    @staticmethod
+    def scale(t, k):
+        return t * k
+
+    @staticmethod
+    def pre_hook(model, fn):
+        model.register_forward_pre_hook(lambda layer, args: fn(args))
+
+    @staticmethod
+    def post_hook(model, fn):
+        model.register_forward_post_hook(lambda layer, args, out: fn(out))
+
+    @staticmethod
+    def zero_buffer(t):
+        t.zero_()
+
+    @staticmethod
+    def rows(t, start, stop):
+        return t[start:stop]
+
+    @staticmethod
+    def tolist(t):
+        return t.numpy().tolist()
+
+    @staticmethod
+    def transpose(t):
+        return t.transpose([1, 0])
+
+    @staticmethod
+    def set_global_scale(value):
+        global GLOBAL_SCALE
+        GLOBAL_SCALE = value
+
+    @staticmethod
+    def picklable_model(level):
+        paddle.seed(0)
+        return Picklable(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=level,
+                                                                   cudagraph_capture_sizes=[2, 4, 8]))
+
+    @staticmethod
+    def save_load(m):
+        return pickle.loads(pickle.dumps(m))
+
+
+@pytest.fixture
+def F():
+    return PaddleF()
+
+
+@pytest.fixture(params=[0, 1], ids=lambda v: f"level{v}")
+def level(request):
+    return request.param
+
+
+@pytest.fixture(params=[True, False], ids=["graphs", "no-graphs"])
+def graphs(request):
+    return request.param

@@ -1,0 +1,337 @@
+"""Inference replays never give a silently wrong answer: one test per case of ordinary usage that
+once replayed a stale or cut graph. Written once and run per framework: a test module imports these
+tests and defines the fixture `F`, a framework shim (tests/torch_tests/test_torch_replay_safety.py,
+tests/paddle_tests/test_replay_safety.py). Graphs are simulated on CPU.
+
+Every test compares with an undecorated twin holding the same weights, and asserts the way the
+plugin answered: a replay (bitwise eager on the same padded rows), a call without graphs with one
+warning naming what changed, or a clear error.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+
+import graph_opt
+from graph_opt.decorator import state_of
+
+SIZES = [2, 4, 8]
+HIDDEN = 8
+
+
+def pair(F, cls, level=0, full=True, sizes=SIZES, dims=None, config=None, **options):
+    """(decorated model, undecorated twin with the same weights)."""
+    F.seed(0)
+    decorated = graph_opt.support_graph_optimization(type(cls.__name__, (cls,), {}), dynamic_arg_dims=dims, **options)
+    settings = dict(graph_opt_level=level, cudagraph_capture_sizes=sizes, full_cuda_graph=full)
+    settings.update(config or {})
+    model = decorated(graph_opt_config=graph_opt.GraphOptConfig(**settings))
+    twin = cls()
+    F.copy_weights(twin, model)
+    return model, twin
+
+
+def same(F, level, a, b):
+    """A replay's output against eager's: bitwise at levels 0 and 1 (the same kernels on the same
+    padded rows, real rows cut), within 1e-5 at level 2 (Inductor fuses kernels)."""
+    return F.equal(a, b) if level < 2 else F.close(a, b)
+
+
+def capture(model, make_inputs, **kw):
+    with graph_opt.testing.simulate_cuda_graphs():
+        report = graph_opt.capture_model(model, make_inputs, progress=False, **kw)
+    assert report.failed is None, report.failed
+    return report
+
+
+def warned(caplog, *fragments):
+    msgs = [r.getMessage() for r in caplog.records if r.name == "graph_opt" and r.levelno >= logging.WARNING]
+    return [m for m in msgs if all(f in m for f in fragments)]
+
+
+@pytest.fixture
+def logs(caplog):
+    caplog.set_level(logging.WARNING, logger="graph_opt")
+    return caplog
+
+
+# -- 1. Python state the forward reads ------------------------------------------------------------------
+@pytest.fixture
+def M(F):
+    return F.models()
+
+
+def test_a_changed_attribute_runs_without_graphs_with_one_warning_then_replays_again(F, M, level, logs):
+    m, twin = pair(F, M.Scaled, level)
+    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    with F.no_grad():
+        assert same(F, level, m(x), twin(x))
+        m.temperature = twin.temperature = 4.0
+        for _ in range(2):
+            assert F.close(m(x), twin(x)), "a replay ignored the new temperature"
+        s = graph_opt.stats(m)
+        assert s.fallbacks == 2 and sum(s.fallback_reasons.values()) == 2
+        assert len(warned(logs, "temperature")) == 1
+        m.temperature = twin.temperature = 1.0  # back to the captured value: replays resume
+        replays = graph_opt.stats(m).replays
+        assert same(F, level, m(x), twin(x))
+        assert graph_opt.stats(m).replays == replays + 1
+
+
+def test_a_changed_global_is_guarded_at_level_1(F, M, logs):
+    """Level 0 cannot see a global (README, "What a replay assumes"); level >= 1 guards it."""
+    m, twin = pair(F, M.ScaledByGlobal, 1)
+    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(4, HIDDEN, seed=1)
+    try:
+        with F.no_grad():
+            F.set_global_scale(3.0)
+            assert F.close(m(x), twin(x)), "a replay ignored the changed global"
+            assert graph_opt.stats(m).replays == 0
+            assert warned(logs, "GLOBAL_SCALE")
+            F.set_global_scale(1.0)
+            assert F.equal(m(x), twin(x)) and graph_opt.stats(m).replays == 1
+    finally:
+        F.set_global_scale(1.0)
+
+
+def test_a_parameter_set_where_there_was_none_is_seen(F, M, level, logs):
+    m, twin = pair(F, M.OptionalBias, level)
+    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    with F.no_grad():
+        assert same(F, level, m(x), twin(x))
+        m.extra = F.parameter([HIDDEN], 0.5)
+        twin.extra = F.parameter([HIDDEN], 0.5)
+        assert F.close(m(x), twin(x)), "a replay ignored the new parameter"
+    assert warned(logs, "extra")
+
+
+def test_no_level_replays_a_graph_captured_in_the_other_training_mode(F, M, level, logs):
+    m, twin = pair(F, M.ModeSwitch, level)
+    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    with F.no_grad():
+        for train in (True, False):
+            for model in (m, twin):
+                model.train() if train else model.eval()
+            assert same(F, level, m(x), twin(x)) if not train else F.close(m(x), twin(x))
+        twin.train()
+        m.train()
+        m.inner.eval()  # one submodule alone
+        twin.inner.eval()
+        assert F.close(m(x), twin(x))
+    s = graph_opt.stats(m)
+    assert s.fallback_reasons.get("training", 0) >= 1
+    assert warned(logs, "training mode")
+
+
+# -- 3 and 4. Outputs cut on the right dimension, non-tensor outputs ----------------------------------------
+def test_outputs_are_cut_on_their_learned_batch_dimension(F, M, level):
+    m, twin = pair(F, M.BatchInDim1, level, dims={"x": 1})
+    capture(m, lambda n: F.randn(6, n, seed=n))
+    with F.no_grad():
+        for real in (2, 3, 5, 8):
+            x = F.randn(6, real, seed=real)
+            out, ref = m(x), twin(x)
+            assert F.shape(out["y"]) == [6, real]
+            assert F.shape(out["w"]) == [8, 8], "a weight returned at batch 8 is not batch-major"
+            assert F.close(out["y"], ref["y"]) and F.equal(out["w"], ref["w"])
+    assert graph_opt.stats(m).replays == 4
+
+
+def test_a_non_tensor_output_that_changes_with_the_batch_is_never_replayed_cut(F, M, level, logs):
+    m, twin = pair(F, M.CountsRows, level)
+    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.no_grad():
+        out = m(F.randn(3, HIDDEN, seed=3))
+        assert out["n_rows"] == 3
+        out = m(F.randn(4, HIDDEN, seed=4))
+        assert out["n_rows"] == 4 and F.close(out["y"], twin(F.randn(4, HIDDEN, seed=4))["y"])
+    s = graph_opt.stats(m)
+    assert s.replays == 1 and s.fallback_reasons == {"outputs": 1}
+    assert warned(logs, "output['n_rows']")
+
+
+# -- 5. Non-tensor arguments keyed on type and value --------------------------------------------------------
+def test_non_tensor_arguments_are_keyed_on_type_and_value(F, M, level):
+    m, twin = pair(F, M.Scales, level)
+    capture(m, lambda n: (F.randn(n, HIDDEN, seed=n), 1, 1.0))
+    x = F.randn(4, HIDDEN, seed=1)
+    with F.no_grad():
+        for scale, shift in ((1, 1.0), (1.0, 1.0), (True, 1.0), (1, -0.0), (1, 0.0), (1, float("nan"))):
+            out, ref = m(x, scale, shift), twin(x, scale, shift)
+            assert F.dtype_name(out["scaled"]) == F.dtype_name(ref["scaled"]), f"scale={scale!r}"
+            assert F.equal(out["scaled"], ref["scaled"]), f"scale={scale!r}"
+            assert F.same_with_nan(out["inverse"], ref["inverse"]), f"shift={shift!r}"
+
+
+# -- 7. Hooks on the decorated model ----------------------------------------------------------------------
+def test_hooks_on_the_decorated_model_run_at_every_call(F, M, level, graphs):
+    m, twin = pair(F, M.Scaled, level, config={"use_cudagraph": graphs})
+    if graphs:
+        capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    seen = []
+    for model in (m, twin):
+        F.pre_hook(model, lambda args: seen.append(1) or (F.scale(args[0], 2.0),))
+        F.post_hook(model, lambda out: F.scale(out, 3.0))
+    x = F.randn(3, HIDDEN, seed=1)
+    with F.no_grad():
+        for _ in range(3):
+            assert F.close(m(x), twin(x))
+    assert len(seen) == 6  # three calls of each
+    if graphs:
+        assert graph_opt.stats(m).replays == 3
+
+
+# -- 8. In-place writes to inputs ---------------------------------------------------------------------------
+def test_a_forward_that_writes_its_input_writes_the_callers_tensor(F, M, level, logs):
+    m, twin = pair(F, M.WritesInput, level)
+    if level >= 1 and not F.static_writes_inputs:
+        # Paddle's SOT programs do not write their inputs back ("not support input out tensor"): the
+        # capture says so and the model runs eagerly, right.
+        with graph_opt.testing.simulate_cuda_graphs():
+            report = graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
+        assert "writes its argument 'x' in place" in report.failed
+        assert len(warned(logs, "writes its argument 'x' in place", "graph_opt_level=0")) == 1
+        x, x_twin = F.randn(3, HIDDEN, seed=3), F.randn(3, HIDDEN, seed=3)
+        with F.no_grad():
+            assert F.close(m(x), twin(x_twin)) and F.equal(x, x_twin)
+        return
+    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.no_grad():
+        for real in (4, 3, 8):
+            x = F.randn(real, HIDDEN, seed=real)
+            x_twin = F.clone(x)
+            assert F.close(m(x), twin(x_twin))
+            assert F.equal(x, x_twin), "the caller's tensor did not see the forward's in-place write"
+    assert graph_opt.stats(m).replays == 3
+
+
+# -- 9. Padding rows -----------------------------------------------------------------------------------------
+def test_padding_rows_hold_the_pad_value_never_an_earlier_calls_rows(F, M, level):
+    trash = 15  # the cache slot padding rows may write: kernels skip it, as vLLM's slot -1
+    m, twin = pair(F, M.KVCache, level, sizes=[4, 8], pad_values={"pos": trash})
+    if level >= 1 and not F.static_writes_inputs:  # Paddle's SOT drops the write into the buffer: named
+        with graph_opt.testing.simulate_cuda_graphs():
+            report = graph_opt.capture_model(m, lambda n: (F.randn(n, HIDDEN, seed=n), F.arange(n)), progress=False)
+        assert "the model's buffer 'cache' in place" in report.failed
+        return
+    capture(m, lambda n: (F.randn(n, HIDDEN, seed=n), F.arange(n)))
+    F.zero_buffer(m.cache)
+    F.zero_buffer(twin.cache)
+    with F.no_grad():
+        for real, first in ((8, 0), (3, 9), (2, 12), (3, 4)):
+            x, pos = F.randn(real, HIDDEN, seed=real + first), F.arange(real, start=first)
+            assert F.close(m(x, pos), twin(x, pos))
+            assert F.equal(F.rows(m.cache, 0, trash), F.rows(twin.cache, 0, trash)), \
+                f"cache slots differ from eager after a call of {real} rows at {first}"
+    runner = state_of(m).runner
+    (sig,) = runner.signatures.values()
+    pos_buffer = sig.buffers[1]
+    assert F.tolist(pos_buffer)[3:] == [trash] * 5, "padding rows must hold the pad value"
+    assert graph_opt.stats(m).replays == 4
+
+
+def test_padding_rows_are_filled_only_where_an_earlier_call_left_rows(F, M, monkeypatch):
+    m, twin = pair(F, M.Scaled, 0, sizes=[4, 8])
+    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    adapter = state_of(m).adapter
+    fills = []
+    real_fill = adapter.fill_rows
+    monkeypatch.setattr(adapter, "fill_rows", lambda t, d, a, b, v: (fills.append((a, b)), real_fill(t, d, a, b, v)))
+    with F.no_grad():
+        for real in (3, 3, 3, 8, 5, 5, 2, 7):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x))
+    # the capture of size 4 left rows 0..3 real; 3 rows: row 3; 5 after 8: rows 5..7; 2 after 5: rows 2..4
+    assert fills == [(3, 4), (5, 8), (2, 5)]
+    assert graph_opt.stats(m).replays == 8
+
+
+def test_a_forward_whose_real_rows_depend_on_padding_rows_is_named_at_capture(F, M, logs):
+    m, _ = pair(F, M.BatchMean, 0)
+    report = capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    assert warned(logs, "depend on the padding rows", "output")
+    assert any("padding rows" in note for note in report.notes)
+    ok, _ = pair(F, M.Scaled, 0)
+    logs.clear()
+    capture(ok, lambda n: F.randn(n, HIDDEN, seed=n))
+    assert not warned(logs, "padding rows")
+
+
+# -- 10. Broadcast outputs ------------------------------------------------------------------------------------
+def test_a_broadcast_output_replays_at_every_size(F, M, level, logs):
+    m, twin = pair(F, M.Positions, level)
+    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.no_grad():
+        for real in (8, 2, 3, 4, 7):
+            x = F.randn(real, HIDDEN, seed=real)
+            out, ref = m(x), twin(x)
+            assert F.equal(out["pos"], ref["pos"]) and F.close(out["y"], ref["y"])
+    s = graph_opt.stats(m)
+    assert s.replays == 5 and s.replay_failures == 0 and s.disabled_reason is None
+
+
+# -- 12. Copies of a decorated model --------------------------------------------------------------------------
+def test_deepcopy_and_pickle_give_a_working_model_without_graphs(F, level):
+    m = F.picklable_model(level)
+    x = F.randn(3, HIDDEN, seed=1)
+    for captured in (False, True):
+        if captured:
+            capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+        for twin in (copy.deepcopy(m), F.save_load(m), copy.copy(m)):
+            assert type(twin) is type(m)
+            with F.no_grad():
+                assert F.close(twin(x), type(m).forward(m, x))
+            assert graph_opt.stats(twin).captured_sizes == []  # graphs belong to the original
+            capture(twin, lambda n: F.randn(n, HIDDEN, seed=n))
+            with F.no_grad():
+                assert F.close(twin(x), type(m).forward(m, x))
+            assert graph_opt.stats(twin).replays == 1
+    with F.no_grad():
+        assert F.close(m(x), type(m).forward(m, x))
+    assert graph_opt.stats(m).replays == 1  # the original still replays its own graphs
+
+
+# -- 13 and 14. New non-tensor values: bounded at call time, explicit in capture_model -----------------------
+def test_graphs_per_value_captured_at_call_time_are_bounded(F, M, logs):
+    m, twin = pair(F, M.Scales, 0, config={"cudagraph_max_signatures": 3})
+    x = F.randn(4, HIDDEN, seed=1)
+    with graph_opt.testing.simulate_cuda_graphs(), F.no_grad():
+        for i in range(12):
+            scale = 1.0 + i / 8
+            assert F.equal(m(x, scale, 1.0)["scaled"], twin(x, scale, 1.0)["scaled"])
+    s = graph_opt.stats(m)
+    assert len(state_of(m).runner.signatures) == 3 and s.captures == 3
+    assert s.fallback_reasons == {"signature_limit": 9}
+    assert len(warned(logs, "cudagraph_max_signatures=3", "scale")) == 1
+
+
+def test_a_second_capture_model_with_another_value_captures_it(F, M, level):
+    m, twin = pair(F, M.Scales, level)
+    capture(m, lambda n: (F.randn(n, HIDDEN, seed=n), 1, 1.0))
+    capture(m, lambda n: (F.randn(n, HIDDEN, seed=n), 2, 1.0))
+    x = F.randn(3, HIDDEN, seed=1)
+    with F.no_grad():
+        for scale in (1, 2):
+            assert F.equal(m(x, scale, 1.0)["scaled"], twin(x, scale, 1.0)["scaled"])
+        assert F.equal(m(x, 3, 1.0)["scaled"], twin(x, 3, 1.0)["scaled"])
+    s = graph_opt.stats(m)
+    assert s.replays == 2 and s.fallback_reasons == {"new_signature": 1}
+
+
+# -- 15. Without copied inputs, the caller's buffer with its strides ------------------------------------------
+def test_without_copied_inputs_a_transposed_view_of_the_buffer_does_not_replay(F, M, level):
+    m, twin = pair(F, M.Square, level, sizes=[HIDDEN], config={"cudagraph_copy_inputs": False})
+    buf = F.randn(HIDDEN, HIDDEN, seed=3)
+    capture(m, lambda n: buf)
+    with F.no_grad():
+        assert same(F, level, m(buf), twin(buf))
+        transposed = F.transpose(buf)
+        assert F.close(m(transposed), twin(transposed))
+    s = graph_opt.stats(m)
+    assert s.replays == 1 and s.fallback_reasons == {"mismatch": 1}
