@@ -308,12 +308,15 @@ class GraphRunner:
         if self.adapter.grad_enabled():
             return self._fallback(args, kwargs, ("grad", _FALLBACK_REASONS["grad"]))
         state = self.model_state
-        if state.captured:
-            blocked = state.check()  # before a lazy capture too: never capture in another mode
-            if blocked is not None:
-                return self._fallback(args, kwargs, blocked)
+        # Never capture or replay in another mode than captured (training flag, autocast, ...).
+        blocked = state.check() if state.captured else None
+        group = self.group
         entry = sig.entries.get(padded)
         if entry is None:
+            if group is not None:  # every rank captures lazily, or none does
+                blocked = ranks.agree_on_replay(group, blocked)
+            if blocked is not None:
+                return self._fallback(args, kwargs, blocked)
             misfit = self._misfit(sig, leaves, "argument")
             if misfit is not None:
                 if misfit[0] != "shape":
@@ -322,13 +325,16 @@ class GraphRunner:
             entry = self._capture_lazily(sig, padded, real, leaves)
             if entry is None:
                 return self._fallback(args, kwargs, None)
-        check = entry.captured.check
-        blocked = check() if check is not None else None
-        if blocked is None and real != padded and sig.layout.exact_only:
-            blocked = ("outputs", f"a call of {real} rows would replay size {padded}, and {sig.layout.why_exact_only()}; "
-                                  "calls of a size that is not captured run without graphs")
-        if self.group is not None:
-            blocked = ranks.agree_on_replay(self.group, blocked)
+        if blocked is None:
+            check = entry.captured.check
+            if check is not None:
+                blocked = check()
+            if blocked is None and real != padded and sig.layout.exact_only:
+                blocked = ("outputs", f"a call of {real} rows would replay size {padded}, and "
+                                      f"{sig.layout.why_exact_only()}; calls of a size that is not captured run "
+                                      "without graphs")
+        if group is not None:  # a replay runs on every rank or on none: their collectives must match
+            blocked = ranks.agree_on_replay(group, blocked)
         if blocked is not None:
             return self._fallback(args, kwargs, blocked)
         try:

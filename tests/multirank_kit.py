@@ -244,6 +244,29 @@ def scenario_seed(r: Rank) -> dict:
     return out
 
 
+def scenario_replay_agreement(r: Rank, name: str) -> dict:
+    """A check before the replay fails on rank 1 only (its model is put in training mode): every rank
+    runs those calls without graphs (NCCL on both, matched); once rank 1 is back in eval mode both replay."""
+    import graph_opt
+
+    ref = r.reference()
+    with registered(r.custom):
+        m = r.model(MODES[name])
+        graph_opt.capture_model(m, lambda n: r.tokens(n, seed=1), progress=False)
+        if r.rank == 1:
+            m.train()
+        before = len(r.warnings)
+        _replay_and_compare(r, m, ref)
+        disagreed = graph_opt.stats(m)
+        warnings = r.warnings[before:]
+        if r.rank == 1:
+            m.eval()
+        _replay_and_compare(r, m, ref)
+        agreed = graph_opt.stats(m)
+    return {"replays": disagreed.replays, "reasons": disagreed.fallback_reasons, "warnings": warnings,
+            "replays_after": agreed.replays - disagreed.replays}
+
+
 def _paths_of_replays(r: Rank, m, ref, comm) -> dict:
     """Which all-reduce path the replays ran: counted on the host (simulated graphs), or seen in the
     registered buffer, which only that path writes (real graphs run no Python)."""
@@ -312,6 +335,8 @@ SCENARIOS: Dict[str, Callable] = {
     "capture_fault:level1": lambda r: scenario_capture_fault(r, "level1-full-custom"),
     "lazy": scenario_lazy,
     "seed": scenario_seed,
+    "replay_agreement:level0": lambda r: scenario_replay_agreement(r, "level0-full-custom"),
+    "replay_agreement:level1": lambda r: scenario_replay_agreement(r, "level1-full-custom"),
 }
 
 
@@ -441,6 +466,15 @@ def check_lazy(results) -> None:
         assert res["disabled"] in res["warnings"][0]
 
 
+def check_replay_agreement(results, name: str) -> None:
+    r0, r1 = passed(results, name)
+    assert r0["replays"] == r1["replays"] == 0, (r0, r1)
+    assert r1["reasons"] == {"training": len(REALS)} and r0["reasons"] == {"peer": len(REALS)}, (r0, r1)
+    assert len(r1["warnings"]) == 1 and "training mode" in r1["warnings"][0], r1["warnings"]
+    assert len(r0["warnings"]) == 1 and "rank 1 cannot replay this call" in r0["warnings"][0], r0["warnings"]
+    assert r0["replays_after"] == r1["replays_after"] == len(REALS), (r0, r1)
+
+
 def check_seed(results, real_graphs: bool) -> None:
     """Which path each replay ran. Simulated graphs run the path's Python, so the counters show it;
     real graphs run none, so only the registered buffer, which only that path writes, shows it."""
@@ -474,6 +508,11 @@ def test_a_capture_fault_on_rank_1_drops_the_graphs_of_every_rank(results, level
 
 def test_lazy_captures_are_agreed_and_a_lazy_fault_on_rank_1_drops_every_ranks_graphs(results):
     check_lazy(results)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_check_that_fails_on_one_rank_makes_every_rank_run_without_graphs(results, level):
+    check_replay_agreement(results, f"replay_agreement:level{level}")
 
 
 def test_seed_001_replays_run_the_branch_traced_in_the_capture_phase(results, real_graphs):

@@ -116,8 +116,29 @@ def scenario_lazy(rank, warnings):
     return {"order": order, "warnings": new}
 
 
+def scenario_replay_agreement(rank, warnings):
+    """Rank 1's model changes training mode after capture: every rank runs those calls without graphs."""
+    import graph_opt
+
+    m = _model()
+    graph_opt.capture_model(m, _x, progress=False)
+    if rank == 1:
+        m.eval()  # captured in training mode (a Layer's default)
+    before = len(warnings)
+    _compare(m)
+    disagreed = graph_opt.stats(m)
+    new = warnings[before:]
+    if rank == 1:
+        m.train()
+    _compare(m)
+    agreed = graph_opt.stats(m)
+    return {"replays": disagreed.replays, "reasons": disagreed.fallback_reasons, "warnings": new,
+            "replays_after": agreed.replays - disagreed.replays}
+
+
 SCENARIOS = {
     "capture": scenario_capture,
+    "replay_agreement": scenario_replay_agreement,
     "size_mismatch": scenario_size_mismatch,
     "capture_fault": scenario_capture_fault,
     "lazy": scenario_lazy,

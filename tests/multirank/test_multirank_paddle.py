@@ -44,3 +44,12 @@ def test_a_lazy_capture_fault_on_rank_1_drops_the_graphs_of_every_rank(results):
     assert r0["order"] == r1["order"] == [8, 4, 2]
     for res in (r0, r1):
         assert len(res["warnings"]) == 1 and "capture of size 2 failed on rank 1" in res["warnings"][0], res["warnings"]
+
+
+def test_a_check_that_fails_on_one_rank_makes_every_rank_run_without_graphs(results):
+    r0, r1 = _passed(results, "replay_agreement")
+    assert r0["replays"] == r1["replays"] == 0, (r0, r1)
+    assert r1["reasons"] == {"training": len(kit.REALS)} and r0["reasons"] == {"peer": len(kit.REALS)}, (r0, r1)
+    assert len(r1["warnings"]) == 1 and "eval mode" in r1["warnings"][0], r1["warnings"]
+    assert len(r0["warnings"]) == 1 and "rank 1 cannot replay this call" in r0["warnings"][0], r0["warnings"]
+    assert r0["replays_after"] == r1["replays_after"] == len(kit.REALS), (r0, r1)
