@@ -28,9 +28,10 @@ def main(argv=None) -> int:
     demo.add_argument("--layers", type=int, default=4)
 
     bench = sub.add_parser("bench", help="benchmarks: the hook's overhead per call or program passes (CPU), "
-                                         "graphed training steps, a decode loop's host reads (GPU, torch) or a "
-                                         "tensor-parallel decode step (two GPUs, torch)")
-    bench.add_argument("what", nargs="?", choices=["overhead", "passes", "training", "decode", "tp"], default="overhead")
+                                         "graphed training steps, a decode loop's host reads, the checks before a replay (GPU, "
+                                         "torch) or a tensor-parallel decode step (two GPUs, torch)")
+    bench.add_argument("what", nargs="?", choices=["overhead", "passes", "training", "decode", "tp", "guards"],
+                       default="overhead")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
 
     config = sub.add_parser("config", help="print the effective config and where each value came from")
@@ -61,6 +62,10 @@ def main(argv=None) -> int:
         from .benchmarks import torch_decode
 
         return torch_decode.main(args.rest, prog="python -m graph_opt bench decode")
+    if args.what == "guards":
+        from .benchmarks import torch_guards
+
+        return torch_guards.main(args.rest, prog="python -m graph_opt bench guards")
     if args.what == "tp":
         from .benchmarks import torch_tp
 

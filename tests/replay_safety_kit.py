@@ -1,7 +1,7 @@
 """Inference replays never give a silently wrong answer: one test per case of ordinary usage that
 once replayed a stale or cut graph. Written once and run per framework: a test module imports these
-tests and defines the fixture `F`, a framework shim (tests/torch_tests/test_torch_replay_safety.py,
-tests/paddle_tests/test_replay_safety.py). Graphs are simulated on CPU.
+tests and defines the fixture `F`, a framework shim (tests/torch_tests/test_torch_replay_safety.py, tests/paddle_tests/test_replay_safety.py and, with
+real CUDA graphs, tests/gpu/test_gpu_replay_safety.py). Graphs are simulated on CPU: F.graphs().
 
 Every test compares with an undecorated twin holding the same weights, and asserts the way the
 plugin answered: a replay (bitwise eager on the same padded rows), a call without graphs with one
@@ -27,8 +27,8 @@ def pair(F, cls, level=0, full=True, sizes=SIZES, dims=None, config=None, **opti
     decorated = graph_opt.support_graph_optimization(type(cls.__name__, (cls,), {}), dynamic_arg_dims=dims, **options)
     settings = dict(graph_opt_level=level, cudagraph_capture_sizes=sizes, full_cuda_graph=full)
     settings.update(config or {})
-    model = decorated(graph_opt_config=graph_opt.GraphOptConfig(**settings))
-    twin = cls()
+    model = F.place(decorated(graph_opt_config=graph_opt.GraphOptConfig(**settings)))
+    twin = F.place(cls())
     F.copy_weights(twin, model)
     return model, twin
 
@@ -39,8 +39,8 @@ def same(F, level, a, b):
     return F.equal(a, b) if level < 2 else F.close(a, b)
 
 
-def capture(model, make_inputs, **kw):
-    with graph_opt.testing.simulate_cuda_graphs():
+def capture(F, model, make_inputs, **kw):
+    with F.graphs():
         report = graph_opt.capture_model(model, make_inputs, progress=False, **kw)
     assert report.failed is None, report.failed
     return report
@@ -65,7 +65,7 @@ def M(F):
 
 def test_a_changed_attribute_runs_without_graphs_with_one_warning_then_replays_again(F, M, level, logs):
     m, twin = pair(F, M.Scaled, level)
-    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     x = F.randn(3, HIDDEN, seed=1)
     with F.no_grad():
         assert same(F, level, m(x), twin(x))
@@ -84,7 +84,7 @@ def test_a_changed_attribute_runs_without_graphs_with_one_warning_then_replays_a
 def test_a_changed_global_is_guarded_at_level_1(F, M, logs):
     """Level 0 cannot see a global (README, "What a replay assumes"); level >= 1 guards it."""
     m, twin = pair(F, M.ScaledByGlobal, 1)
-    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     x = F.randn(4, HIDDEN, seed=1)
     try:
         with F.no_grad():
@@ -100,7 +100,7 @@ def test_a_changed_global_is_guarded_at_level_1(F, M, logs):
 
 def test_a_parameter_set_where_there_was_none_is_seen(F, M, level, logs):
     m, twin = pair(F, M.OptionalBias, level)
-    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     x = F.randn(3, HIDDEN, seed=1)
     with F.no_grad():
         assert same(F, level, m(x), twin(x))
@@ -112,7 +112,7 @@ def test_a_parameter_set_where_there_was_none_is_seen(F, M, level, logs):
 
 def test_no_level_replays_a_graph_captured_in_the_other_training_mode(F, M, level, logs):
     m, twin = pair(F, M.ModeSwitch, level)
-    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     x = F.randn(3, HIDDEN, seed=1)
     with F.no_grad():
         for train in (True, False):
@@ -132,7 +132,7 @@ def test_no_level_replays_a_graph_captured_in_the_other_training_mode(F, M, leve
 # -- 3 and 4. Outputs cut on the right dimension, non-tensor outputs ----------------------------------------
 def test_outputs_are_cut_on_their_learned_batch_dimension(F, M, level):
     m, twin = pair(F, M.BatchInDim1, level, dims={"x": 1})
-    capture(m, lambda n: F.randn(6, n, seed=n))
+    capture(F, m, lambda n: F.randn(6, n, seed=n))
     with F.no_grad():
         for real in (2, 3, 5, 8):
             x = F.randn(6, real, seed=real)
@@ -145,7 +145,7 @@ def test_outputs_are_cut_on_their_learned_batch_dimension(F, M, level):
 
 def test_a_non_tensor_output_that_changes_with_the_batch_is_never_replayed_cut(F, M, level, logs):
     m, twin = pair(F, M.CountsRows, level)
-    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     with F.no_grad():
         out = m(F.randn(3, HIDDEN, seed=3))
         assert out["n_rows"] == 3
@@ -159,7 +159,7 @@ def test_a_non_tensor_output_that_changes_with_the_batch_is_never_replayed_cut(F
 # -- 5. Non-tensor arguments keyed on type and value --------------------------------------------------------
 def test_non_tensor_arguments_are_keyed_on_type_and_value(F, M, level):
     m, twin = pair(F, M.Scales, level)
-    capture(m, lambda n: (F.randn(n, HIDDEN, seed=n), 1, 1.0))
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), 1, 1.0))
     x = F.randn(4, HIDDEN, seed=1)
     with F.no_grad():
         for scale, shift in ((1, 1.0), (1.0, 1.0), (True, 1.0), (1, -0.0), (1, 0.0), (1, float("nan"))):
@@ -173,7 +173,7 @@ def test_non_tensor_arguments_are_keyed_on_type_and_value(F, M, level):
 def test_hooks_on_the_decorated_model_run_at_every_call(F, M, level, graphs):
     m, twin = pair(F, M.Scaled, level, config={"use_cudagraph": graphs})
     if graphs:
-        capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+        capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     seen = []
     for model in (m, twin):
         F.pre_hook(model, lambda args: seen.append(1) or (F.scale(args[0], 2.0),))
@@ -193,7 +193,7 @@ def test_a_forward_that_writes_its_input_writes_the_callers_tensor(F, M, level, 
     if level >= 1 and not F.static_writes_inputs:
         # Paddle's SOT programs do not write their inputs back ("not support input out tensor"): the
         # capture says so and the model runs eagerly, right.
-        with graph_opt.testing.simulate_cuda_graphs():
+        with F.graphs():
             report = graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
         assert "writes its argument 'x' in place" in report.failed
         assert len(warned(logs, "writes its argument 'x' in place", "graph_opt_level=0")) == 1
@@ -201,7 +201,7 @@ def test_a_forward_that_writes_its_input_writes_the_callers_tensor(F, M, level, 
         with F.no_grad():
             assert F.close(m(x), twin(x_twin)) and F.equal(x, x_twin)
         return
-    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     with F.no_grad():
         for real in (4, 3, 8):
             x = F.randn(real, HIDDEN, seed=real)
@@ -216,11 +216,11 @@ def test_padding_rows_hold_the_pad_value_never_an_earlier_calls_rows(F, M, level
     trash = 15  # the cache slot padding rows may write: kernels skip it, as vLLM's slot -1
     m, twin = pair(F, M.KVCache, level, sizes=[4, 8], pad_values={"pos": trash})
     if level >= 1 and not F.static_writes_inputs:  # Paddle's SOT drops the write into the buffer: named
-        with graph_opt.testing.simulate_cuda_graphs():
+        with F.graphs():
             report = graph_opt.capture_model(m, lambda n: (F.randn(n, HIDDEN, seed=n), F.arange(n)), progress=False)
         assert "the model's buffer 'cache' in place" in report.failed
         return
-    capture(m, lambda n: (F.randn(n, HIDDEN, seed=n), F.arange(n)))
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), F.arange(n)))
     F.zero_buffer(m.cache)
     F.zero_buffer(twin.cache)
     with F.no_grad():
@@ -238,7 +238,7 @@ def test_padding_rows_hold_the_pad_value_never_an_earlier_calls_rows(F, M, level
 
 def test_padding_rows_are_filled_only_where_an_earlier_call_left_rows(F, M, monkeypatch):
     m, twin = pair(F, M.Scaled, 0, sizes=[4, 8])
-    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     adapter = state_of(m).adapter
     fills = []
     real_fill = adapter.fill_rows
@@ -254,19 +254,19 @@ def test_padding_rows_are_filled_only_where_an_earlier_call_left_rows(F, M, monk
 
 def test_a_forward_whose_real_rows_depend_on_padding_rows_is_named_at_capture(F, M, logs):
     m, _ = pair(F, M.BatchMean, 0)
-    report = capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    report = capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     assert warned(logs, "depend on the padding rows", "output")
     assert any("padding rows" in note for note in report.notes)
     ok, _ = pair(F, M.Scaled, 0)
     logs.clear()
-    capture(ok, lambda n: F.randn(n, HIDDEN, seed=n))
+    capture(F, ok, lambda n: F.randn(n, HIDDEN, seed=n))
     assert not warned(logs, "padding rows")
 
 
 # -- 10. Broadcast outputs ------------------------------------------------------------------------------------
 def test_a_broadcast_output_replays_at_every_size(F, M, level, logs):
     m, twin = pair(F, M.Positions, level)
-    capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     with F.no_grad():
         for real in (8, 2, 3, 4, 7):
             x = F.randn(real, HIDDEN, seed=real)
@@ -282,13 +282,13 @@ def test_deepcopy_and_pickle_give_a_working_model_without_graphs(F, level):
     x = F.randn(3, HIDDEN, seed=1)
     for captured in (False, True):
         if captured:
-            capture(m, lambda n: F.randn(n, HIDDEN, seed=n))
+            capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
         for twin in (copy.deepcopy(m), F.save_load(m), copy.copy(m)):
             assert type(twin) is type(m)
             with F.no_grad():
                 assert F.close(twin(x), type(m).forward(m, x))
             assert graph_opt.stats(twin).captured_sizes == []  # graphs belong to the original
-            capture(twin, lambda n: F.randn(n, HIDDEN, seed=n))
+            capture(F, twin, lambda n: F.randn(n, HIDDEN, seed=n))
             with F.no_grad():
                 assert F.close(twin(x), type(m).forward(m, x))
             assert graph_opt.stats(twin).replays == 1
@@ -301,7 +301,7 @@ def test_deepcopy_and_pickle_give_a_working_model_without_graphs(F, level):
 def test_graphs_per_value_captured_at_call_time_are_bounded(F, M, logs):
     m, twin = pair(F, M.Scales, 0, config={"cudagraph_max_signatures": 3})
     x = F.randn(4, HIDDEN, seed=1)
-    with graph_opt.testing.simulate_cuda_graphs(), F.no_grad():
+    with F.graphs(), F.no_grad():
         for i in range(12):
             scale = 1.0 + i / 8
             assert F.equal(m(x, scale, 1.0)["scaled"], twin(x, scale, 1.0)["scaled"])
@@ -313,8 +313,8 @@ def test_graphs_per_value_captured_at_call_time_are_bounded(F, M, logs):
 
 def test_a_second_capture_model_with_another_value_captures_it(F, M, level):
     m, twin = pair(F, M.Scales, level)
-    capture(m, lambda n: (F.randn(n, HIDDEN, seed=n), 1, 1.0))
-    capture(m, lambda n: (F.randn(n, HIDDEN, seed=n), 2, 1.0))
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), 1, 1.0))
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), 2, 1.0))
     x = F.randn(3, HIDDEN, seed=1)
     with F.no_grad():
         for scale in (1, 2):
@@ -328,7 +328,7 @@ def test_a_second_capture_model_with_another_value_captures_it(F, M, level):
 def test_without_copied_inputs_a_transposed_view_of_the_buffer_does_not_replay(F, M, level):
     m, twin = pair(F, M.Square, level, sizes=[HIDDEN], config={"cudagraph_copy_inputs": False})
     buf = F.randn(HIDDEN, HIDDEN, seed=3)
-    capture(m, lambda n: buf)
+    capture(F, m, lambda n: buf)
     with F.no_grad():
         assert same(F, level, m(buf), twin(buf))
         transposed = F.transpose(buf)

@@ -29,6 +29,7 @@ run(): a second, ordinary torch.compile of the forward, guards and recompiles in
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -211,7 +212,7 @@ class DynamoStrategy:
         before = graphs_compiled()
         state.begin(mode, key, pool, simulate, share_key, padded)
         try:
-            with split.active_hook(self._trace_hook):
+            with split.active_hook(self._trace_hook), _fast_guards():
                 outputs = self._compiled(self.model, *args, **kwargs)
             ran = list(state.forwards_run)
         except torch._dynamo.exc.Unsupported as exc:
@@ -256,6 +257,16 @@ class DynamoStrategy:
         if self._pending:
             self._code_of[id(self._pending[-1])] = code
             self._pending.clear()
+
+
+def _fast_guards():
+    """Dynamo's guards for the graph path, built to skip the subtrees of nn modules whose __dict__s
+    are unchanged (dict tags) where this torch has it: every replay evaluates them (guarded_replays).
+    It assumes, as torch does for it, that functions' __code__, __defaults__ ... are not rebound."""
+    config = torch._dynamo.config
+    if not hasattr(config, "use_recursive_dict_tags_for_guards"):
+        return contextlib.nullcontext()
+    return config.patch(use_recursive_dict_tags_for_guards=True)
 
 
 def _guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook):

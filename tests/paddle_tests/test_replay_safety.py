@@ -127,6 +127,14 @@ class PaddleF:
     static_writes_inputs = False  # SOT: "Paddle static graph(PIR) not support input out tensor for now"
 
     @staticmethod
+    def graphs():
+        return graph_opt.testing.simulate_cuda_graphs()  # no Paddle GPU build runs here
+
+    @staticmethod
+    def place(model):
+        return model
+
+    @staticmethod
     def models():
         return MODELS
 

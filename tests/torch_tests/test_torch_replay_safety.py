@@ -1,232 +1,17 @@
-"""Inference replays never silently wrong, on torch: tests/replay_safety_kit.py with simulated graphs,
-plus the torch-only cases (autocast, inference_mode)."""
-import io
-import types
-
+"""Inference replays never silently wrong, on torch: tests/replay_safety_kit.py with simulated graphs
+on CPU, plus the torch-only cases (autocast, inference_mode, a replaced parameter at level 0)."""
 import pytest
 import torch
 
 import graph_opt
 from replay_safety_kit import *  # noqa: F401,F403  the shared tests, collected here
 from replay_safety_kit import HIDDEN, capture, pair, warned  # noqa: F401
-
-GLOBAL_SCALE = 1.0  # read by ScaledByGlobal.forward
-
-
-class Scaled(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.temperature = 1.0
-
-    def forward(self, x):
-        return self.lin(x) / self.temperature
-
-
-class ScaledByGlobal(Scaled):
-    def forward(self, x):
-        return self.lin(x) * GLOBAL_SCALE
-
-
-class OptionalBias(Scaled):
-    def __init__(self):
-        super().__init__()
-        self.extra = None
-
-    def forward(self, x):
-        y = self.lin(x)
-        if self.extra is not None:
-            y = y + self.extra
-        return y
-
-
-class Mode(torch.nn.Module):
-    def forward(self, x):
-        return x * 2.0 if self.training else x - 1.0
-
-
-class ModeSwitch(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.inner = Mode()
-
-    def forward(self, x):
-        return self.inner(self.lin(x))
-
-
-class BatchInDim1(torch.nn.Module):
-    """x is [6, batch]: the batch is dim 1 of the input and of output y; w has no batch dim."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 6).unsqueeze(1))
-        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x):
-        return {"y": torch.tanh(x) * self.scale, "w": self.lin.weight * 2.0}
-
-
-class CountsRows(Scaled):
-    def forward(self, x):
-        return {"y": self.lin(x), "n_rows": x.shape[0]}
-
-
-class Scales(Scaled):
-    def forward(self, x, scale, shift):
-        return {"scaled": x.argmax(-1) * scale, "inverse": 1.0 / ((x.abs() + 1.0) * shift)}
-
-
-class WritesInput(Scaled):
-    def forward(self, x):
-        x.add_(1.0)
-        return self.lin(x)
-
-
-class KVCache(torch.nn.Module):
-    """A KV-cache-style write at the rows' positions, then a read of them."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.register_buffer("cache", torch.zeros(16, HIDDEN))
-
-    def forward(self, x, pos):
-        self.cache.index_copy_(0, pos, self.lin(x))
-        return self.cache.index_select(0, pos) * 2.0
-
-
-class BatchMean(Scaled):
-    def forward(self, x):
-        return self.lin(x - x.mean(0, keepdim=True))
-
-
-class Positions(Scaled):
-    def forward(self, x):
-        return {"y": self.lin(x), "pos": torch.arange(4).expand(x.shape[0], -1)}
-
-
-class Square(Scaled):
-    def forward(self, x):
-        return self.lin(x) + x.sum(0)
-
-
-@graph_opt.support_graph_optimization
-class Picklable(Scaled):
-    """Defined at module level: pickling needs the class importable."""
-
-
-MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
-                               ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
-                               WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
-                               Square=Square)
-
-
-class TorchF:
-    static_writes_inputs = True  # Dynamo's graphs write a mutated input back
-
-    @staticmethod
-    def models():
-        return MODELS
-
-    @staticmethod
-    def seed(n):
-        torch.manual_seed(n)
-
-    @staticmethod
-    def copy_weights(dst, src):
-        dst.load_state_dict(src.state_dict())
-
-    @staticmethod
-    def randn(*shape, seed=0):
-        return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-    @staticmethod
-    def arange(n, start=0):
-        return torch.arange(start, start + n)
-
-    @staticmethod
-    def parameter(shape, value):
-        return torch.nn.Parameter(torch.full(shape, value))
-
-    @staticmethod
-    def no_grad():
-        return torch.no_grad()
-
-    @staticmethod
-    def equal(a, b):
-        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-
-    @staticmethod
-    def close(a, b):
-        return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
-
-    @staticmethod
-    def same_with_nan(a, b):
-        return a.shape == b.shape and torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
-
-    @staticmethod
-    def shape(t):
-        return list(t.shape)
-
-    @staticmethod
-    def dtype_name(t):
-        return str(t.dtype).replace("torch.", "")
-
-    @staticmethod
-    def clone(t):
-        return t.clone()
-
-    @staticmethod
-    def scale(t, k):
-        return t * k
-
-    @staticmethod
-    def pre_hook(model, fn):
-        model.register_forward_pre_hook(lambda mod, args: fn(args))
-
-    @staticmethod
-    def post_hook(model, fn):
-        model.register_forward_hook(lambda mod, args, out: fn(out))
-
-    @staticmethod
-    def zero_buffer(t):
-        t.zero_()
-
-    @staticmethod
-    def rows(t, start, stop):
-        return t[start:stop]
-
-    @staticmethod
-    def tolist(t):
-        return t.tolist()
-
-    @staticmethod
-    def transpose(t):
-        return t.t()
-
-    @staticmethod
-    def set_global_scale(value):
-        global GLOBAL_SCALE
-        GLOBAL_SCALE = value
-
-    @staticmethod
-    def picklable_model(level):
-        torch.manual_seed(0)
-        return Picklable(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=level,
-                                                                   cudagraph_capture_sizes=[2, 4, 8]))
-
-    @staticmethod
-    def save_load(m):
-        buf = io.BytesIO()
-        torch.save(m, buf)
-        buf.seek(0)
-        return torch.load(buf, weights_only=False)
+from torch_replay_shim import Scaled, TorchF
 
 
 @pytest.fixture
 def F():
-    return TorchF()
+    return TorchF("cpu")
 
 
 @pytest.fixture(params=[0, 1, pytest.param(2, marks=pytest.mark.inductor)], ids=lambda v: f"level{v}")
@@ -239,14 +24,14 @@ def graphs(request):
     return request.param
 
 
-# -- torch only ---------------------------------------------------------------------------------------
+# -- torch only (tests/gpu/test_gpu_replay_safety.py runs them on a device too) --------------------------
 @pytest.mark.parametrize("level", [0, 1], ids=["level0", "level1"])
-def test_autocast_is_part_of_what_a_replay_must_match(level, logs):
-    m, twin = pair(TorchF, Scaled, level)
-    capture(m, lambda n: TorchF.randn(n, HIDDEN, seed=n))
-    x = TorchF.randn(3, HIDDEN, seed=1)
+def test_autocast_is_part_of_what_a_replay_must_match(F, level, logs):
+    m, twin = pair(F, Scaled, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
     with torch.no_grad():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with F.autocast():
             out, ref = m(x), twin(x)
         assert out.dtype == ref.dtype == torch.bfloat16 and torch.equal(out, ref)
         assert torch.equal(m(x), twin(x)) and m(x).dtype == torch.float32
@@ -256,11 +41,11 @@ def test_autocast_is_part_of_what_a_replay_must_match(level, logs):
 
 
 @pytest.mark.parametrize("level", [0, 1], ids=["level0", "level1"])
-def test_a_capture_under_inference_mode_replays_under_no_grad(level):
-    m, twin = pair(TorchF, Scaled, level)
+def test_a_capture_under_inference_mode_replays_under_no_grad(F, level):
+    m, twin = pair(F, Scaled, level)
     with torch.inference_mode():
-        capture(m, lambda n: TorchF.randn(n, HIDDEN, seed=n))
-    x = TorchF.randn(3, HIDDEN, seed=1)
+        capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
     with torch.no_grad():
         out = m(x)
         assert torch.equal(out, twin(x))
@@ -269,3 +54,18 @@ def test_a_capture_under_inference_mode_replays_under_no_grad(level):
         assert torch.equal(m(x), twin(x))
     s = graph_opt.stats(m)
     assert s.replays == 2 and s.replay_failures == 0 and s.disabled_reason is None
+
+
+def test_a_parameter_replaced_after_capture_is_never_replayed_stale_at_level_0(F, logs):
+    m, twin = pair(F, Scaled, 0)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    with torch.no_grad():
+        new = torch.nn.Parameter(torch.full_like(m.lin.weight, 0.25))
+        m.lin.weight = new
+        twin.lin.weight = torch.nn.Parameter(new.detach().clone())
+        assert torch.allclose(m(x), twin(x))
+        assert torch.allclose(m(x), twin(x))
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.fallback_reasons == {"replaced": 2}
+    assert len(warned(logs, "replaced by a new object")) == 1

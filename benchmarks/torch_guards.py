@@ -1,0 +1,203 @@
+"""What the checks before a replay cost per call, on the GPU (torch).
+
+    python -m graph_opt bench guards [--out results] [--smoke]
+
+Every replay checks the model's state (training flags, autocast; at level 0 the decorated model's
+attributes) and, at level >= 1, the framework's guards (Dynamo's guard manager). This measures the
+host time per call at batch 8 with and without them, on two models:
+
+- the benchmark decoder of torch_gpu.py (hidden 1024, 24 layers, bf16), full graph;
+- a Hugging Face GPT-2 LM head model (4 layers, hidden 256, random weights, input ids [8, 16]),
+  wrapped in a thin user module, full graph.
+
+Columns: a hand-written CUDA graph's replay() alone and copy_ + replay(); the plugin at levels 0, 1
+and 2 with guarded_replays true (the default) and false; at level 0 also with the model-state check
+stubbed out (measurement only). Host time is the median of alternating rounds (torch_gpu.host_us).
+Every plugin column's output is checked against the hand-written graph's first. --smoke runs the
+same code on CPU with simulated graphs and tiny sizes (no meaningful timings).
+
+Writes <out>/guards_bench.json and prints the table last.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+import graph_opt
+from graph_opt.decorator import state_of
+
+from .report import write_json
+from .torch_gpu import HandGraphs, build, host_us, make_kv
+
+BATCH = 8
+SIZES = [1, 2, 4, 8]
+
+
+class GPT2Serve(torch.nn.Module):
+    """A user's thin module around a Hugging Face GPT-2: input ids in, logits out."""
+
+    def __init__(self, layers=4, hidden=256, heads=4, vocab=1000, positions=64):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.lm = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
+                                             n_positions=positions, bos_token_id=0, eos_token_id=0))
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids, use_cache=False).logits
+
+
+GPT2Graphed = graph_opt.support_graph_optimization(type("GPT2Graphed", (GPT2Serve,), {}))
+
+
+class _HandGraph:
+    """One hand-written CUDA graph of a model's forward at one batch, from a static input (torch.cuda.graph)."""
+
+    def __init__(self, forward: Callable, x):
+        self.static = x.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(stream):
+            forward(self.static)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(self.graph, stream=stream):
+            self.out = forward(self.static)
+
+
+def _variants(make: Callable[[Optional[graph_opt.GraphOptConfig]], torch.nn.Module], make_inputs, smoke: bool):
+    """name -> a plugin model captured at SIZES, for each level and guard setting."""
+    models = {}
+    levels = [0, 1] if smoke else [0, 1, 2]
+    for level in levels:
+        for guarded in (True, False):
+            cfg = graph_opt.GraphOptConfig(graph_opt_level=level, cudagraph_capture_sizes=SIZES,
+                                           guarded_replays=guarded)
+            m = make(cfg)
+
+            def simulated():
+                return graph_opt.testing.simulate_cuda_graphs() if smoke else contextlib.nullcontext()
+
+            with simulated():
+                report = graph_opt.capture_model(m, make_inputs, progress=False)
+            if report.failed:
+                print(f"  L{level} guarded={guarded}: capture failed: {report.failed}", file=sys.stderr)
+                continue
+            if level == 0 and not guarded:
+                continue  # guarded_replays concerns level >= 1 only
+            models[f"L{level}" + ("" if guarded else " unguarded")] = m
+            if level == 0:
+                stubbed = make(cfg)
+                with simulated():
+                    graph_opt.capture_model(stubbed, make_inputs, progress=False)
+                state_of(stubbed).model_state.check = lambda: None  # measurement only
+                models["L0 no model-state check"] = stubbed
+    return models
+
+
+def measure(name: str, make, make_inputs, smoke: bool) -> Dict[str, float]:
+    x = make_inputs(BATCH)
+    eager = make(graph_opt.GraphOptConfig(use_cudagraph=False))
+    forward = type(eager).forward
+    fns: Dict[str, Callable] = {}
+    if not smoke:
+        hand = _HandGraph(lambda t: forward(eager, t), x)
+        fns["raw replay()"] = lambda t: hand.graph.replay()
+        fns["copy_ + replay()"] = lambda t: (hand.static.copy_(t), hand.graph.replay())
+        with torch.no_grad():
+            hand.graph.replay()
+            reference = hand.out.clone()
+    else:
+        with torch.no_grad():
+            reference = forward(eager, x)
+    for label, m in _variants(make, make_inputs, smoke).items():
+        with torch.no_grad():
+            out = m(x)
+        level = state_of(m).config.graph_opt_level
+        ok = torch.equal(out, reference) if level < 2 else torch.allclose(out.float(), reference.float(), 2e-2, 2e-2)
+        if not ok:
+            raise AssertionError(f"{name} {label}: output differs from the hand-written graph's")
+        if graph_opt.stats(m).replays != 1:
+            raise AssertionError(f"{name} {label}: the call did not replay: {graph_opt.stats(m)}")
+        fns[label] = m
+    with torch.no_grad():
+        if smoke:
+            return {k: 0.0 for k in fns}
+        return host_us(fns, x)
+
+
+def decoder(smoke: bool):
+    device = "cpu" if smoke else "cuda"
+    dims = dict(hidden=64, heads=4, mlp=128) if smoke else {}
+    layers = 2 if smoke else 24
+    kv = make_kv(layers=layers, max_batch=8, device=device, **({"heads": 4, "hidden": 64} if smoke else {}))
+
+    def make(cfg):
+        if smoke:
+            torch.manual_seed(0)
+            from .torch_gpu import Decoder
+
+            m = Decoder(kv, graph_opt_config=cfg, **dims).to(dtype=torch.bfloat16).eval()
+            for layer, k, v in zip(m.layers, *kv):
+                layer.k_cache, layer.v_cache = k, v
+            return m
+        return build(cfg, kv)
+
+    hidden = dims.get("hidden", 1024)
+    return make, lambda n: torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=None)
+
+
+def gpt2(smoke: bool):
+    device = "cpu" if smoke else "cuda"
+
+    def make(cfg):
+        torch.manual_seed(0)
+        cls = GPT2Graphed if cfg.use_cudagraph else GPT2Serve
+        m = cls(graph_opt_config=cfg) if cls is GPT2Graphed else cls()
+        return m.to(device=device, dtype=torch.bfloat16).eval()
+
+    g = torch.Generator().manual_seed(0)
+    return make, lambda n: torch.randint(0, 1000, (n, 16), generator=g).to(device)
+
+
+def main(argv: Optional[List[str]] = None, prog: str = "python -m graph_opt bench guards") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--smoke", action="store_true", help="CPU, simulated graphs, tiny models: the code runs")
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("bench guards needs a CUDA device (or --smoke on CPU)", file=sys.stderr)
+        return 2
+    results = {}
+    models = {"decoder": decoder}
+    try:
+        import transformers  # noqa: F401
+
+        models["hf-gpt2"] = gpt2
+    except ImportError:
+        print("transformers is not installed: the GPT-2 rows are skipped", file=sys.stderr)
+    for name, builder in models.items():
+        make, make_inputs = builder(args.smoke)
+        results[name] = measure(name, make, make_inputs, args.smoke)
+    if not args.smoke:
+        write_json(f"{args.out}/guards_bench.json", {"batch": BATCH, "host_us": results,
+                                                      "device": torch.cuda.get_device_name()})
+    print(f"host us per call at batch {BATCH} (median):")
+    for name, row in results.items():
+        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
+        for level in (1, 2):
+            a, b = row.get(f"L{level}"), row.get(f"L{level} unguarded")
+            if a is not None and b is not None:
+                print(f"    level {level}: Dynamo's guards cost {a - b:+.1f} us per call")
+        a, b = row.get("L0"), row.get("L0 no model-state check")
+        if a is not None and b is not None:
+            print(f"    level 0: the model-state check costs {a - b:+.1f} us per call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

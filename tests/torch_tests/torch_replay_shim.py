@@ -1,0 +1,233 @@
+"""The torch shim of tests/replay_safety_kit.py: the models of its cases and the tensor operations
+it uses, on CPU with simulated graphs or on a CUDA device with real graphs."""
+import contextlib
+import io
+import types
+
+import torch
+
+import graph_opt
+from replay_safety_kit import HIDDEN
+
+GLOBAL_SCALE = 1.0  # read by ScaledByGlobal.forward
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return self.lin(x) / self.temperature
+
+
+class ScaledByGlobal(Scaled):
+    def forward(self, x):
+        return self.lin(x) * GLOBAL_SCALE
+
+
+class OptionalBias(Scaled):
+    def __init__(self):
+        super().__init__()
+        self.extra = None
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.extra is not None:
+            y = y + self.extra
+        return y
+
+
+class Mode(torch.nn.Module):
+    def forward(self, x):
+        return x * 2.0 if self.training else x - 1.0
+
+
+class ModeSwitch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.inner = Mode()
+
+    def forward(self, x):
+        return self.inner(self.lin(x))
+
+
+class BatchInDim1(torch.nn.Module):
+    """x is [6, batch]: the batch is dim 1 of the input and of output y; w has no batch dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 6).unsqueeze(1))
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return {"y": torch.tanh(x) * self.scale, "w": self.lin.weight * 2.0}
+
+
+class CountsRows(Scaled):
+    def forward(self, x):
+        return {"y": self.lin(x), "n_rows": x.shape[0]}
+
+
+class Scales(Scaled):
+    def forward(self, x, scale, shift):
+        return {"scaled": x.argmax(-1) * scale, "inverse": 1.0 / ((x.abs() + 1.0) * shift)}
+
+
+class WritesInput(Scaled):
+    def forward(self, x):
+        x.add_(1.0)
+        return self.lin(x)
+
+
+class KVCache(torch.nn.Module):
+    """A KV-cache-style write at the rows' positions, then a read of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("cache", torch.zeros(16, HIDDEN))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(0, pos, self.lin(x))
+        return self.cache.index_select(0, pos) * 2.0
+
+
+class BatchMean(Scaled):
+    def forward(self, x):
+        return self.lin(x - x.mean(0, keepdim=True))
+
+
+class Positions(Scaled):
+    def forward(self, x):
+        return {"y": self.lin(x), "pos": torch.arange(4, device=x.device).expand(x.shape[0], -1)}
+
+
+class Square(Scaled):
+    def forward(self, x):
+        return self.lin(x) + x.sum(0)
+
+
+@graph_opt.support_graph_optimization
+class Picklable(Scaled):
+    """Defined at module level: pickling needs the class importable."""
+
+
+MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+                               ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
+                               WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
+                               Square=Square)
+
+
+class TorchF:
+    static_writes_inputs = True  # Dynamo's graphs write a mutated input back
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+        self.simulate = self.device.type != "cuda"
+
+    def graphs(self):
+        """Where captures happen: simulated graphs on CPU, real ones on a CUDA device."""
+        return graph_opt.testing.simulate_cuda_graphs() if self.simulate else contextlib.nullcontext()
+
+    def place(self, model):
+        return model.to(self.device)
+
+    @staticmethod
+    def models():
+        return MODELS
+
+    @staticmethod
+    def seed(n):
+        torch.manual_seed(n)
+
+    @staticmethod
+    def copy_weights(dst, src):
+        dst.load_state_dict(src.state_dict())
+
+    def randn(self, *shape, seed=0):
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(self.device)
+
+    def arange(self, n, start=0):
+        return torch.arange(start, start + n, device=self.device)
+
+    def parameter(self, shape, value):
+        return torch.nn.Parameter(torch.full(shape, value, device=self.device))
+
+    @staticmethod
+    def no_grad():
+        return torch.no_grad()
+
+    @staticmethod
+    def equal(a, b):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+    @staticmethod
+    def close(a, b):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+    @staticmethod
+    def same_with_nan(a, b):
+        return a.shape == b.shape and torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+
+    @staticmethod
+    def shape(t):
+        return list(t.shape)
+
+    @staticmethod
+    def dtype_name(t):
+        return str(t.dtype).replace("torch.", "")
+
+    @staticmethod
+    def clone(t):
+        return t.clone()
+
+    @staticmethod
+    def scale(t, k):
+        return t * k
+
+    @staticmethod
+    def pre_hook(model, fn):
+        model.register_forward_pre_hook(lambda mod, args: fn(args))
+
+    @staticmethod
+    def post_hook(model, fn):
+        model.register_forward_hook(lambda mod, args, out: fn(out))
+
+    @staticmethod
+    def zero_buffer(t):
+        t.zero_()
+
+    @staticmethod
+    def rows(t, start, stop):
+        return t[start:stop]
+
+    @staticmethod
+    def tolist(t):
+        return t.tolist()
+
+    @staticmethod
+    def transpose(t):
+        return t.t()
+
+    @staticmethod
+    def set_global_scale(value):
+        global GLOBAL_SCALE
+        GLOBAL_SCALE = value
+
+    def picklable_model(self, level):
+        torch.manual_seed(0)
+        return Picklable(graph_opt_config=graph_opt.GraphOptConfig(
+            graph_opt_level=level, cudagraph_capture_sizes=[2, 4, 8])).to(self.device)
+
+    @staticmethod
+    def save_load(m):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
