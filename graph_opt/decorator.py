@@ -345,6 +345,8 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
 
 def state_of(model) -> GraphOptState:
     state = getattr(model, "__dict__", {}).get(_STATE_ATTR)
+    if state is not None and state.model is not model:
+        state = _state_for_call(model)  # a shallow copy: its own state, not the original's
     if state is None:
         raise TypeError(
             f"{type(model).__name__} is not graph-optimized: decorate its class with @graph_opt.support_graph_optimization "

@@ -4,7 +4,9 @@ A graph replays the kernels its capture recorded; it does not run Python. So a r
 while the Python state the forward read at capture is unchanged. What is checked, at every level:
 
 - the training flag of the model and of every submodule: no level replays a graph captured in the
-  other mode (dropout, batch norm);
+  other mode (dropout, batch norm). Every submodule's flag is read again only after a call of
+  train() / eval() anywhere (the adapter counts them; a replay compares one integer) or when the
+  model's own flag changed: set submodule flags with train() / eval(), not by assigning `training`;
 - the ambient mode the framework computes in: autocast (torch) / auto_cast (Paddle) and its dtype;
 - level 0 only: parameters, buffers and submodules replaced by new objects (torch: its registration
   hooks bump a counter, so a replay compares one integer); and every attribute of the decorated model
@@ -50,6 +52,10 @@ class ModelState:
         self.modules: List[Tuple[str, dict]] = []
         self.dicts: List[dict] = []
         self.flags: List[bool] = []
+        self.root: dict = {}
+        self.modes: List[int] = [0]
+        self.mode_changes = -1
+        self.registered: List[int] = [0]
         self.ambient: Any = None
         self.registrations = -1
         self.tensor_ids: Optional[Tuple[int, ...]] = None
@@ -64,8 +70,13 @@ class ModelState:
         self.modules = adapter.module_dicts(self.model)
         self.dicts = [d for _, d in self.modules]
         self.flags = list(map(_training, self.dicts))
+        self.root = self.dicts[0]
+        self.modes = adapter.mode_counter()
+        self.mode_changes = self.modes[0]
         self.ambient = adapter.ambient()
-        self.registrations = adapter.registration_count()
+        self.ambient_now = adapter.ambient
+        self.registered = adapter.registration_counter()
+        self.registrations = self.registered[0]
         self.tensor_ids = adapter.module_tensor_ids(self.model)
         self.stale = None
         self.original.clear()
@@ -109,14 +120,16 @@ class ModelState:
             return self.stale
         if self.changed:
             return self._changed_attributes()
-        if list(map(_training, self.dicts)) != self.flags:  # one C-level pass: ~0.5 us for 60 modules
-            return self._training_changed()
-        adapter = self.adapter
-        ambient = adapter.ambient()
+        if self.modes[0] != self.mode_changes or self.root["training"] is not self.flags[0]:
+            if list(map(_training, self.dicts)) != self.flags:  # one C-level pass: ~30 ns a module
+                return self._training_changed()
+            self.mode_changes = self.modes[0]
+        ambient = self.ambient_now()
         if ambient != self.ambient:
-            return ("ambient", f"the call runs under {adapter.describe_ambient(ambient)}; the graphs were captured "
-                               f"under {adapter.describe_ambient(self.ambient)}")
-        if self.watch_attributes and self.registrations != adapter.registration_count():
+            describe = self.adapter.describe_ambient
+            return ("ambient", f"the call runs under {describe(ambient)}; the graphs were captured under "
+                               f"{describe(self.ambient)}")
+        if self.watch_attributes and self.registered[0] != self.registrations:
             return self._registrations_changed()
         return None
 
@@ -138,7 +151,7 @@ class ModelState:
     def _registrations_changed(self) -> Optional[Tuple[str, str]]:
         adapter = self.adapter
         if adapter.module_tensor_ids(self.model) == self.tensor_ids:
-            self.registrations = adapter.registration_count()  # a registration elsewhere
+            self.registrations = self.registered[0]  # a registration elsewhere
             return None
         self.stale = ("replaced", "a parameter, buffer or submodule of the model was replaced by a new object since "
                       "capture; the graphs read the old one. clear_graphs() and capture_model() capture the new one")

@@ -164,8 +164,13 @@ class PaddleAdapter:
         """Attributes Layer keeps for itself (_built, hooks, training): not the model's state a replay checks."""
         return frozenset(paddle.nn.Layer().__dict__)
 
-    def registration_count(self) -> int:
-        return 0  # Paddle has no registration hooks: a replaced sublayer parameter is the user's contract
+    def registration_counter(self) -> list:
+        return _NO_REGISTRATIONS  # no registration hooks in Paddle: a replaced sublayer parameter is the user's contract
+
+    def mode_counter(self) -> list:
+        """[count] that Layer.train() and Layer.eval() bump, process-wide (see the torch adapter's)."""
+        _install_mode_counter()
+        return _mode_changes
 
     def named_buffers(self, model):
         return list(model.named_buffers())
@@ -278,6 +283,26 @@ class PaddleAdapter:
     def release_memory(self) -> None:
         if self.graphs_supported():
             paddle.device.cuda.empty_cache()
+
+
+_NO_REGISTRATIONS = [0]
+_mode_changes = [0]  # calls of Layer.train / eval in this process
+_mode_counter_installed = False
+
+
+def _install_mode_counter() -> None:
+    global _mode_counter_installed
+    if _mode_counter_installed:
+        return
+    for name in ("train", "eval"):
+        method = getattr(paddle.nn.Layer, name)
+
+        def counted(self, *args, _method=method, **kwargs):
+            _mode_changes[0] += 1
+            return _method(self, *args, **kwargs)
+
+        setattr(paddle.nn.Layer, name, functools.wraps(method)(counted))
+    _mode_counter_installed = True
 
 
 ADAPTER = PaddleAdapter()

@@ -174,9 +174,16 @@ class TorchAdapter:
         """Attributes nn.Module keeps for itself (hooks, training): not the model's state a replay checks."""
         return frozenset(torch.nn.Module().__dict__)
 
-    def registration_count(self) -> int:
+    def registration_counter(self) -> list:
+        """[count] that parameter, buffer and submodule registrations bump, process-wide."""
         _install_registration_hooks()
-        return _registrations[0]
+        return _registrations
+
+    def mode_counter(self) -> list:
+        """[count] that Module.train() (and so eval()) bumps, process-wide: a replay compares one integer
+        and looks at every submodule's training flag only after a change."""
+        _install_mode_counter()
+        return _mode_changes
 
     def named_buffers(self, model):
         return list(model.named_buffers())
@@ -353,6 +360,25 @@ def _install_registration_hooks() -> None:
     _module_mod.register_module_buffer_registration_hook(bump)
     _module_mod.register_module_module_registration_hook(bump)
     _hooks_installed = True
+
+
+_mode_changes = [0]  # calls of nn.Module.train / eval in this process
+_mode_counter_installed = False
+
+
+def _install_mode_counter() -> None:
+    global _mode_counter_installed
+    if _mode_counter_installed:
+        return
+    train = torch.nn.Module.train
+
+    @functools.wraps(train)
+    def counted_train(self, mode=True):
+        _mode_changes[0] += 1
+        return train(self, mode)
+
+    torch.nn.Module.train = counted_train
+    _mode_counter_installed = True
 
 
 def _alias(t, device):
