@@ -18,7 +18,7 @@ mount_checkout_folders()  # graph_opt.backends / graph_opt.benchmarks from a pla
 from . import testing  # noqa: E402
 from .config import GraphOptConfig, load_config
 from .decorator import capture_model, clear_graphs, stats, support_graph_optimization
-from .errors import CaptureError, GraphOptConfigError, GraphOptError, GraphOptInputError, ReplayDivergence
+from .errors import CaptureError, GraphOptConfigError, GraphOptError, GraphOptInputError, GuardFailed, ReplayDivergence
 from .guards import (
     capture_custom_allreduce,
     in_sot_warmup_mode,
@@ -64,4 +64,5 @@ __all__ = [
     "GraphOptInputError",
     "CaptureError",
     "ReplayDivergence",
+    "GuardFailed",
 ]

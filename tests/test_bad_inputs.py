@@ -47,7 +47,7 @@ class Fw:
     def numpy(self, t):
         return t.detach().numpy() if self.name == "torch" else t.numpy()
 
-    def model_class(self, two=False, dims=None):
+    def model_class(self, two=False, dims=None, pad_values=None):
         """A fresh decorated class per row: the decorator patches the class it is given."""
         Base, Linear = self.Base, self.Linear
 
@@ -71,9 +71,9 @@ class Fw:
                     return self.lin(x) * 2.0
 
             cls = One
-        if dims is None:
+        if dims is None and pad_values is None:
             return graph_opt.support_graph_optimization(cls)
-        return graph_opt.support_graph_optimization(dynamic_arg_dims=dims)(cls)
+        return graph_opt.support_graph_optimization(dynamic_arg_dims=dims, pad_values=pad_values)(cls)
 
     def model(self, two=False, dims=None, **cfg):
         return self.model_class(two, dims)(graph_opt_config=dict(cudagraph_capture_sizes=SIZES, **cfg))
@@ -273,6 +273,12 @@ for fw in ("torch", "paddle"):
     row(f"{fw}-dims-out-of-range-at-call", fw,
         lambda c: c.fw.model(dims={"x": 5})(c.fw.randn(2, HIDDEN)), GraphOptConfigError,
         "dynamic_arg_dims['x']=5 is out of range for argument 'x' of shape [2, 4]", "must be in -2..1")
+    row(f"{fw}-pad-values-unknown-argument", fw, lambda c: c.fw.model_class(pad_values={"slots": -1}),
+        GraphOptConfigError, "pad_values key 'slots' is not an argument of", "its arguments are x")
+    row(f"{fw}-pad-values-not-a-number", fw, lambda c: c.fw.model_class(pad_values={"x": "-1"}),
+        GraphOptConfigError, "pad_values['x']='-1'", "expected a number (an int, float or bool)")
+    row(f"{fw}-pad-values-not-a-dict", fw, lambda c: c.fw.model_class(pad_values=[-1]),
+        GraphOptConfigError, "pad_values=[-1]", "a non-empty dict of forward argument name -> the number")
     row(f"{fw}-graph-opt-config-int", fw, lambda c: c.fw.model_class()(graph_opt_config=42), GraphOptConfigError,
         "graph_opt_config must be", "a GraphOptConfig, a dict or a YAML path, got int")
     # capture_model misuse
