@@ -705,14 +705,15 @@ class GraphRunner:
                     # The output copies into a larger size's storage and the host copies become the last
                     # nodes of the forward's own graph: one launch per step.
                     if host is not None and warm is not None:
-                        copies = host.copies_for_size(adapter, warm, padded)
+                        copies = host.copies_for_size(adapter, warm, padded, self._batch_dims(sig, warm, padded))
                     captured = self.strategy.capture(args, kwargs, padded, sig, self.pool,
                                                      tail=copies.tail if copies is not None else None,
                                                      share=output_sharing.for_size(adapter, sig, padded))
                 else:
                     captured = self.strategy.capture(args, kwargs, padded, sig, self.pool)
                     if host is not None and captured.stable_outputs:
-                        copies = host.copies_for_size(adapter, captured.outputs, padded)
+                        copies = host.copies_for_size(adapter, captured.outputs, padded,
+                                                      self._batch_dims(sig, captured.outputs, padded))
                         if copies is not None:
                             self._capture_tail(captured, copies)
                 mutated |= {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
@@ -747,6 +748,14 @@ class GraphRunner:
         if memory is not None:
             self.memory_bytes = (self.memory_bytes or 0) + memory
         return entry
+
+    def _batch_dims(self, sig: Signature, outputs, padded: int) -> list:
+        """Each output leaf's batch dimension: learned (output_layout), or before that, dim 0 where it
+        has the padded size (the first size of a forward the probes could not run)."""
+        if sig.layout.known:
+            return sig.layout.dims
+        leaves = flatten(outputs, self.adapter.is_tensor)[0]
+        return [0 if len(self.adapter.shape(t)) and self.adapter.shape(t)[0] == padded else None for t in leaves]
 
     def _check_writes_kept(self, sig: Signature) -> None:
         """CaptureError where the plain forward writes an argument or a buffer in place and the captured
@@ -1081,7 +1090,8 @@ class EagerStrategy:
                         if kept is not None:
                             share.copy(out, kept)
                         if tail is not None:
-                            tail(kept if kept is not None else out)
+                            # as a real graph's tail reads them: the shared rows, and this run's other outputs
+                            tail(share.merged(out, kept) if kept is not None else out)
                         return out
 
         graph = HostGraph(self.adapter, rerun, out_leaves)

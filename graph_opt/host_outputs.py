@@ -228,12 +228,16 @@ class HostOutputs:
         self.streamed += 1
         return self.replace(out, futures)
 
-    def copies_for_size(self, adapter, outputs, padded: int) -> Optional["SizeCopies"]:
-        """The in-graph copies of one captured size, or None where they cannot be made (see GraphCopies)."""
+    def copies_for_size(self, adapter, outputs, padded: int, batch_dims) -> Optional["SizeCopies"]:
+        """The in-graph copies of one captured size, or None where they cannot be made (see GraphCopies).
+        batch_dims: the batch dimension of each tensor leaf of `outputs` (output_layout), None for none."""
         leaves = self.leaves(adapter, outputs)
         if self.in_graph is None:
             self.in_graph = GraphCopies(self, adapter, leaves[0])
-        return self.in_graph.for_size(leaves, padded)
+        index = {id(t): i for i, t in enumerate(flatten(outputs, adapter.is_tensor)[0])}
+        dims = [batch_dims[index[id(t)]] if index.get(id(t), len(batch_dims)) < len(batch_dims) else None
+                for t in leaves]
+        return self.in_graph.for_size(leaves, padded, dims)
 
     @property
     def copies_in_graph(self) -> int:
@@ -255,26 +259,27 @@ class GraphCopies:
         self.events = [adapter.new_event(like) for _ in range(self.depth)]  # None without a device
         self.rings: Dict[Any, Tuple[Any, Any, int]] = {}  # leaf key -> (pinned ring, device view, rows)
 
-    def for_size(self, leaves, padded: int) -> Optional["SizeCopies"]:
+    def for_size(self, leaves, padded: int, dims) -> Optional["SizeCopies"]:
+        """dims: each leaf's batch dimension, None where it has none (returned whole)."""
         adapter = self.adapter
-        targets, hosts, batch_major = [], [], []
-        for i, leaf in enumerate(leaves):
+        targets, hosts = [], []
+        for i, (leaf, dim) in enumerate(zip(leaves, dims)):
             shape = list(adapter.shape(leaf))
-            major = len(shape) > 0 and shape[0] == padded
-            key = (i, major, tuple(shape[1:]) if major else tuple(shape), adapter.layout(leaf))
+            other = tuple(n for d, n in enumerate(shape) if d != dim)
+            key = (i, dim, other, adapter.layout(leaf))
             ring = self.rings.get(key)
-            if ring is None or (major and ring[2] < padded):
+            if ring is None or (dim is not None and ring[2] < padded):
                 pinned = adapter.pinned_like_ring(leaf, self.depth)
                 device = adapter.host_slots(pinned, leaf)
                 if device is None:
                     return None
-                ring = self.rings[key] = (pinned, device, shape[0] if major else 0)
+                ring = self.rings[key] = (pinned, device, shape[dim] if dim is not None else 0)
             pinned, device, _ = ring
-            targets.append(adapter.narrow(device, 1, padded) if major else device)
-            hosts.append([adapter.narrow(adapter.select(pinned, s), 0, padded) if major else adapter.select(pinned, s)
-                          for s in range(self.depth)])
-            batch_major.append(major)
-        return SizeCopies(self, targets, hosts, batch_major, [list(adapter.shape(t)) for t in leaves])
+            # the ring is [depth, *leaf's shape]: the leaf's dim is the ring's dim + 1
+            targets.append(adapter.narrow(device, dim + 1, padded) if dim is not None else device)
+            hosts.append([adapter.narrow(adapter.select(pinned, s), dim, padded) if dim is not None
+                          else adapter.select(pinned, s) for s in range(self.depth)])
+        return SizeCopies(self, targets, hosts, list(dims), [list(adapter.shape(t)) for t in leaves])
 
     def check_slot(self) -> None:
         for ref in self.holders[self.slot]:
@@ -290,11 +295,11 @@ class GraphCopies:
 class SizeCopies:
     """The copies one captured size's graph ends with, and the futures a replay of it hands out."""
 
-    def __init__(self, owner: GraphCopies, targets, hosts, batch_major, shapes):
+    def __init__(self, owner: GraphCopies, targets, hosts, dims, shapes):
         self.owner = owner
         self.targets = targets  # device views of the rings, [depth, padded rows, ...] per leaf
         self.hosts = hosts  # per leaf, per slot: the pinned rows this size writes
-        self.batch_major = batch_major
+        self.dims = dims  # per leaf: its batch dimension (cut to the real rows), or None
         self.shapes = shapes
         self.views: Dict[Tuple[int, int], list] = {}  # (slot, real rows) -> [(pinned rows, numpy view)]
 
@@ -323,8 +328,8 @@ class SizeCopies:
         if views is None:
             views = self.views[(slot, real)] = [
                 (t, adapter.host_view(t)) for t in
-                (adapter.narrow(rows[slot], 0, real) if major else rows[slot]
-                 for rows, major in zip(self.hosts, self.batch_major))]
+                (adapter.narrow(rows[slot], dim, real) if dim is not None else rows[slot]
+                 for rows, dim in zip(self.hosts, self.dims))]
         futures = [HostFuture(adapter, TENSOR, [pair], event, None) for pair in views]
         owner.holders[slot] = tuple(weakref.ref(f) for f in futures)
         owner.slot = (slot + 1) % owner.depth

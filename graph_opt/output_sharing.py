@@ -59,6 +59,14 @@ class SharedOutputs:
                 copy_(dst, src)
 
 
+    def merged(self, outputs, redirected):
+        """`outputs` with each leaf redirect() moved replaced by where it moved."""
+        leaves, spec = flatten(outputs, self.adapter.is_tensor)
+        moved = flatten(redirected, self.adapter.is_tensor)[0]
+        return unflatten(spec, [dst if shared else src for src, dst, shared in zip(leaves, moved, self.shared)],
+                         template=outputs)
+
+
 def for_size(adapter, sig, padded: int) -> Optional[SharedOutputs]:
     """The sharing for a new size `padded` of a signature (cudagraph.Signature): into the largest size
     captured above it, or None where there is none. Only outputs whose batch dimension is dim 0

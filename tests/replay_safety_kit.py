@@ -276,6 +276,20 @@ def test_a_broadcast_output_replays_at_every_size(F, M, level, logs):
     assert s.replays == 5 and s.replay_failures == 0 and s.disabled_reason is None
 
 
+def test_host_outputs_are_cut_on_their_learned_batch_dimension(F, M, level):
+    m, twin = pair(F, M.HostShapes, level, host_outputs=["fixed", "by_column"])
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.no_grad():
+        for real in (3, 8, 5):
+            x = F.randn(real, HIDDEN, seed=real)
+            out, ref = m(x), twin(x)
+            fixed, by_column = out["fixed"].result(), out["by_column"].result()
+            assert fixed.shape == (8,), "an output of 8 values at batch 8 is not batch-major"
+            assert by_column.shape == (6, real)
+            assert (fixed == F.numpy(ref["fixed"])).all() and (by_column == F.numpy(ref["by_column"])).all()
+    assert graph_opt.stats(m).replays == 3
+
+
 # -- 12. Copies of a decorated model --------------------------------------------------------------------------
 def test_deepcopy_and_pickle_give_a_working_model_without_graphs(F, level):
     m = F.picklable_model(level)

@@ -112,6 +112,17 @@ class Square(Scaled):
         return self.lin(x) + x.sum(0)
 
 
+class HostShapes(Scaled):
+    """Outputs read on the host: 8 values whatever the batch, and one with the batch in dim 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", paddle.arange(8, dtype="float32"))
+
+    def forward(self, x):
+        return {"y": self.lin(x), "fixed": self.table * 2.0, "by_column": paddle.tanh(x).t()[:6]}
+
+
 @graph_opt.support_graph_optimization
 class Picklable(Scaled):
     """Defined at module level: pickling needs the class importable."""
@@ -120,7 +131,7 @@ class Picklable(Scaled):
 MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
-                               Square=Square)
+                               Square=Square, HostShapes=HostShapes)
 
 
 class PaddleF:
@@ -211,6 +222,10 @@ class PaddleF:
     @staticmethod
     def rows(t, start, stop):
         return t[start:stop]
+
+    @staticmethod
+    def numpy(t):
+        return t.numpy()
 
     @staticmethod
     def tolist(t):
