@@ -1,19 +1,21 @@
-"""Checks made once per call structure, at its first capture, by running the plain forward a few times.
+"""After each size is captured: its replay of the smallest call it serves, against eager on those rows.
 
-- Which dimension of each output is the batch (output_layout): the forward runs on the capture inputs
-  cut to another number of rows, and its outputs are compared with those at the padded size.
-- Which arguments the plain forward writes in place (their version counters): a static path that
-  does not write them back (Paddle's SOT: "not support input out tensor") cannot replay such a forward.
-- Whether real rows depend on the padding rows: the forward runs twice at the padded size with the
-  last row as padding, once holding the pad values and once a copy of row 0 (valid data, so index
-  arguments stay in range). A row-independent forward gives the same real rows both times; one with
-  a batch statistic or attention across the batch does not, and a replay at that size would then
-  answer a smaller call with other values than eager: one warning names the output.
+A captured size p answers every call of q..p rows (q: one more than the next smaller captured size),
+by running the forward on p rows and cutting the outputs. That equals eager on q rows only where the
+forward is row-independent and does not branch on the batch size. So right after capturing p, the
+runner runs the plain forward on q rows of the capture inputs, replays p for the same q rows as a call
+would (copied in, padding rows holding the pad values, cut), and compares. Where they differ (a batch
+statistic, attention across the batch, `if x.shape[0] > 4`), calls of a size that is not captured run
+without graphs from then on, with one warning naming the output: never a replay that differs from eager.
 
-These runs are eager warmups with the capture inputs: like every warmup they have the forward's side
-effects (a KV-cache write), and they run inside the capture phase (no_grad, is_capturing() true). A
-forward that raises in them is not a capture failure: the check is skipped and logged, and the output
-layout is learned from the next captured size instead.
+The same eager run gives the output layout its second batch size (output_layout: which dimension of
+each output is the batch), and says which arguments and model buffers the plain forward writes in
+place (compared with what the captured path writes: Paddle's SOT drops such writes).
+
+These runs are warmups with the capture inputs: they have the forward's side effects (a KV-cache
+write), and the eager one runs inside the capture phase, on the branch the graph records. A forward that raises in them is not
+a capture failure: the check is skipped and logged, and only calls of a captured size replay until
+another size teaches the layout.
 """
 from __future__ import annotations
 
@@ -25,37 +27,99 @@ from .pytree import TENSOR, flatten, leaf_paths, unflatten
 
 logger = logging.getLogger("graph_opt")
 
-_RELATIVE_TOLERANCE = 1e-5  # real rows that differ by more, relative to the output's magnitude, depend on padding
+_ULPS = 8  # real rows may differ by this many units in the last place of the largest value: other kernels
+_FUSED = 10  # level 2's fused kernels round otherwise again
 
 
-def probe(runner, sig, padded: int, static: List, leaves: List) -> None:
-    """Learn sig's output layout and check row independence (see the module doc). Leaves the static
-    buffers changed: the caller copies the capture inputs in again."""
+def smallest_call(runner, padded: int) -> int:
+    """The fewest rows a call replaying `padded` has: one more than the next smaller captured size."""
+    return max((s for s in runner.table.sizes if s < padded), default=0) + 1
+
+
+def expect(runner, sig, static: List, leaves: List, padded: int, warm=None):
+    """Inside the capture phase, before the capture (on the branch the graph records): the plain
+    forward on the smallest call's rows of the capture inputs, cloned; None where there is nothing to
+    compare. Also teaches the output layout its two sizes: `padded` from `warm`, the warmup's outputs
+    (or an eager run where the strategy's warmup returns none)."""
     adapter = runner.adapter
-    copied = runner.config.cudagraph_copy_inputs  # without copies the buffers are the caller's: not written
+    rows = smallest_call(runner, padded)
     try:
-        if padded >= 2 and copied:
-            first, second = _padding_runs(runner, sig, padded, static, leaves)
-            sig.observe(output_layout.observe(adapter, first, padded))
-        other = padded - 1 if padded >= 2 else (2 if copied and runner.max_size >= 2 else None)
-        if other is not None:
-            source = static if other < padded else sig.buffers
-            rows = [t if d is None else adapter.narrow(t, d, other) for t, d in zip(source, sig.dims)]
-            sig.observe(output_layout.observe(adapter, _run(runner, sig, rows), other))
-    except Exception as exc:  # the forward cannot run these inputs: learn from the next size instead
-        logger.info("%s: the forward could not run the capture inputs with another number of rows (%s: %s); "
-                    "the outputs' batch dimensions are learned from the next captured size", runner.name,
-                    type(exc).__name__, exc)
+        if not sig.layout.known:
+            at_padded = warm if warm is not None else _run(runner, sig, static)
+            sig.observe(output_layout.observe(adapter, at_padded, padded))
+        if rows >= padded:  # only calls of exactly `padded` rows replay it
+            if not sig.layout.known:
+                _observe_other_size(runner, sig, static, padded)
+            return None
+        small = [t if d is None else adapter.narrow(t, d, rows) for t, d in zip(leaves, sig.dims)]
+        runner._copy_in(sig, static, small, padded)
+        own = [t if d is None else adapter.narrow(t, d, rows) for t, d in zip(static, sig.dims)]
+        expected = _clone(adapter, _run(runner, sig, own))
+    except Exception as exc:  # the forward cannot run these rows: learn from the next size instead
+        logger.info("%s: the forward could not run %d rows of the capture inputs (%s: %s); only calls of a "
+                    "captured size replay until another size is captured", runner.name, rows, type(exc).__name__,
+                    exc)
+        return None
+    sig.observe(output_layout.observe(adapter, expected, rows))
+    return expected
+
+
+def validate(runner, sig, entry, leaves: List, expected) -> None:
+    """After the capture phase: the replay of `entry` for the smallest call it serves, compared with
+    `expected` (see expect). Blocks calls of sizes that are not captured where they differ."""
+    from .cudagraph import _MISMATCH
+
+    if expected is None or not sig.layout.known or sig.layout.exact_only:
         return
-    if padded >= 2 and copied and sig.layout.known:
-        dependent = _row_dependent(adapter, sig.layout, first, second, padded - 1)
-        if dependent:
-            message = (f"the real rows of {', '.join(dependent)} depend on the padding rows (the same inputs with other "
-                       f"values in the padding rows gave other real rows at size {padded}): a call of fewer rows than "
-                       "a captured size gets other values than eager. Keep the forward row-independent (no batch "
-                       "statistics, no attention across the batch) or capture every batch size it is called with")
-            logger.warning("%s: %s", runner.name, message)
-            runner.capture_notes.append(message)
+    adapter = runner.adapter
+    padded = entry.padded_size
+    rows = smallest_call(runner, padded)
+    small = [t if d is None else adapter.narrow(t, d, rows) for t, d in zip(leaves, sig.dims)]
+    try:
+        with adapter.no_grad():  # as replays run
+            got = entry.run(adapter, small, rows)  # as a call of `rows` rows: copied in, padded, replayed, cut
+    except Exception as exc:  # the calls will meet it too (GraphRunner._replay_failed); padded ones need not
+        why = f"the replay of size {padded} for a call of {rows} rows raised {type(exc).__name__}: {exc}"
+        sig.block(why)
+        logger.warning("%s: %s; calls of a size that is not captured run without graphs", runner.name, why)
+        return
+    if got is _MISMATCH:
+        return
+    if entry.copies is not None:
+        entry.copies.owner.replays -= 1  # this check's replay is not a call: host_copies_in_graph counts calls
+        _read_futures(got)  # frees their ring slot for the calls to come
+    differing = _differing(adapter, got, expected, runner.config.graph_opt_level)
+    if differing:
+        why = (f"a replay of size {padded} for a call of {rows} rows gave other values than eager in "
+               f"{', '.join(differing)} (the forward reads other rows or branches on the batch size)")
+        sig.block(why)
+        message = (f"{why}: calls of a size that is not captured run without graphs. Keep the forward "
+                   "row-independent (no batch statistics, no attention across the batch, no branch on the "
+                   "batch size), or capture every batch size it is called with")
+        logger.warning("%s: %s", runner.name, message)
+        runner.capture_notes.append(message)
+
+
+def _read_futures(tree) -> None:
+    from .host_outputs import HostFuture
+
+    for _, leaf in leaf_paths(flatten(tree, lambda x: False)[1]):
+        value = getattr(leaf, "value", getattr(leaf, "obj", None))
+        if isinstance(value, HostFuture):
+            value.result()
+
+
+def _observe_other_size(runner, sig, static, padded: int) -> None:
+    """The outputs at one more size than `padded`, for the layout only (no replay compares there)."""
+    adapter = runner.adapter
+    if padded >= 2:
+        other, source = padded - 1, static
+    elif runner.config.cudagraph_copy_inputs and runner.max_size >= 2:
+        other, source = 2, sig.buffers  # the max-size buffers: rows past the first hold the pad values
+    else:
+        return
+    rows = [t if d is None else adapter.narrow(t, d, other) for t, d in zip(source, sig.dims)]
+    sig.observe(output_layout.observe(adapter, _run(runner, sig, rows), other))
 
 
 def _run(runner, sig, tensors):
@@ -76,43 +140,26 @@ def written(before, after) -> set:
     return {name for (name, v0), (_, v1) in zip(before, after) if v0 != v1}
 
 
-def _padding_runs(runner, sig, padded: int, static: List, leaves: List):
-    """Outputs (cloned) of the forward with the last row as padding: holding the pad values, then row 0.
-    Each run starts from the capture inputs (a forward may write its inputs)."""
-    adapter = runner.adapter
-    real = padded - 1
-    padding = sig.padding
-    runner._copy_in(sig, static, leaves, padded)
-    padding.touched(padded)
-    padding.wrote(real)  # the last row holds the pad values
-    first = _clone(adapter, _run(runner, sig, static))
-    runner._copy_in(sig, static, leaves, padded)
-    for t, d in zip(static, sig.dims):
-        if d is not None:
-            adapter.copy_(adapter.rows(t, d, real, padded), adapter.rows(t, d, 0, 1))
-    padding.touched(padded)
-    second = _clone(adapter, _run(runner, sig, static))
-    runner._copy_in(sig, static, leaves, padded)
-    return first, second
-
-
 def _clone(adapter, outputs):
     leaves, spec = flatten(outputs, adapter.is_tensor)
     return unflatten(spec, [adapter.clone(t) for t in leaves], template=outputs)
 
 
-def _row_dependent(adapter, layout, first, second, real: int) -> List[str]:
-    """Paths of outputs whose real rows differ between the two runs."""
-    a, spec = flatten(first, adapter.is_tensor)
-    b, _ = flatten(second, adapter.is_tensor)
-    paths = [p for p, kind in leaf_paths(spec) if kind is TENSOR]
-    uncut = set(layout.uncuttable)
+def _differing(adapter, got, expected, level: int) -> List[str]:
+    """Paths of tensor outputs where the replay's real rows and eager's differ by more than rounding
+    (host_outputs leaves, futures in `got`, are not compared)."""
+    mine = dict(p for p in zip(_paths(adapter, got), flatten(got, adapter.is_tensor)[0]))
     found = []
-    for path, x, y, dim in zip(paths, a, b, layout.dims):
-        if any(u.startswith(path + " ") for u in uncut):
+    for path, want in zip(_paths(adapter, expected), flatten(expected, adapter.is_tensor)[0]):
+        have = mine.get(path)
+        if have is None:
             continue
-        if dim is not None:
-            x, y = adapter.narrow(x, dim, real), adapter.narrow(y, dim, real)
-        if adapter.max_abs_diff(x, y) > _RELATIVE_TOLERANCE * max(1.0, adapter.max_abs(x)):
+        scale = max(1.0, adapter.max_abs(want))
+        tolerance = _ULPS * adapter.eps(want) * scale * (_FUSED if level >= 2 else 1)
+        if adapter.max_abs_diff(have, want) > tolerance:
             found.append(path)
     return found
+
+
+def _paths(adapter, tree) -> List[str]:
+    return [p for p, kind in leaf_paths(flatten(tree, adapter.is_tensor)[1]) if kind is TENSOR]

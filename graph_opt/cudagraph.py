@@ -11,6 +11,7 @@ translator. The runner does not care which: it trusts the strategy it is given.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import gc
 import itertools
@@ -33,6 +34,7 @@ from .testing import HostGraph, simulation_enabled
 logger = logging.getLogger("graph_opt")
 
 _MISMATCH = object()  # CapturedSize.run could not use its graph for these inputs
+_ALIASED = object()  # two arguments share memory and the forward writes one: separate static buffers differ
 REQUIRED = object()  # a forward parameter without default
 
 
@@ -65,6 +67,7 @@ class CapturedSize:
     memory_bytes: Optional[int]
     copies: Optional[SizeCopies] = None  # host_outputs copied by the graph itself
     views: Dict[int, tuple] = field(default_factory=dict)
+    pending_check: Optional[tuple] = None  # (capture inputs, eager's outputs) until finish_captures()
 
     def run(self, adapter, leaves: Sequence[Any], real: int):
         copies = self.copies
@@ -96,6 +99,8 @@ class CapturedSize:
                 if adapter.data_ptr(src) != ptr or adapter.shape(src) != shape or adapter.dtype(src) != dtype \
                         or adapter.stride(src) != stride:
                     return _MISMATCH
+        if sig.mutated and _aliased(adapter, leaves):
+            return _ALIASED
         fresh = self.captured.replay()
         if sig.mutated:
             self._write_back(adapter, sig, dsts, leaves)
@@ -158,7 +163,6 @@ class Signature:
         self.mutated: List[int] = []  # leaves the forward writes in place: written back after a replay
         self.observations: List[output_layout.Observation] = []  # outputs seen at each size
         self.layout = output_layout.OutputLayout()  # the outputs' batch dims, once seen at two sizes
-        self.probed = False  # capture_checks.probe ran for this signature
         self.eager_writes: set = set()  # leaves the plain forward writes in place (capture_checks)
         self.eager_buffer_writes: set = set()  # model buffers it writes in place
         self.static_buffer_writes: set = set()  # model buffers the captured path writes in place
@@ -194,10 +198,15 @@ class Signature:
         """Learn the output layout from one more size; cached replay views are cut anew if it changed."""
         self.observations.append(observation)
         layout = output_layout.learn(self.observations)
+        layout.blocked = self.layout.blocked
         if layout != self.layout:
             self.layout = layout
             for entry in self.entries.values():
                 entry.views.clear()
+
+    def block(self, why: str) -> None:
+        """From now on only calls of a captured size replay (capture_checks found padded calls differ)."""
+        self.layout.blocked.append(why)
 
 
 @contextlib.contextmanager
@@ -347,6 +356,10 @@ class GraphRunner:
             return self._fallback(args, kwargs, ("divergence", f"{exc}; this call runs without graphs"))
         except Exception as exc:
             return self._replay_failed(exc, padded, args, kwargs)
+        if out is _ALIASED:
+            return self._fallback(args, kwargs, ("aliased", "two tensor arguments share memory and the forward "
+                                                 "writes one of them in place: the graph reads them from separate "
+                                                 "buffers, so this call runs without graphs"))
         if out is _MISMATCH:
             # The slow path: a rank or dtype the graph cannot take is the caller's error; another
             # non-batch shape (or, without copied inputs, another address or strides) runs without graphs.
@@ -381,6 +394,10 @@ class GraphRunner:
             self.fallback_reasons[kind] = self.fallback_reasons.get(kind, 0) + 1
             self._warn_once(why[2] if len(why) > 2 else why[:2],
                             message if message.endswith("without graphs") else f"{message}; this call runs without graphs")
+            if kind in _EAGER_KINDS:
+                # The static path would not see these either: Paddle's SOT runs its programs on the
+                # parameters it traced with, and neither translator guards every hook.
+                return self.eager(*args, **kwargs)
         return self.strategy.run(args, kwargs)
 
     def _replay_failed(self, exc: Exception, padded: int, args, kwargs):
@@ -490,10 +507,32 @@ class GraphRunner:
         return self._disagreement(sig, leaves)
 
     # -- signatures --------------------------------------------------------------------------------
+    def _opaque_arguments(self, spec) -> List[str]:
+        """Level 0: non-tensor arguments that are objects a replay cannot check (a Hugging Face
+        DynamicCache, a user's state object): the graph bakes whatever the forward read from them at
+        capture, and they are compared by identity, so a call with the same object mutated would replay
+        stale. Plain values, containers, dataclasses, enums, functions and the framework's dtypes and
+        devices are fine. Level >= 1: the framework guards what the forward reads from them."""
+        if self.config.graph_opt_level != 0:
+            return []
+        value_types = self.adapter.value_types
+        found = []
+        for path, leaf in self._named_leaves(spec):
+            if leaf is TENSOR:
+                continue
+            value = getattr(leaf, "value", getattr(leaf, "obj", None))
+            if not isinstance(value, _PLAIN + value_types) and not callable(value):
+                found.append(f"{path} (a {type(value).__name__})")
+        return found
+
     def _refuse_lazy_signature(self, spec) -> Optional[Tuple[str, str]]:
         """Why a call with a structure or non-tensor value never seen before may not get graphs of its
         own at call time, or None. Replaying a graph captured with another value would be wrong; a
         graph per value without bound would capture (and hold static buffers) at every new value."""
+        opaque = self._opaque_arguments(spec)
+        if opaque:
+            return ("object_argument", f"{_opaque_message(opaque)}; these calls run without graphs",
+                    ("object_argument",))
         if self.capture_model_done and self.signatures:
             return ("new_signature", f"{self._new_values(spec)}: a call with a structure or non-tensor value not "
                     "seen at capture runs without graphs (capture_model() with inputs of that value captures it too)",
@@ -540,9 +579,22 @@ class GraphRunner:
         adapter = self.adapter
         layout = [(adapter.dtype(t), [None if i == d else n for i, n in enumerate(adapter.shape(t))])
                   for t, d in zip(leaves, dims)]
+        self._check_pad_values(spec, leaves, dims)
         sig = Signature(next(self._sig_numbers), spec, dims, (args, kwargs), layout, lazy=lazy)
         self.signatures[spec] = sig
         return sig
+
+    def _check_pad_values(self, spec, leaves, dims) -> None:
+        """GraphOptConfigError where a pad value does not fit its argument's dtype (1e20 in int64, -1.5)."""
+        if not self.pad_values:
+            return
+        for owner, leaf, dim in zip(tensor_leaf_owners(spec), leaves, dims):
+            name = self.arg_names[owner] if isinstance(owner, int) and owner < len(self.arg_names) else owner
+            value = self.pad_values.get(name)
+            if dim is not None and value is not None and not self.adapter.fits(value, self.adapter.dtype(leaf)):
+                raise GraphOptConfigError(
+                    f"{self.name}: pad_values[{name!r}]={value!r} does not fit argument {name!r} of dtype "
+                    f"{self.adapter.dtype(leaf)}; give a value that dtype holds exactly (e.g. -1 for an index)")
 
     def _dynamic_dims(self, spec, leaves) -> List[Optional[int]]:
         owners = tensor_leaf_owners(spec)
@@ -571,7 +623,9 @@ class GraphRunner:
     def capture(self, args, kwargs, size: int) -> CapturedSize:
         """Capture `size` for the call structure of (args, kwargs); inputs must have `size` rows."""
         sig, leaves = self.check_capture_inputs(args, kwargs, size)
-        return self.capture_checked(sig, leaves, size)
+        entry = self.capture_checked(sig, leaves, size)
+        self.finish_captures()
+        return entry
 
     def check_capture_inputs(self, args, kwargs, size: int):
         """(signature, tensor leaves) for capturing `size` from these inputs; GraphOptInputError (or
@@ -581,6 +635,9 @@ class GraphRunner:
         sig = self.signatures.get(spec)
         new = sig is None
         if new:
+            opaque = self._opaque_arguments(spec)
+            if opaque:
+                raise GraphOptInputError(f"{self.name}: make_inputs({size}) returned {_opaque_message(opaque)}")
             sig = self._new_signature(spec, leaves, args, kwargs)
         if sig is None:
             raise GraphOptInputError(
@@ -620,6 +677,7 @@ class GraphRunner:
         if error is not None or across_ranks is not None:
             self.capture_failed(error, padded, across_ranks)
             return None
+        self.finish_captures()
         self.counters.lazy_captures += 1
         return entry
 
@@ -627,6 +685,7 @@ class GraphRunner:
         """Drop every graph and run without them. across_ranks: why, when the ranks agreed on it
         (graph_opt.ranks); exc is then this rank's own error, or None where only a peer failed."""
         self.counters.capture_failures += 1
+        self.adapter.after_failed_capture()
         self.release()
         self.disabled_reason = across_ranks or f"capture of size {size} failed: {type(exc).__name__}: {exc}"
         logger.warning("%s: %s; running without graphs", self.name, self.disabled_reason)
@@ -692,12 +751,10 @@ class GraphRunner:
                     warm = self.strategy.warmup(args, kwargs, padded, sig)
                 mutated = {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
                 sig.static_buffer_writes |= capture_checks.written(buffers, self.model_state.buffer_versions())
-                if not sig.probed:
-                    # Once per call structure: which output dimension is the batch, and whether real
-                    # rows depend on the padding rows (capture_checks).
-                    sig.probed = True
-                    capture_checks.probe(self, sig, padded, static, leaves)
-                    self._copy_in(sig, static, leaves, padded)
+                # Before the capture, so that the first size already knows its outputs' batch dims
+                # (output sharing and host_outputs rings use them), and on the capture's branch.
+                expected = capture_checks.expect(self, sig, static, leaves, padded, warm)
+                self._copy_in(sig, static, leaves, padded)
                 versions = [adapter.version(t) for t in static]
                 buffers = self.model_state.buffer_versions()
                 folds = getattr(self.strategy, "folds_tail", False)
@@ -719,6 +776,7 @@ class GraphRunner:
                 mutated |= {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
                 sig.static_buffer_writes |= capture_checks.written(buffers, self.model_state.buffer_versions())
                 adapter.synchronize()
+                sig.observe(output_layout.observe(adapter, captured.outputs, padded))
         finally:
             self.model_state.paused = False
         if mutated:
@@ -742,12 +800,22 @@ class GraphRunner:
             copies=copies,
         )
         sig.entries[padded] = entry
-        sig.observe(output_layout.observe(adapter, captured.outputs, padded))
+        # Checked by finish_captures(), once the ranks agreed that every one captured this size: the
+        # check replays, and with several ranks a replay's collectives need every rank.
+        entry.pending_check = (leaves, expected)
         self.counters.captures += 1
         self.capture_seconds += capture_ms / 1e3
         if memory is not None:
             self.memory_bytes = (self.memory_bytes or 0) + memory
         return entry
+
+    def finish_captures(self) -> None:
+        """Check each size captured since the last call against eager (capture_checks.validate)."""
+        for sig in list(self.signatures.values()):
+            for entry in list(sig.entries.values()):
+                pending, entry.pending_check = entry.pending_check, None
+                if pending is not None:
+                    capture_checks.validate(self, sig, entry, *pending)
 
     def _batch_dims(self, sig: Signature, outputs, padded: int) -> list:
         """Each output leaf's batch dimension: learned (output_layout), or before that, dim 0 where it
@@ -829,6 +897,14 @@ class GraphRunner:
 
 
 _WARNINGS_PER_KIND = 3
+_EAGER_KINDS = frozenset({"replaced", "converted", "hooks"})  # model changes: the plain forward answers
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, enum.Enum, type)
+
+
+def _opaque_message(opaque: List[str]) -> str:
+    return (f"forward argument {', '.join(opaque)}: at graph_opt_level=0 a replay cannot see what the forward "
+            "reads from an object (the graph bakes it at capture, and a mutated object looks the same). Pass its "
+            "tensors as arguments (or in a dict, list or dataclass), or use graph_opt_level=1, whose guards see it")
 _ABSENT = object()
 _NO_BATCH = ("no_batch", "a call whose tensors have no batch dimension (dim 0, or dynamic_arg_dims) runs without graphs")
 
@@ -1100,6 +1176,12 @@ class EagerStrategy:
 
     def release(self) -> None:
         self.landing.clear()
+
+
+def _aliased(adapter, leaves) -> bool:
+    """Whether two tensors share their first element's address (the same tensor, or views of it)."""
+    ptrs = [adapter.data_ptr(t) for t in leaves]
+    return len(set(ptrs)) != len(ptrs)
 
 
 @functools.lru_cache(maxsize=None)

@@ -42,7 +42,9 @@ class GraphOptState:
         # The forward without the module's hooks: the decorated call runs the hooks around the plugin,
         # so that they run at every call, replays included (and not twice on a fallback).
         self.forward_call = lambda *args, **kwargs: forward_fn(model, *args, **kwargs)
-        self.model_state = ModelState(self.adapter, model, self.name, watch_attributes=cfg.graph_opt_level == 0)
+        level0 = cfg.graph_opt_level == 0
+        self.model_state = ModelState(self.adapter, model, self.name, watch_attributes=level0,
+                                      watch_replacements=level0 or not self.adapter.static_reads_replaced_tensors)
         self.disabled = env.disabled()
         self.runner: Optional[GraphRunner] = None
         self.plain: Optional[Callable] = None  # the path without graphs, once chosen
@@ -447,6 +449,7 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
                 runner.capture_failed(error, size, across_ranks)
                 report.failed = runner.disabled_reason
                 break
+            runner.finish_captures()
             report.sizes.append(SizeReport(size, entry.captured.pieces, entry.captured.graphs,
                                            cfg.cudagraph_num_of_warmups, entry.capture_ms, entry.memory_bytes))
             bar.update(1)

@@ -96,6 +96,10 @@ class KindDispatch:
         return BothKinds(_Captured(pieces.captured.pieces, full.captured.graphs + pieces.captured.graphs),
                          full.capture_ms + pieces.capture_ms, memory)
 
+    def finish_captures(self) -> None:
+        self.full.finish_captures()
+        self.piecewise.finish_captures()
+
     def capture_failed(self, exc, size: int, across_ranks: Optional[str] = None) -> None:
         self.full.capture_failed(exc, size, across_ranks)  # the one warning
         self.piecewise.release()

@@ -42,13 +42,16 @@ class OutputLayout:
     dims: List[Optional[int]] = field(default_factory=list)
     uncuttable: List[str] = field(default_factory=list)  # outputs that change with the batch otherwise
     known: bool = False  # learned from two sizes; until then nothing is cut
+    blocked: List[str] = field(default_factory=list)  # why padded calls differ from eager (capture_checks)
 
     @property
     def exact_only(self) -> bool:
         """Whether only calls of exactly a captured size may replay."""
-        return bool(self.uncuttable) or not self.known
+        return bool(self.uncuttable) or not self.known or bool(self.blocked)
 
     def why_exact_only(self) -> str:
+        if self.blocked:
+            return self.blocked[0]
         if not self.known:
             return "its outputs were seen at one batch size only, so which dimension is the batch is unknown"
         return (f"output {', '.join(self.uncuttable)} changes with the batch size in a way a replay at a padded "

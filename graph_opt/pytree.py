@@ -1,6 +1,8 @@
 """Flatten nested dict/list/tuple/dataclass structures into tensor leaves and a hashable spec.
 
-The spec holds every non-tensor value, so two calls share a spec only when their non-tensor
+Containers walked: tuple, list, dict and its subclasses (OrderedDict, defaultdict), namedtuple, and
+dataclass objects (their fields and any other attribute they hold; a Hugging Face ModelOutput, a
+dataclass and an OrderedDict at once, is rebuilt with its items). The spec holds every non-tensor value, so two calls share a spec only when their non-tensor
 arguments are the same (value_key: same type and value): the spec is the non-tensor part of the
 dispatch key.
 """
@@ -95,9 +97,22 @@ def _walk(x, is_tensor, leaves):
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return ("n", kind, tuple(_walk(v, is_tensor, leaves) for v in x))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        names = tuple(f.name for f in dataclasses.fields(x))
+        names = _attribute_names(x)
         return ("dc", kind, names, tuple(_walk(getattr(x, n), is_tensor, leaves) for n in names))
+    if isinstance(x, dict):  # OrderedDict, defaultdict, ...: their items, as a plain dict's
+        keys = tuple(x)
+        return ("D", kind, keys, tuple(_walk(x[k], is_tensor, leaves) for k in keys))
     return _constant(x)
+
+
+def _attribute_names(x) -> tuple:
+    """A dataclass object's fields, then any other attribute it holds (one set in __post_init__): a
+    replay must see every value the object carries, not the first call's."""
+    names = [f.name for f in dataclasses.fields(x)]
+    held = getattr(x, "__dict__", None)
+    if held:
+        names += sorted(k for k in held if k not in names)
+    return tuple(names)
 
 
 def unflatten(spec: Any, leaves: List[Any], template: Any = None) -> Any:
@@ -126,7 +141,18 @@ def _build(s, it, tmpl):
             raise ValueError("rebuilding a dataclass needs a template object")
         obj = copy.copy(tmpl)
         for name, c in zip(s[2], s[3]):
-            object.__setattr__(obj, name, _build(c, it, getattr(tmpl, name)))
+            object.__setattr__(obj, name, _build(c, it, getattr(tmpl, name, None)))
+        if isinstance(obj, dict):
+            # A dataclass that is also a mapping (a Hugging Face ModelOutput): its items are its
+            # non-None fields, and indexing (out[0], out["logits"]) reads them, not the attributes.
+            for key in list(obj.keys()):
+                obj[key] = getattr(obj, key)
+        return obj
+    if tag == "D":
+        values = [_build(c, it, _child(tmpl, k)) for k, c in zip(s[2], s[3])]
+        obj = copy.copy(tmpl) if tmpl is not None else s[1]()
+        obj.clear()
+        obj.update(zip(s[2], values))
         return obj
     raise ValueError(f"bad spec node {s!r}")
 
@@ -134,10 +160,10 @@ def _build(s, it, tmpl):
 def _child(tmpl, key):
     if tmpl is None:
         return None
-    if isinstance(tmpl, dict):
-        return tmpl.get(key)
     if dataclasses.is_dataclass(tmpl):
         return getattr(tmpl, key, None)
+    if isinstance(tmpl, dict):
+        return tmpl.get(key)
     if isinstance(tmpl, (list, tuple)):
         return tmpl[key] if key < len(tmpl) else None
     return None
@@ -161,7 +187,7 @@ def tensor_leaf_owners(spec: Any) -> List[Any]:
         elif tag == "d":
             for c in s[2]:
                 walk(c, owner)
-        elif tag == "dc":
+        elif tag in ("dc", "D"):
             for c in s[3]:
                 walk(c, owner)
 
@@ -193,6 +219,9 @@ def leaf_paths(spec: Any, root: str = "output") -> List[Tuple[str, Any]]:
                 walk(c, f"{path}.{name}")
         elif tag == "d":
             for k, c in zip(s[1], s[2]):
+                walk(c, f"{path}[{k!r}]")
+        elif tag == "D":
+            for k, c in zip(s[2], s[3]):
                 walk(c, f"{path}[{k!r}]")
         elif tag == "dc":
             for name, c in zip(s[2], s[3]):

@@ -8,12 +8,20 @@ while the Python state the forward read at capture is unchanged. What is checked
   train() / eval() anywhere (the adapter counts them; a replay compares one integer) or when the
   model's own flag changed: set submodule flags with train() / eval(), not by assigning `training`;
 - the ambient mode the framework computes in: autocast (torch) / auto_cast (Paddle) and its dtype;
-- level 0 only: parameters, buffers and submodules replaced by new objects (torch: its registration
-  hooks bump a counter, so a replay compares one integer); and every attribute of the decorated model
-  set after capture, compared with its value at capture (type and value for plain values, identity for
-  objects). At level >= 1 the framework's own guards (Dynamo's guard manager, SOT's guard functions)
-  check what the forward read, anywhere, and a replaced parameter reaches the graph (torch: the
-  replay goes through Dynamo's code, which copies it in).
+- parameters and buffers converted in place (to(), half(), cpu(): the same objects, other data): the
+  framework's _apply bumps a counter, and after a bump the tensors' addresses, dtypes and devices are
+  compared with those at capture;
+- parameters, buffers and submodules replaced by new objects: a counter that torch's registration hooks
+  (Paddle: Layer.__setattr__ and friends) bump; at level 0, and on Paddle at every level (torch's level
+  >= 1 copies a replaced parameter into the graph through Dynamo's code);
+- hooks of submodules and global module hooks registered or removed (a counter that making or removing
+  a hook handle bumps; after a bump the hooks are compared with those at capture). The model's own
+  hooks run around the plugin at every call;
+- level 0 only: every attribute of the decorated model set after capture, compared with its value at
+  capture (type and value for plain values, identity for objects). At level >= 1 the framework's own
+  guards (Dynamo's guard manager, SOT's guard functions) check what the forward read, anywhere.
+Not seen: a parameter's `.data` assigned (the same object, no _apply): assign values in place
+(copy_, load_state_dict) or replace the Parameter.
 
 A failed check is not an error: the call runs without graphs, with one warning naming what changed,
 and replays resume when the state is back (model.eval() again). What level 0 cannot see (a global,
@@ -42,11 +50,14 @@ def state_key(value) -> Any:
 class ModelState:
     """The model's state at capture, and the check a replay makes against it (see the module doc)."""
 
-    def __init__(self, adapter, model, name: str, watch_attributes: bool):
+    def __init__(self, adapter, model, name: str, watch_attributes: bool, watch_replacements: bool):
         self.adapter = adapter
         self.model = model
         self.name = name
         self.watch_attributes = watch_attributes
+        # A parameter, buffer or submodule replaced by a new object: level 0, and Paddle's level >= 1 (its
+        # replays run the captured program on the captured parameters); torch's level >= 1 copies it in.
+        self.watch_replacements = watch_replacements
         self.captured = False
         self.paused = False  # a capture phase: attributes set now are what the graphs bake
         self.modules: List[Tuple[str, dict]] = []
@@ -56,6 +67,8 @@ class ModelState:
         self.modes: List[int] = [0]
         self.mode_changes = -1
         self.registered: List[int] = [0]
+        self.converted: List[int] = [0]
+        self.hooked: List[int] = [0]
         self.ambient: Any = None
         self.registrations = -1
         self.tensor_ids: Optional[Tuple[int, ...]] = None
@@ -77,6 +90,12 @@ class ModelState:
         self.ambient_now = adapter.ambient
         self.registered = adapter.registration_counter()
         self.registrations = self.registered[0]
+        self.converted = adapter.conversion_counter()
+        self.conversions = self.converted[0]
+        self.hooked = adapter.hook_counter()
+        self.hook_changes = self.hooked[0]
+        self.hooks = adapter.hooks_fingerprint(self.dicts)
+        self.fingerprint = adapter.tensor_fingerprint(self.model)
         self.tensor_ids = adapter.module_tensor_ids(self.model)
         self.stale = None
         self.original.clear()
@@ -129,8 +148,16 @@ class ModelState:
             describe = self.adapter.describe_ambient
             return ("ambient", f"the call runs under {describe(ambient)}; the graphs were captured under "
                                f"{describe(self.ambient)}")
-        if self.watch_attributes and self.registered[0] != self.registrations:
+        if self.watch_replacements and self.registered[0] != self.registrations:
             return self._registrations_changed()
+        if self.converted[0] != self.conversions:
+            return self._conversions_changed()
+        if self.hooked[0] != self.hook_changes:
+            if self.adapter.hooks_fingerprint(self.dicts) != self.hooks:
+                return ("hooks", "a hook of a submodule (or a global module hook) was registered or removed since "
+                                 "capture; the graphs ran the hooks there were then. Restore them, or clear_graphs() "
+                                 "and capture_model() to capture with them")
+            self.hook_changes = self.hooked[0]
         return None
 
     def _changed_attributes(self) -> tuple:
@@ -148,13 +175,26 @@ class ModelState:
                                     f"in {'training' if was else 'eval'} mode")
         return ("training", "a submodule's training flag changed since capture")
 
+    def _conversions_changed(self) -> Optional[Tuple[str, str]]:
+        if self.adapter.tensor_fingerprint(self.model) == self.fingerprint:
+            self.conversions = self.converted[0]  # another module's .to(), or one that changed nothing
+            return None
+        self.stale = ("converted", "the model's parameters or buffers were converted since capture (to(), half(), "
+                      "cpu() ... keep the parameter objects and move their data); the graphs read the old data. "
+                      "clear_graphs() and capture_model() capture the converted model")
+        return self.stale
+
     def _registrations_changed(self) -> Optional[Tuple[str, str]]:
         adapter = self.adapter
-        if adapter.module_tensor_ids(self.model) == self.tensor_ids:
+        now = adapter.module_tensor_ids(self.model)
+        if now == self.tensor_ids:
             self.registrations = self.registered[0]  # a registration elsewhere
             return None
-        self.stale = ("replaced", "a parameter, buffer or submodule of the model was replaced by a new object since "
-                      "capture; the graphs read the old one. clear_graphs() and capture_model() capture the new one")
+        before, after = dict(self.tensor_ids), dict(now)
+        names = [n for n in after if before.get(n) != after[n]] + [n for n in before if n not in after]
+        what = ", ".join(f"{self.name}.{n}" for n in names[:3]) or "a submodule"
+        self.stale = ("replaced", f"{what} was replaced by a new object since capture (or added or removed); the "
+                      "graphs read the old one. clear_graphs() and capture_model() capture the new one")
         return self.stale
 
 

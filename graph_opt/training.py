@@ -400,6 +400,7 @@ class GraphedBlock:
         return graphs
 
     def _capture_failed(self, state: KeyState, exc: BaseException) -> None:
+        self.adapter.after_failed_capture()  # the CUDA generators must leave capture mode
         why = f"{type(exc).__name__}: {exc}"
         state.failed = why
         self.disabled_reason = why

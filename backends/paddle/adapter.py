@@ -105,6 +105,35 @@ class PaddleAdapter:
         diff[np.isnan(x) & np.isnan(y)] = 0
         return float(diff.max()) if diff.size else 0.0
 
+    def fits(self, value, dtype) -> bool:
+        """Whether a Python number converts to dtype unchanged (a pad value)."""
+        import numpy as np
+
+        kind = str(dtype).replace("paddle.", "")
+        if "float" in kind or "complex" in kind:
+            return True
+        if kind == "bool":
+            return value in (0, 1)
+        if isinstance(value, float) and not value.is_integer():
+            return False
+        info = np.iinfo(getattr(np, kind))
+        return info.min <= value <= info.max
+
+    def eps(self, t) -> float:
+        """The spacing of t's dtype at 1.0 (0 for integers): what rounding alone can change."""
+        import numpy as np
+
+        kind = str(t.dtype)
+        if "bfloat16" in kind:
+            return 2.0 ** -7
+        if "float16" in kind:
+            return 2.0 ** -10
+        if "float64" in kind:
+            return float(np.finfo(np.float64).eps)
+        if "float32" in kind:
+            return float(np.finfo(np.float32).eps)
+        return 0.0
+
     def max_abs(self, t) -> float:
         import numpy as np
 
@@ -156,6 +185,8 @@ class PaddleAdapter:
         return f"paddle.amp.auto_cast (level {ambient[0]}, dtype {ambient[1]})"
 
     # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
+    static_reads_replaced_tensors = False  # SOT replays run on the parameters captured
+    value_types = (paddle.dtype, paddle.base.core.Place, paddle.CPUPlace)  # immutable non-tensor values
     def module_dicts(self, model):
         return [(path, layer.__dict__) for path, layer in model.named_sublayers(include_self=True)]
 
@@ -165,7 +196,30 @@ class PaddleAdapter:
         return frozenset(paddle.nn.Layer().__dict__)
 
     def registration_counter(self) -> list:
-        return _NO_REGISTRATIONS  # no registration hooks in Paddle: a replaced sublayer parameter is the user's contract
+        """[count] that Layer.__setattr__ with a tensor or layer value, add_parameter, register_buffer and
+        add_sublayer bump: a parameter, buffer or sublayer replaced (Paddle has no registration hooks)."""
+        _install_registration_counter()
+        return _registrations
+
+    def hook_counter(self) -> list:
+        """[count] that registering or removing a Layer hook bumps (HookRemoveHelper)."""
+        _install_hook_counter()
+        return _hook_changes
+
+    def hooks_fingerprint(self, dicts):
+        """The hooks that run inside the forward: those of every sublayer (dicts[1:])."""
+        return tuple((tuple(d["_forward_pre_hooks"]), tuple(d["_forward_post_hooks"])) for d in dicts[1:])
+
+    def conversion_counter(self) -> list:
+        """[count] that Layer._apply bumps (to, astype, float, ...)."""
+        _install_registration_counter()
+        return _conversions
+
+    def tensor_fingerprint(self, model):
+        return tuple((t.data_ptr(), t.dtype, str(t.place)) for t in list(model.parameters()) + list(model.buffers()))
+
+    def after_failed_capture(self) -> None:
+        pass  # Paddle's generators: not known to need it (its CUDA path is not run here)
 
     def mode_counter(self) -> list:
         """[count] that Layer.train() and Layer.eval() bump, process-wide (see the torch adapter's)."""
@@ -176,7 +230,7 @@ class PaddleAdapter:
         return list(model.named_buffers())
 
     def module_tensor_ids(self, model):
-        return tuple(id(t) for t in model.parameters()) + tuple(id(t) for t in model.buffers())
+        return tuple((name, id(t)) for name, t in list(model.named_parameters()) + list(model.named_buffers()))
 
     def call_hooks(self, model) -> bool:
         d = model.__dict__
@@ -285,7 +339,58 @@ class PaddleAdapter:
             paddle.device.cuda.empty_cache()
 
 
-_NO_REGISTRATIONS = [0]
+_registrations = [0]  # tensors or layers set on a Layer, in this process
+_conversions = [0]  # calls of Layer._apply in this process
+_registration_counter_installed = False
+
+
+def _install_registration_counter() -> None:
+    global _registration_counter_installed
+    if _registration_counter_installed:
+        return
+    layer = paddle.nn.Layer
+    setattr_ = layer.__setattr__
+
+    @functools.wraps(setattr_)
+    def counted_setattr(self, name, value):
+        setattr_(self, name, value)
+        if isinstance(value, (paddle.Tensor, layer)):
+            _registrations[0] += 1
+
+    layer.__setattr__ = counted_setattr
+    for name, counter in (("add_parameter", _registrations), ("register_buffer", _registrations),
+                          ("add_sublayer", _registrations), ("_apply", _conversions)):
+        method = getattr(layer, name)
+
+        def counted(self, *args, _method=method, _counter=counter, **kwargs):
+            _counter[0] += 1
+            return _method(self, *args, **kwargs)
+
+        setattr(layer, name, functools.wraps(method)(counted))
+    _registration_counter_installed = True
+
+
+_hook_changes = [0]  # Layer hooks registered or removed in this process
+_hook_counter_installed = False
+
+
+def _install_hook_counter() -> None:
+    global _hook_counter_installed
+    if _hook_counter_installed:
+        return
+    from paddle.nn.layer.layers import HookRemoveHelper
+
+    for name in ("__init__", "remove"):
+        method = getattr(HookRemoveHelper, name)
+
+        def counted(self, *args, _method=method, **kwargs):
+            _hook_changes[0] += 1
+            return _method(self, *args, **kwargs)
+
+        setattr(HookRemoveHelper, name, functools.wraps(method)(counted))
+    _hook_counter_installed = True
+
+
 _mode_changes = [0]  # calls of Layer.train / eval in this process
 _mode_counter_installed = False
 

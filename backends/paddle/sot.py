@@ -315,10 +315,10 @@ class SotStrategy:
         finally:
             self.translations += max(0, cache.translate_count - before)
 
-    def warmup(self, args, kwargs, padded, sig) -> None:
+    def warmup(self, args, kwargs, padded, sig):
         record = SizeRecord(sig.key(padded))
         self._mark_dynamic(args, kwargs, sig)
-        self._translating_call(args, kwargs, CUDAGraphState.WARMUP, record, frames=None)
+        return self._translating_call(args, kwargs, CUDAGraphState.WARMUP, record, frames=None)
 
     def capture(self, args, kwargs, padded, sig, pool) -> Captured:
         record = SizeRecord(sig.key(padded))

@@ -17,6 +17,7 @@ import functools
 import gc
 import itertools
 import logging
+import warnings
 
 import torch
 from torch.nn.modules import module as _module_mod
@@ -119,6 +120,21 @@ class TorchAdapter:
         diff = (a.double() - b.double()).abs().masked_fill(both_nan, 0)
         return float(diff.max()) if diff.numel() else 0.0
 
+    def fits(self, value, dtype) -> bool:
+        """Whether a Python number converts to dtype unchanged (a pad value)."""
+        if dtype.is_floating_point or dtype.is_complex:
+            return True
+        if dtype == torch.bool:
+            return value in (0, 1)
+        if isinstance(value, float) and not value.is_integer():
+            return False
+        info = torch.iinfo(dtype)
+        return info.min <= value <= info.max
+
+    def eps(self, t) -> float:
+        """The spacing of t's dtype at 1.0 (0 for integers): what rounding alone can change."""
+        return torch.finfo(t.dtype).eps if (t.is_floating_point() or t.is_complex()) else 0.0
+
     def max_abs(self, t) -> float:
         if not (t.is_floating_point() or t.is_complex()) or not t.numel():
             return 0.0
@@ -166,6 +182,8 @@ class TorchAdapter:
         return " and ".join(f"torch.autocast({device!r}, dtype={dtype})" for device, dtype in ambient)
 
     # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
+    static_reads_replaced_tensors = True  # level >= 1: a replaced parameter reaches the graph (dynamo.py)
+    value_types = (torch.dtype, torch.device, torch.layout, torch.memory_format)  # immutable non-tensor values
     def module_dicts(self, model):
         return [(path, m.__dict__) for path, m in model.named_modules(remove_duplicate=False)]
 
@@ -179,6 +197,29 @@ class TorchAdapter:
         _install_registration_hooks()
         return _registrations
 
+    def hook_counter(self) -> list:
+        """[count] that making or removing a hook handle bumps (RemovableHandle: every module, global and
+        tensor hook): a replay looks at the submodules' hooks only after a bump."""
+        _install_hook_counter()
+        return _hook_changes
+
+    def hooks_fingerprint(self, dicts):
+        """The hooks that run inside the forward: those of every submodule (dicts[1:]; the model's own
+        run around the plugin) and the global module hooks."""
+        keys = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+        return (tuple(tuple(tuple(d[k]) for k in keys) for d in dicts[1:]),
+                tuple(tuple(g) for g in (_module_mod._global_forward_hooks, _module_mod._global_forward_pre_hooks,
+                                         _module_mod._global_backward_hooks, _module_mod._global_backward_pre_hooks)))
+
+    def conversion_counter(self) -> list:
+        """[count] that Module._apply bumps (to, half, float, cuda, cpu ...): the conversions that keep
+        the Parameter objects and change their data, which a graph reads by address."""
+        _install_conversion_counter()
+        return _conversions
+
+    def tensor_fingerprint(self, model):
+        return tuple((t.data_ptr(), t.dtype, t.device) for t in itertools.chain(model.parameters(), model.buffers()))
+
     def mode_counter(self) -> list:
         """[count] that Module.train() (and so eval()) bumps, process-wide: a replay compares one integer
         and looks at every submodule's training flag only after a change."""
@@ -189,7 +230,7 @@ class TorchAdapter:
         return list(model.named_buffers())
 
     def module_tensor_ids(self, model):
-        return tuple(id(t) for t in itertools.chain(model.parameters(), model.buffers()))
+        return tuple((name, id(t)) for name, t in itertools.chain(model.named_parameters(), model.named_buffers()))
 
     def call_hooks(self, model) -> bool:
         """Whether calling model runs hooks around its forward (its own, or torch's global ones)."""
@@ -214,6 +255,26 @@ class TorchAdapter:
 
     def new_graph(self, pool):
         return TorchGraph(pool)
+
+    def after_failed_capture(self) -> None:
+        """A capture that failed inside (a host sync, say) ends without the CUDA generators' capture
+        epilogue (torch runs it only after a successful cudaStreamEndCapture), and every later random op
+        of the process then raises "Offset increment outside graph capture". An empty capture, which
+        ends well, runs the epilogue."""
+        if not self.graphs_supported() or torch.cuda.is_current_stream_capturing():
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(self._stream), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "the CUDA graph is empty"
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin()
+                graph.capture_end()
+                graph.reset()
+        except RuntimeError as exc:
+            logger.warning("graph_opt: could not reset the CUDA generators after a failed capture (%s); random "
+                           "ops may fail with 'Offset increment outside graph capture'", exc)
 
     def capture_stream(self):
         if not self.graphs_supported():
@@ -379,6 +440,46 @@ def _install_mode_counter() -> None:
 
     torch.nn.Module.train = counted_train
     _mode_counter_installed = True
+
+
+_hook_changes = [0]  # hook handles made or removed in this process
+_hook_counter_installed = False
+
+
+def _install_hook_counter() -> None:
+    global _hook_counter_installed
+    if _hook_counter_installed:
+        return
+    from torch.utils.hooks import RemovableHandle
+
+    for name in ("__init__", "remove"):
+        method = getattr(RemovableHandle, name)
+
+        def counted(self, *args, _method=method, **kwargs):
+            _hook_changes[0] += 1
+            return _method(self, *args, **kwargs)
+
+        setattr(RemovableHandle, name, functools.wraps(method)(counted))
+    _hook_counter_installed = True
+
+
+_conversions = [0]  # calls of nn.Module._apply in this process
+_conversion_counter_installed = False
+
+
+def _install_conversion_counter() -> None:
+    global _conversion_counter_installed
+    if _conversion_counter_installed:
+        return
+    apply = torch.nn.Module._apply
+
+    @functools.wraps(apply)
+    def counted_apply(self, *args, **kwargs):
+        _conversions[0] += 1
+        return apply(self, *args, **kwargs)
+
+    torch.nn.Module._apply = counted_apply
+    _conversion_counter_installed = True
 
 
 def _alias(t, device):

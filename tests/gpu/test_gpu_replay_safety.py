@@ -18,3 +18,31 @@ from torch_replay_shim import TorchF  # noqa: E402
 def F():
     yield TorchF("cuda")
     torch.cuda.synchronize()
+
+
+# -- what only a device shows ------------------------------------------------------------------------------
+class _SyncsOnTheHost(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if bool((y > 100).any()):  # a host sync: a capture fails on it
+            y = y * 0
+        return y
+
+
+@pytest.mark.parametrize("level", [0, 1], ids=["level0", "level1"])
+def test_a_capture_that_fails_on_a_host_sync_leaves_random_ops_working(level):
+    import graph_opt
+
+    cls = graph_opt.support_graph_optimization(type("Syncs", (_SyncsOnTheHost,), {}))
+    m = cls(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=level, cudagraph_capture_sizes=[2, 4])).cuda()
+    report = graph_opt.capture_model(m, lambda n: torch.randn(n, 16, device="cuda"), progress=False)
+    assert report.failed is not None
+    torch.randn(4, device="cuda")  # raised "Offset increment outside graph capture" before
+    torch.nn.functional.dropout(torch.ones(8, device="cuda"), 0.5, training=True)
+    x = torch.randn(3, 16, device="cuda")
+    with torch.no_grad():
+        assert torch.equal(m(x), type(m).forward(m, x))

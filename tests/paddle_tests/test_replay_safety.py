@@ -1,7 +1,10 @@
 """Inference replays never silently wrong, on Paddle: tests/replay_safety_kit.py with simulated graphs.
 (Autocast and inference_mode are torch's; Paddle's CPU build runs auto_cast regions in float32.)"""
+import collections
+import dataclasses
 import pickle
 import types
+from typing import Any
 
 import pytest
 
@@ -102,6 +105,14 @@ class BatchMean(Scaled):
         return self.lin(x - x.mean(0, keepdim=True))
 
 
+class BranchOnBatch(Scaled):
+    def forward(self, x):
+        y = self.lin(x)
+        if x.shape[0] > 5:
+            y = y * 2.0
+        return y
+
+
 class Positions(Scaled):
     def forward(self, x):
         return {"y": self.lin(x), "pos": paddle.arange(4).expand([x.shape[0], 4])}
@@ -123,6 +134,53 @@ class HostShapes(Scaled):
         return {"y": self.lin(x), "fixed": self.table * 2.0, "by_column": paddle.tanh(x).t()[:6]}
 
 
+class WritesFirst(Scaled):
+    def forward(self, a, b):
+        a.scale_(2.0)
+        return self.lin(b)
+
+
+@dataclasses.dataclass
+class Batch:
+    x: Any
+
+    def __post_init__(self):
+        self.scale = self.x.abs().max() + 1.0  # not a field: computed from the rows the caller made
+
+
+@dataclasses.dataclass
+class Out(collections.OrderedDict):
+    """A Hugging Face ModelOutput in small: a dataclass and an OrderedDict of its non-None fields."""
+
+    y: Any = None
+    z: Any = None
+
+    def __post_init__(self):
+        for key in ("y", "z"):
+            if getattr(self, key) is not None:
+                self[key] = getattr(self, key)
+
+    def to_tuple(self):
+        return tuple(self[key] for key in self.keys())
+
+
+class TakesContainers(Scaled):
+    def forward(self, batch, extra):
+        return Out(y=self.lin(batch.x / batch.scale) + extra["b"], z=paddle.tanh(extra["b"]))
+
+
+class State:
+    """A user's state object passed to forward (as a KV cache object would be)."""
+
+    def __init__(self, bias):
+        self.bias = bias
+
+
+class TakesState(Scaled):
+    def forward(self, x, state):
+        return self.lin(x) + state.bias
+
+
 @graph_opt.support_graph_optimization
 class Picklable(Scaled):
     """Defined at module level: pickling needs the class importable."""
@@ -131,7 +189,9 @@ class Picklable(Scaled):
 MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
-                               Square=Square, HostShapes=HostShapes)
+                               Square=Square, HostShapes=HostShapes,
+                               BranchOnBatch=BranchOnBatch, WritesFirst=WritesFirst,
+                               TakesContainers=TakesContainers, TakesState=TakesState)
 
 
 class PaddleF:
@@ -213,7 +273,7 @@ class PaddleF:
 
     @staticmethod
     def post_hook(model, fn):
-        model.register_forward_post_hook(lambda layer, args, out: fn(out))
+        return model.register_forward_post_hook(lambda layer, args, out: fn(out))
 
     @staticmethod
     def zero_buffer(t):
@@ -222,6 +282,34 @@ class PaddleF:
     @staticmethod
     def rows(t, start, stop):
         return t[start:stop]
+
+    def containers(self, n, seed=0):
+        return Batch(self.randn(n, HIDDEN, seed=seed)), collections.OrderedDict(b=self.randn(n, HIDDEN, seed=seed + 7))
+
+    @staticmethod
+    def state_object():
+        return State(paddle.zeros([HIDDEN]))
+
+    @staticmethod
+    def full_like_row(x, value):
+        return paddle.full(x.shape[1:], value)
+
+    @staticmethod
+    def replace_weight(module, value):
+        module.weight = paddle.create_parameter(module.weight.shape, "float32",
+                                                default_initializer=paddle.nn.initializer.Constant(value))
+
+    @staticmethod
+    def to_double(x):
+        return x.to(dtype="float64") if isinstance(x, paddle.nn.Layer) else x.astype("float64")
+
+    @staticmethod
+    def parameters(m):
+        return list(m.parameters())
+
+    @staticmethod
+    def freeze(p):
+        p.stop_gradient = True
 
     @staticmethod
     def numpy(t):

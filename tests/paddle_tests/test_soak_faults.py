@@ -174,7 +174,6 @@ def test_eager_code_in_another_thread_during_a_replay_leaves_no_flag_set():
     capture branch)."""
     with testing.simulate_cuda_graphs(), paddle.no_grad():
         model, twin = build(graph_opt_level=0, full_cuda_graph=False)
-        capture(model)
         in_piece, release_replay = threading.Event(), threading.Event()
         held = {"on": False}
 
@@ -184,7 +183,9 @@ def test_eager_code_in_another_thread_during_a_replay_leaves_no_flag_set():
                 in_piece.set()
                 assert release_replay.wait(30)
 
+        # Registered before the capture: a hook added after it stops the replays (replay_guards).
         handle = model.gate.register_forward_pre_hook(hold_in_piece)
+        capture(model)
         x, g = make_inputs(4)
         result = {}
 

@@ -1,8 +1,11 @@
 """The torch shim of tests/replay_safety_kit.py: the models of its cases and the tensor operations
 it uses, on CPU with simulated graphs or on a CUDA device with real graphs."""
+import collections
 import contextlib
+import dataclasses
 import io
 import types
+from typing import Any
 
 import torch
 
@@ -100,6 +103,14 @@ class BatchMean(Scaled):
         return self.lin(x - x.mean(0, keepdim=True))
 
 
+class BranchOnBatch(Scaled):
+    def forward(self, x):
+        y = self.lin(x)
+        if x.shape[0] > 5:
+            y = y * 2.0
+        return y
+
+
 class Positions(Scaled):
     def forward(self, x):
         return {"y": self.lin(x), "pos": torch.arange(4, device=x.device).expand(x.shape[0], -1)}
@@ -121,6 +132,53 @@ class HostShapes(Scaled):
         return {"y": self.lin(x), "fixed": self.table * 2.0, "by_column": torch.tanh(x).t()[:6]}
 
 
+class WritesFirst(Scaled):
+    def forward(self, a, b):
+        a.mul_(2.0)
+        return self.lin(b)
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+
+    def __post_init__(self):
+        self.scale = self.x.abs().amax() + 1.0  # not a field: computed from the rows the caller made
+
+
+@dataclasses.dataclass
+class Out(collections.OrderedDict):
+    """A Hugging Face ModelOutput in small: a dataclass and an OrderedDict of its non-None fields."""
+
+    y: Any = None
+    z: Any = None
+
+    def __post_init__(self):
+        for key in ("y", "z"):
+            if getattr(self, key) is not None:
+                self[key] = getattr(self, key)
+
+    def to_tuple(self):
+        return tuple(self[key] for key in self.keys())
+
+
+class TakesContainers(Scaled):
+    def forward(self, batch, extra):
+        return Out(y=self.lin(batch.x / batch.scale) + extra["b"], z=torch.tanh(extra["b"]))
+
+
+class State:
+    """A user's state object passed to forward (as a KV cache object would be)."""
+
+    def __init__(self, bias):
+        self.bias = bias
+
+
+class TakesState(Scaled):
+    def forward(self, x, state):
+        return self.lin(x) + state.bias
+
+
 @graph_opt.support_graph_optimization
 class Picklable(Scaled):
     """Defined at module level: pickling needs the class importable."""
@@ -129,7 +187,9 @@ class Picklable(Scaled):
 MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
-                               Square=Square, HostShapes=HostShapes)
+                               Square=Square, HostShapes=HostShapes,
+                               BranchOnBatch=BranchOnBatch, WritesFirst=WritesFirst,
+                               TakesContainers=TakesContainers, TakesState=TakesState)
 
 
 class TorchF:
@@ -205,7 +265,7 @@ class TorchF:
 
     @staticmethod
     def post_hook(model, fn):
-        model.register_forward_hook(lambda mod, args, out: fn(out))
+        return model.register_forward_hook(lambda mod, args, out: fn(out))
 
     @staticmethod
     def zero_buffer(t):
@@ -214,6 +274,32 @@ class TorchF:
     @staticmethod
     def rows(t, start, stop):
         return t[start:stop]
+
+    def containers(self, n, seed=0):
+        return Batch(self.randn(n, HIDDEN, seed=seed)), collections.OrderedDict(b=self.randn(n, HIDDEN, seed=seed + 7))
+
+    def state_object(self):
+        return State(torch.zeros(HIDDEN, device=self.device))
+
+    @staticmethod
+    def full_like_row(x, value):
+        return torch.full(x.shape[1:], value, device=x.device)
+
+    @staticmethod
+    def replace_weight(module, value):
+        module.weight = torch.nn.Parameter(torch.full_like(module.weight, value))
+
+    @staticmethod
+    def to_double(x):
+        return x.double()
+
+    @staticmethod
+    def parameters(m):
+        return list(m.parameters())
+
+    @staticmethod
+    def freeze(p):
+        p.requires_grad_(False)
 
     @staticmethod
     def numpy(t):
