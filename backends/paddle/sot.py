@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import paddle
 from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer
-from paddle.jit.dy2static.program_translator import ProgramTranslator
+from paddle.jit.dy2static.program_translator import ProgramTranslator, StaticFunction
 from paddle.jit.dy2static.utils import CUDAGraphState
 from paddle.jit.sot import psdb, symbolic_translate
 from paddle.jit.sot.opcode_translator import eval_frame_callback
@@ -196,6 +196,36 @@ class ProgramHook:
 _RUN_AS_IS = CustomCode(None, False)
 
 
+def _instance_forwards(model) -> Dict[int, Any]:
+    """The sublayers whose `forward` is an instance attribute (paddle.jit.to_static(layer) sets one), by id."""
+    return {id(layer): layer.__dict__["forward"] for layer in model.sublayers(include_self=True)
+            if "forward" in layer.__dict__}
+
+
+def _undo_static_forwards(model, before: Dict[int, Any]) -> int:
+    """After a failed SOT call: give back the eager forward of every sublayer SOT left converted.
+
+    SOT infers the output of a Paddle layer, or of a layer class marked @paddle.jit.marker.unified, with
+    paddle.jit.to_static(layer, full_graph=True), which sets the layer's `forward` to an ASTStaticFunction,
+    and rolls that back only when the translation succeeds (paddle/jit/sot/infer_meta.py,
+    infer_meta_for_layer: the rollback is not in a finally). When dy2static raises there, the layer keeps
+    the StaticFunction and every later eager call of the model goes through dy2static and raises again.
+    Returns how many sublayers were restored."""
+    undone = 0
+    for layer in model.sublayers(include_self=True):
+        forward = layer.__dict__.get("forward")
+        if not isinstance(forward, StaticFunction) or before.get(id(layer)) is forward:
+            continue
+        if id(layer) in before:
+            layer.__dict__["forward"] = before[id(layer)]
+        else:
+            del layer.__dict__["forward"]  # the class's forward again
+        undone += 1
+    if undone:
+        logger.debug("undid paddle.jit.to_static left by a failed SOT call on %d sublayer(s)", undone)
+    return undone
+
+
 class _FrameView:
     """What SOT's guard functions read of a frame (f_locals, f_globals), for a check before a replay."""
 
@@ -230,7 +260,12 @@ def _failed_guard(guard, frame) -> str:
             failing = f"`{term.strip()}`"
             break
     return f"Python state the forward read changed since capture: SOT's guard {failing} fails"
+
+
 _VALUE_TYPES = (bool, int, float, str, bytes, type(None))
+# Made afresh at every call, and wholly described by their value: by identity they never match a
+# capture (paddle.finfo(dtype).min and outputs[1:] on the stack at a graph break, in PaddleFormers).
+_INFO_TYPES = (type(paddle.finfo(paddle.float32)), type(paddle.iinfo(paddle.int32)))
 
 
 def _argument_key(frame):
@@ -252,6 +287,11 @@ def _value_key(value, depth=0):
         return (type(value).__name__,) + tuple(_value_key(v, depth + 1) for v in value)
     if depth < 4 and isinstance(value, dict):
         return ("dict",) + tuple((k, _value_key(v, depth + 1)) for k, v in value.items())
+    if isinstance(value, slice):
+        return ("slice", _value_key(value.start, depth + 1), _value_key(value.stop, depth + 1),
+                _value_key(value.step, depth + 1))
+    if isinstance(value, _INFO_TYPES):
+        return (type(value).__name__, str(value))  # dtype, bits, min, max...
     return ("id", id(value))
 
 
@@ -285,6 +325,7 @@ class SotStrategy:
         self._translator = ProgramTranslator()  # a singleton: holds paddle.jit.enable_to_static's switch
         self._scope = None
         self._cache = OpcodeExecutorCache()
+        self._forwards = _instance_forwards(model)  # what a failed SOT call must leave as it found
         self.blacklist = self._blacklist_names()
         self.split_names = frozenset(
             w.__graph_opt_split__.name for w in selection.selected_functions()
@@ -312,6 +353,9 @@ class SotStrategy:
         try:
             with self._scope:
                 return static_fn(self.model, *args, **kwargs)
+        except BaseException:
+            _undo_static_forwards(self.model, self._forwards)
+            raise
         finally:
             self.translations += max(0, cache.translate_count - before)
 
@@ -385,6 +429,9 @@ class SotStrategy:
                     return self.forward_fn(self.model, *args, **kwargs)
                 finally:
                     paddle.framework.core.set_eval_frame(old)
+        except BaseException:
+            _undo_static_forwards(self.model, self._forwards)
+            raise
         finally:
             self.hook.end()
             self.translations += translate_count() - before

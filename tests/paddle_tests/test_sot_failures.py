@@ -1,0 +1,72 @@
+"""A level-1 capture that SOT cannot translate leaves the model working eagerly: the PaddleFormers case
+(a Llama's RMSNorm) in small, without PaddleFormers.
+
+A sublayer class marked @paddle.jit.marker.unified makes SOT infer its output with
+paddle.jit.to_static(layer, full_graph=True), which sets the layer's forward to an ASTStaticFunction and
+rolls it back only when the translation succeeds (paddle/jit/sot/infer_meta.py, infer_meta_for_layer).
+dy2static rewrites super() as super(self.__class__, self), which recurses in a __getattribute__ a
+subclass inherits (PaddleFormers' PretrainedConfig.get), so the translation raises and, without
+graph_opt's undo, every later eager call of the model raised RecursionError."""
+import numpy as np
+import pytest
+
+paddle = pytest.importorskip("paddle")
+
+import graph_opt  # noqa: E402
+from paddle.jit.dy2static.program_translator import StaticFunction  # noqa: E402
+
+
+class Base:
+    def __getattribute__(self, key):
+        return super().__getattribute__(key)
+
+    def get(self, key, default=None):
+        try:
+            return self.__getattribute__(key)
+        except AttributeError:
+            return default
+
+
+class Config(Base):  # inherits __getattribute__: dy2static's super(self.__class__, self) recurses
+    pass
+
+
+@paddle.jit.marker.unified
+class Norm(paddle.nn.Layer):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = self.create_parameter([16], default_initializer=paddle.nn.initializer.Constant(1.0))
+
+    def forward(self, x):
+        if self.cfg.get("scale", True):
+            return x * self.weight
+        return x
+
+
+class Plain(paddle.nn.Layer):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        paddle.seed(0)
+        self.fc = paddle.nn.Linear(16, 16)
+        self.norm = Norm(Config())
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+@graph_opt.support_graph_optimization
+class Decorated(Plain):
+    pass
+
+
+def test_a_capture_sot_cannot_translate_leaves_every_sublayer_s_eager_forward():
+    m = Decorated(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=1, cudagraph_capture_sizes=[1, 2, 4]))
+    twin = Plain()
+    with graph_opt.testing.simulate_cuda_graphs():
+        report = graph_opt.capture_model(m, make_inputs=lambda bs: paddle.randn([bs, 16]), progress=False)
+        assert report.failed and "InnerError" in report.failed
+        assert not isinstance(m.norm.__dict__.get("forward"), StaticFunction)
+        for bs in (1, 3, 4):
+            x = paddle.randn([bs, 16])
+            np.testing.assert_array_equal(m(x).numpy(), twin(x).numpy())
