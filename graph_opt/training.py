@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import backends, env, guards
 from .cudagraph import frozen_gc
-from .errors import GraphOptError, GraphOptInputError
+from .errors import CaptureError, GraphOptError, GraphOptInputError
 from .host_outputs import _pending as _pending_host_copies, land_pending_copies
 from .pytree import flatten, unflatten
 from .testing import simulation_enabled
@@ -100,13 +100,14 @@ class StepGraphs:
     grad_out_buffers: List[Any]  # one per differentiable output
     grad_buffers: List[Any]  # one per apply() input: a buffer, or None where no grad flows
     buffer_bytes: int
+    outside: List[Any] = field(default_factory=list)  # leaves the block reads without receiving them
 
     def release(self) -> None:
         for graph in (self.forward, self.backward):
             if graph is not None:
                 graph.reset()
         self.forward = self.backward = None
-        self.static_inputs = self.out_buffers = self.grad_out_buffers = self.grad_buffers = []
+        self.static_inputs = self.out_buffers = self.grad_out_buffers = self.grad_buffers = self.outside = []
 
 
 @dataclass
@@ -171,6 +172,14 @@ class GraphedBlock:
         self.watched_tensors: List[Any] = []
         self.watched_ptrs: List[int] = []  # their addresses at capture
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
+        self.all_params: List[Any] = []  # every parameter, and whether each was trainable at capture
+        self.trainable: List[bool] = []
+        self.lazy = False  # the module had lazy parameters when bound: graphs wait until they are made
+        self.modes: List[int] = [0]  # the adapter's count of train()/eval() calls
+        self.modes_seen = -1
+        self.mode_dicts: List[dict] = []
+        self.mode_root: dict = {}
+        self.mode_flags: tuple = (None,)
         self.disabled_reason: Optional[str] = None
         self._warned: set = set()
 
@@ -188,6 +197,12 @@ class GraphedBlock:
         memo[id(self)] = block
         return block
 
+    def __reduce__(self):
+        """Pickling a graphed Layer / Module (torch.save): the copy is graphed, with no graphs yet."""
+        if self.module is None:
+            raise TypeError(f"{self.name}: a graphed function cannot be pickled; pickle the function it wraps")
+        return _rebuilt_block, (self.module, self.warmup_steps, self.dispatch_key_fn, self.max_graphs)
+
     # -- the call ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self.disabled:
@@ -195,6 +210,13 @@ class GraphedBlock:
         if self.bridge is None:
             self._bind(args, kwargs)
         bridge = self.bridge
+        if bridge.saved_tensor_hooks_active():
+            return self._fallback("saved_tensor_hooks", args, kwargs,
+                                  f"{self.name}: called with saved-tensor hooks on (torch.utils.checkpoint, "
+                                  "activation offloading): they keep the activations themselves, so these calls "
+                                  "run eagerly")
+        if self.module is not None and self.lazy and bridge.uninitialized(self.module):
+            return self._fallback("lazy_parameters", args, kwargs, None)  # LazyLinear: shapes known after a call
         leaves, spec = flatten((args, kwargs), bridge.is_tensor)
         key = self._key(spec, leaves, args, kwargs)
         state = self.keys.get(key)
@@ -232,7 +254,7 @@ class GraphedBlock:
 
     def _replay(self, graphs: StepGraphs, leaves, needs_grad: bool):
         if needs_grad:
-            outs = self.bridge.apply(self, graphs, leaves + self.params)
+            outs = self.bridge.apply(self, graphs, leaves + self.params + graphs.outside)
         else:
             outs = self.forward_replay(graphs, leaves)
         return unflatten(graphs.out_spec, list(outs))
@@ -286,7 +308,8 @@ class GraphedBlock:
                 copy_(buf, g)
         graphs.backward.replay()
         self.counters.backward_replays += 1
-        pending.release()
+        if not self.bridge.keeps_graph():  # retain_graph=True: a second backward may read the activations
+            pending.release()
         return self.bridge.hand_out(graphs.grad_buffers, pending.inputs, self.lent)
 
     def _reclaim(self) -> None:
@@ -315,7 +338,18 @@ class GraphedBlock:
         else:
             base = (spec, tuple(bridge.leaf_key(t) for t in leaves))
         needs_grad = bridge.grad_enabled() and (bool(self.params) or any(bridge.requires_grad(t) for t in leaves))
-        return base, needs_grad, bridge.amp_state()
+        return base, needs_grad, bridge.amp_state(), self._module_mode()
+
+    def _module_mode(self):
+        """The training flags of the module and its submodules (a graph captured in training mode replays
+        dropout), read again only after a train()/eval() call anywhere or a change of the module's own."""
+        if self.module is None:
+            return None
+        modes = self.modes
+        if modes[0] != self.modes_seen or self.mode_root["training"] is not self.mode_flags[0]:
+            self.mode_flags = tuple(d["training"] for d in self.mode_dicts)
+            self.modes_seen = modes[0]
+        return self.mode_flags
 
     # -- fallbacks and warnings --------------------------------------------------------------------
     def _fallback(self, reason: str, args, kwargs, warning: Optional[str]):
@@ -338,8 +372,15 @@ class GraphedBlock:
         self.adapter = backend.ADAPTER
         self.bridge = backend.autograd_bridge()
         if self.module is not None:
+            self.mode_dicts = [d for _, d in self.adapter.module_dicts(self.module)]
+            self.mode_root = self.mode_dicts[0]
+            self.modes = self.adapter.mode_counter()
+            self.modes_seen = -1
+            self.mode_flags = (None,)
+            self.lazy = self.bridge.uninitialized(self.module)
             self.params = self.bridge.trainable_parameters(self.module)
-            self.watched = self._watch()
+            if not self.lazy:
+                self.watched = self._watch()
 
     def _watch(self):
         owned = self.bridge.owned_tensors(self.module)
@@ -347,18 +388,24 @@ class GraphedBlock:
         self.watched_names = [name for _, name, _ in owned]
         self.watched_tensors = [t for _, _, t in owned]
         self.watched_ptrs = self.bridge.addresses(self.watched_tensors)
+        self.all_params = self.bridge.all_parameters(self.module)
+        self.trainable = self.bridge.trainable_flags(self.all_params)
         return owned
 
     def _params_moved(self) -> bool:
+        """A parameter or buffer replaced (a new object, or its data swapped), or the trainable set changed
+        (a parameter frozen or unfrozen): the graphs compute gradients for the parameters captured."""
         tensors = self.watched_tensors
         return (any(map(operator.is_not, map(dict.get, self.watched_owners, self.watched_names), tensors))
-                or self.bridge.addresses(tensors) != self.watched_ptrs)
+                or self.bridge.addresses(tensors) != self.watched_ptrs
+                or self.bridge.trainable_flags(self.all_params) != self.trainable)
 
     def _recapture(self) -> None:
         if "recapture" not in self._warned:
             self._warned.add("recapture")
             logger.warning("%s: a parameter or buffer was replaced after capture (a new tensor, or its data "
-                           "swapped); its graphs are dropped and captured again", self.name)
+                           "swapped), or a parameter frozen or unfrozen; its graphs are dropped and captured again",
+                           self.name)
         self.counters.recaptures += 1
         self.release(keep_warmups=True)
         self.params = self.bridge.trainable_parameters(self.module)
@@ -368,9 +415,12 @@ class GraphedBlock:
     def _capture(self, state: KeyState, leaves, spec, args, kwargs, needs_grad: bool) -> Optional[StepGraphs]:
         bridge, adapter = self.bridge, self.adapter
         simulated = simulation_enabled() or not adapter.graphs_supported()
+        buffers = None
         if self.module is not None:  # what the graphs will read: parameters as they are now
+            self.lazy = False
             self.params = bridge.trainable_parameters(self.module)
             self.watched = self._watch()
+            buffers = bridge.snapshot_buffers(self.module)
         targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
         grads_before = bridge.snapshot_grads(targets)
         rng = bridge.rng_state()
@@ -387,6 +437,11 @@ class GraphedBlock:
             return None
         finally:
             bridge.restore_grads(grads_before)
+            if buffers is not None:
+                # The capture ran the forward (a private warmup, or the simulated capture): its in-place
+                # updates of buffers (batch norm's running stats) are undone; the replay that follows
+                # makes this call's.
+                bridge.restore_buffers(buffers)
         if simulated:
             bridge.set_rng_state(rng)  # a simulated capture ran the block; the replay must draw as eager would
         else:
@@ -483,6 +538,7 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
         bridge.set_rng_state(rng)
         adapter.synchronize()
 
+    mark = bridge.graph_mark() if needs_grad else None
     fwd = _SimulatedForward(bridge, forward) if simulated else adapter.new_graph(block.pool)
     fwd.capture_begin()
     try:
@@ -492,6 +548,18 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
     out_leaves, out_spec = flatten(outs, bridge.is_tensor)
     differentiable = [needs_grad and bridge.requires_grad(o) for o in out_leaves]
     diff_outs = [o for o, d in zip(out_leaves, differentiable) if d]
+    outside = []
+    if needs_grad and diff_outs:
+        # Tensors the block reads without receiving them (a closure's, a global's, another module's
+        # parameter) get their gradients too: they become inputs of the graphed step.
+        outside, unheld = bridge.outside_tensors(diff_outs, {id(t): t for t in grad_inputs}, mark)
+        if unheld:
+            raise CaptureError(
+                f"{block.name} reads a tensor that requires grad without receiving it as an argument or holding it "
+                "as a parameter, and its gradient cannot be handed to it from a graph here (one computed before "
+                "the call, whose gradient flows on through an autograd graph outside the block; or, on Paddle, "
+                "any such tensor). Pass it as an argument; this key runs eagerly")
+        grad_inputs = grad_inputs + outside
     out_buffers = [bridge.detach(o) for o in out_leaves]
     if simulated:
         fwd.keep(out_buffers, differentiable)
@@ -499,13 +567,16 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
     bwd, grad_out_buffers, grad_buffers = None, [], []
     if needs_grad:
         grad_out_buffers = [bridge.zeros_like(o) for o in diff_outs]
-        flows = [bridge.requires_grad(t) for t in static_inputs] + [True] * len(params)
+        flows = [bridge.requires_grad(t) for t in static_inputs] + [True] * (len(params) + len(outside))
         if diff_outs:
             bwd = _SimulatedBackward(bridge, fwd, grad_inputs, grad_out_buffers) if simulated \
                 else adapter.new_graph(block.pool)
             bwd.capture_begin()
             try:
-                grads = bridge.grad(diff_outs, grad_inputs, grad_out_buffers)
+                # Captured retaining the forward's saved tensors: a backward that frees them as it goes lets
+                # the pool hand their memory to its own temporaries, and a second backward through the same
+                # forward (retain_graph=True, or autograd.grad twice) would read them overwritten.
+                grads = bridge.grad(diff_outs, grad_inputs, grad_out_buffers, retain_graph=True)
             finally:
                 bwd.capture_end()
             if simulated:
@@ -529,7 +600,7 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
         grad_buffers = [None if g is None else weak(g) for g in grad_buffers]
     return StepGraphs(forward=fwd, backward=bwd, static_inputs=static_inputs, out_buffers=out_buffers,
                       out_spec=out_spec, differentiable=differentiable, grad_out_buffers=grad_out_buffers,
-                      grad_buffers=grad_buffers, buffer_bytes=buffer_bytes)
+                      grad_buffers=grad_buffers, buffer_bytes=buffer_bytes, outside=outside)
 
 
 # -- simulated graphs: the host stand-in for a forward and its backward ----------------------------
@@ -587,6 +658,7 @@ class _SimulatedBackward:
         self.grad_buffers = grads
 
     def replay(self) -> None:
+        self.bridge.check_simulated_backward()
         fresh = self.bridge.grad(self.forward.live, self.inputs, self.grad_out_buffers, retain_graph=True)
         copy_ = self.bridge.copy_detached
         for dst, src in zip(self.grad_buffers, fresh):
@@ -596,6 +668,12 @@ class _SimulatedBackward:
     def reset(self) -> None:
         self.forward = None
         self.inputs = self.grad_out_buffers = self.grad_buffers = []
+
+
+def _rebuilt_block(module, warmup_steps, dispatch_key_fn, max_graphs) -> "GraphedBlock":
+    """The block of an unpickled graphed module: its forward graphed again, nothing captured."""
+    eager = type(module).forward.__get__(module)
+    return GraphedBlock(module, eager, module, _module_framework(module), warmup_steps, dispatch_key_fn, max_graphs)
 
 
 # -- the public entry point ------------------------------------------------------------------------

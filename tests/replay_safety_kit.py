@@ -166,7 +166,8 @@ def test_non_tensor_arguments_are_keyed_on_type_and_value(F, M, level):
             out, ref = m(x, scale, shift), twin(x, scale, shift)
             assert F.dtype_name(out["scaled"]) == F.dtype_name(ref["scaled"]), f"scale={scale!r}"
             assert F.equal(out["scaled"], ref["scaled"]), f"scale={scale!r}"
-            assert F.same_with_nan(out["inverse"], ref["inverse"]), f"shift={shift!r}"
+            # Inductor (level 2) may compute the reciprocal in another rounding: the key is what is tested
+            assert F.same_with_nan(out["inverse"], ref["inverse"], exact=level != 2), f"shift={shift!r}"
 
 
 # -- 7. Hooks on the decorated model ----------------------------------------------------------------------

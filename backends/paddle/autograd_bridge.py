@@ -7,8 +7,12 @@ not been run (no Paddle GPU build runs on the machines this was built on).
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 
 import paddle
+
+from ...errors import GraphOptError
 
 
 class _ReplayStep(paddle.autograd.PyLayer):
@@ -18,7 +22,71 @@ class _ReplayStep(paddle.autograd.PyLayer):
 
     @staticmethod
     def backward(ctx, *grads):
-        return tuple(ctx.block.backward_for_grad(ctx, grads))  # PyLayer wants grads of tensor inputs only
+        out = ctx.block.backward_for_grad(ctx, grads)  # PyLayer wants grads of tensor inputs only
+        if _partial.requested is not None:
+            out = _only_requested(ctx.pending.inputs, out, _partial.requested)
+        return tuple(out)
+
+
+class _Partial(threading.local):
+    requested = None  # inside paddle.grad: the tensors it asks gradients for
+
+
+_partial = _Partial()
+
+
+def _accumulation_node(t):
+    with paddle.enable_grad():
+        return (t * 1).grad_fn.next_functions[0].node_ptr()
+
+
+def _reaches(t, wanted) -> bool:
+    """Whether t's gradient flows to one of the accumulation nodes `wanted` (a walk of Paddle's graph)."""
+    if t.grad_fn is None:
+        return not t.stop_gradient and _accumulation_node(t) in wanted
+    stack, seen = [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node.node_ptr() in seen:
+            continue
+        seen.add(node.node_ptr())
+        if node.node_ptr() in wanted:
+            return True
+        stack.extend(node.next_functions)
+    return False
+
+
+def _only_requested(inputs, grads, requested):
+    """Inside paddle.grad(outputs, inputs=...), a PyLayer must give None for every input whose gradient
+    reaches none of the requested tensors (Paddle segfaulted, or said so, otherwise); its backward is
+    not told which those are, so the graph is walked: the requested tensors' accumulation nodes, and
+    whether each input reaches one."""
+    wanted = {_accumulation_node(t) for t in requested if t.grad_fn is None} | \
+        {t.grad_fn.node_ptr() for t in requested if t.grad_fn is not None}
+    return [g if g is not None and _reaches(t, wanted) else None for t, g in zip(inputs, grads)]
+
+
+def _install_partial_grad_watch() -> None:
+    """paddle.grad sets _partial.requested for the length of the call (see _only_requested)."""
+    import paddle.base.dygraph.base as dygraph
+
+    grad = dygraph.grad
+    if getattr(grad, "_graph_opt_watch", False):
+        return
+
+    @functools.wraps(grad)
+    def watched(outputs, inputs, *args, **kwargs):
+        before = _partial.requested
+        _partial.requested = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        try:
+            return grad(outputs, inputs, *args, **kwargs)
+        finally:
+            _partial.requested = before
+
+    watched._graph_opt_watch = True
+    for module in (dygraph, paddle, paddle.autograd):
+        if getattr(module, "grad", None) is grad:
+            module.grad = watched
 
 
 class PaddleAutogradBridge:
@@ -66,13 +134,63 @@ class PaddleAutogradBridge:
         t.grad = grad
 
     def hand_out(self, buffers, inputs, lent):
-        """The gradients backward returns, one per input. Paddle's accumulation shares the first
-        gradient a leaf gets (also after clear_gradients(set_to_zero=False)), so a leaf gets a copy."""
-        return [buf.clone() if buf is not None and t.is_leaf else buf for buf, t in zip(buffers, inputs)]
+        """The gradients backward returns, one per input, each a copy: Paddle's accumulation shares the
+        first gradient a leaf gets (also after clear_gradients(set_to_zero=False)), and a non-leaf
+        input's gradient goes to its tensor hooks and on upstream, where it may be kept. The next backward
+        replay rewrites the buffers."""
+        return [None if buf is None else buf.clone() for buf in buffers]
 
     @staticmethod
     def addresses(tensors):
         return [t.data_ptr() for t in tensors]
+
+    @staticmethod
+    def check_simulated_backward() -> None:
+        """A simulated backward replay runs paddle.grad, and Paddle's autograd is not reentrant: inside an
+        outer paddle.grad that segfaults. A real graph replays without autograd (not run here)."""
+        if _partial.requested is not None:
+            raise GraphOptError(
+                "paddle.grad through a graphed block cannot be simulated (the simulated backward would run "
+                "paddle.grad inside paddle.grad, which Paddle's autograd does not support); real CUDA graphs "
+                "replay it, and loss.backward() works simulated too")
+
+    @staticmethod
+    def keeps_graph() -> bool:
+        return False  # Paddle does not say, inside a PyLayer's backward, whether the graph is retained
+
+    @staticmethod
+    def saved_tensor_hooks_active() -> bool:
+        return False  # Paddle's recompute reruns the block inside its own PyLayer (no saved-tensor hooks)
+
+    @staticmethod
+    def uninitialized(layer) -> bool:
+        return False  # Paddle has no lazy parameters
+
+    # -- what the block reads without receiving it -------------------------------------------------
+    @staticmethod
+    def graph_mark():
+        return None
+
+    @staticmethod
+    def outside_tensors(outputs, known, mark):
+        """([], found): Paddle's accumulation nodes do not name their tensor, so a leaf the block reads
+        without receiving it is found (its node is none of the known leaves') but cannot be handed a
+        gradient: found is True then, and the capture fails naming the cause."""
+        with paddle.enable_grad():
+            mine = {(t * 1).grad_fn.next_functions[0].node_ptr() for t in known.values() if not t.stop_gradient}
+        stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+        seen = set()
+        while stack:
+            node = stack.pop()
+            if node is None or node.node_ptr() in seen:
+                continue
+            seen.add(node.node_ptr())
+            if node.name() == "GradNodeAccumulation":
+                if node.node_ptr() not in mine:
+                    return [], True
+                continue
+            stack.extend(node.next_functions)
+        return [], False
 
     # -- autograd --------------------------------------------------------------------------------
     def grad_enabled(self) -> bool:
@@ -90,6 +208,28 @@ class PaddleAutogradBridge:
     # -- parameters ------------------------------------------------------------------------------
     def trainable_parameters(self, layer):
         return [p for p in layer.parameters() if not p.stop_gradient]
+
+    @staticmethod
+    def trainable_flags(params) -> list:
+        return [not p.stop_gradient for p in params]
+
+    def all_parameters(self, layer):
+        return list(layer.parameters())
+
+    @staticmethod
+    def snapshot_buffers(layer):
+        """Copies of the buffers and frozen parameters (batch norm's running stats are parameters with
+        stop_gradient in Paddle): a capture runs the forward, and its updates of them must not count as a
+        step."""
+        with paddle.no_grad():
+            state = [b for b in layer.buffers()] + [p for p in layer.parameters() if p.stop_gradient]
+            return [(b, b.clone()) for b in state]
+
+    @staticmethod
+    def restore_buffers(snapshot) -> None:
+        with paddle.no_grad():
+            for b, values in snapshot:
+                b.copy_(values, False)
 
     def owned_tensors(self, layer):
         """(owner dict, name, tensor) for every parameter and buffer: replacing one shows in its owner."""
@@ -136,4 +276,5 @@ class PaddleAutogradBridge:
         paddle.set_rng_state(state)
 
 
+_install_partial_grad_watch()
 BRIDGE = PaddleAutogradBridge()

@@ -14,6 +14,20 @@ from torch.autograd.function import once_differentiable
 
 _data_ptr = torch.Tensor.data_ptr
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: False)
+_will_run = getattr(torch._C, "_will_engine_execute_node", None)
+_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _accumulates(t) -> bool:
+    """Inside a backward: whether autograd will add this leaf's gradient into its .grad (loss.backward()),
+    rather than hand it to the caller (torch.autograd.grad)."""
+    if _will_run is None:
+        return False
+    try:
+        return _will_run(torch.autograd.graph.get_gradient_edge(t).node)
+    except RuntimeError:  # "... currently running autograd.grad()": nothing accumulates into .grad
+        return False
 
 
 class _ReplayStep(torch.autograd.Function):
@@ -45,7 +59,8 @@ class TorchAutogradBridge:
         return t.requires_grad
 
     def static_input(self, t):
-        s = t.detach().clone(memory_format=torch.contiguous_format)
+        with torch.inference_mode(False):  # never an inference tensor: calls under no_grad copy into it
+            s = t.detach().clone(memory_format=torch.contiguous_format)
         return s.requires_grad_(True) if t.requires_grad else s
 
     def detach(self, t):
@@ -58,7 +73,8 @@ class TorchAutogradBridge:
         t.zero_()
 
     def zeros_like(self, t):
-        return torch.zeros_like(t, memory_format=torch.contiguous_format)
+        with torch.inference_mode(False):
+            return torch.zeros_like(t, memory_format=torch.contiguous_format)
 
     def ones_like(self, t):
         return torch.ones_like(t)
@@ -72,20 +88,81 @@ class TorchAutogradBridge:
             t.grad = grad
 
     def hand_out(self, buffers, inputs, lent):
-        """The gradients backward returns, one per input: the static buffers. A leaf without a .grad
-        keeps what it is handed as its .grad, so it gets a tensor of its own over the buffer (no copy),
-        recorded in `lent`: the block gives it a copy before the next replay if it still holds it."""
+        """The gradients backward returns, one per input. Where autograd accumulates it into a leaf's
+        .grad (loss.backward()), the static buffer itself: added in place into an existing .grad, or
+        lent to a leaf without one (a tensor over the buffer, no copy, recorded in `lent`: the block gives
+        it a copy before the next replay if it still holds it). Anywhere else the caller may keep it
+        (torch.autograd.grad's result, a hook's argument, a non-leaf input's upstream): a copy, since
+        the next backward replay rewrites the buffer."""
         out = []
         for buf, t in zip(buffers, inputs):
-            if buf is not None and t.is_leaf and t.grad is None:
-                lent.append((t, buf))
-                buf = buf.detach()
+            if buf is not None:
+                if t.is_leaf and not t._backward_hooks and _accumulates(t):
+                    if t.grad is None:
+                        lent.append((t, buf))
+                        buf = buf.detach()
+                else:
+                    buf = buf.clone()
             out.append(buf)
         return out
 
     @staticmethod
+    def check_simulated_backward() -> None:
+        pass  # torch's autograd runs a nested torch.autograd.grad inside a backward
+
+    @staticmethod
+    def keeps_graph() -> bool:
+        """Inside a backward: whether it runs with retain_graph=True (a second backward may follow)."""
+        return _keeps_graph()
+
+    @staticmethod
+    def saved_tensor_hooks_active() -> bool:
+        """Whether saved-tensor hooks are on (torch.utils.checkpoint without reentrance, offloading): the
+        block's activations are the hooks' to keep, and a replayed graph's would be overwritten."""
+        return _saved_tensor_hooks is not None and _saved_tensor_hooks(False) is not None
+
+    # -- what the block reads without receiving it -------------------------------------------------
+    @staticmethod
+    def graph_mark():
+        """A point in autograd's node sequence: nodes made after it belong to the forward that follows."""
+        with torch.enable_grad():
+            return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr()
+
+    @staticmethod
+    def outside_tensors(outputs, known, mark):
+        """(leaves, computed_outside): the leaves requiring grad that `outputs` depend on, other than
+        `known` (inputs and parameters: {id: tensor}); and whether they depend on a tensor computed before
+        the forward (a node older than `mark`)."""
+        stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+        # Holds each node seen: a node's Python object is made anew on each access, and an id freed with
+        # it could come back for another node
+        seen, found, outside = {}, {}, False
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen[id(node)] = node
+            variable = getattr(node, "variable", None)
+            if variable is not None:  # AccumulateGrad: a leaf
+                if id(variable) not in known:
+                    found[id(variable)] = variable
+                continue
+            if node._sequence_nr() < mark:
+                outside = True
+                continue
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+        return list(found.values()), outside
+
+    @staticmethod
     def addresses(tensors):
-        return list(map(_data_ptr, tensors))
+        return [0 if isinstance(t, torch.nn.parameter.UninitializedTensorMixin) else _data_ptr(t) for t in tensors]
+
+    @staticmethod
+    def uninitialized(module) -> bool:
+        """Whether a parameter or buffer is still lazy (LazyLinear before its first call)."""
+        from torch.nn.parameter import is_lazy
+
+        return any(is_lazy(t) for t in module.parameters()) or any(is_lazy(t) for t in module.buffers())
 
     # -- autograd --------------------------------------------------------------------------------
     def grad_enabled(self) -> bool:
@@ -95,7 +172,10 @@ class TorchAutogradBridge:
         return torch.enable_grad()
 
     def grad(self, outputs, inputs, grad_outputs, retain_graph: bool = False):
-        return torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph, allow_unused=True)
+        grads = torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph, allow_unused=True)
+        # Dense, as eager's .grad is: an expanded gradient (of w.sum(0), say) shares one element between
+        # rows, and a buffer like that can be neither copied into nor handed out as a .grad.
+        return [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]
 
     def apply(self, block, graphs, tensors):
         return _ReplayStep.apply(block, graphs, *tensors)
@@ -103,6 +183,26 @@ class TorchAutogradBridge:
     # -- parameters ------------------------------------------------------------------------------
     def trainable_parameters(self, module):
         return [p for p in module.parameters() if p.requires_grad]
+
+    @staticmethod
+    def trainable_flags(params) -> list:
+        return [p.requires_grad for p in params]
+
+    def all_parameters(self, module):
+        return list(module.parameters())
+
+    @staticmethod
+    def snapshot_buffers(module):
+        """Copies of the buffers (batch norm's running stats): a capture runs the forward, and its
+        in-place updates of them must not count as a step."""
+        with torch.no_grad():
+            return [(b, b.clone()) for b in module.buffers()]
+
+    @staticmethod
+    def restore_buffers(snapshot) -> None:
+        with torch.no_grad():
+            for b, values in snapshot:
+                b.copy_(values)
 
     def owned_tensors(self, module):
         """(owner dict, name, tensor) for every parameter and buffer: replacing one shows in its owner."""

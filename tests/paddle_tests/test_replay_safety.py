@@ -246,10 +246,11 @@ class PaddleF:
         return list(a.shape) == list(b.shape) and a.dtype == b.dtype and np.allclose(a.numpy(), b.numpy(), 1e-5, 1e-5)
 
     @staticmethod
-    def same_with_nan(a, b):
+    def same_with_nan(a, b, exact=True):
         import numpy as np
 
-        return list(a.shape) == list(b.shape) and np.array_equal(a.numpy(), b.numpy(), equal_nan=True)
+        return list(a.shape) == list(b.shape) and np.allclose(a.numpy(), b.numpy(), rtol=0 if exact else 1e-5,
+                                                              atol=0, equal_nan=True)
 
     @staticmethod
     def shape(t):

@@ -43,6 +43,30 @@ class NestedBlock(paddle.nn.Layer):
         return {"sum": self.b(h) * c, "parts": [h * 2.0, (a * c + h, "tag")], "count": count}
 
 
+class NormBlock(paddle.nn.Layer):
+    """Batch norm in training mode: its running statistics are state the forward writes."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = paddle.nn.Linear(hidden, hidden)
+        self.norm = paddle.nn.BatchNorm1D(hidden)
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+class Reads(paddle.nn.Layer):
+    """Reads another layer's parameter without receiving it (a shared embedding, say)."""
+
+    def __init__(self, hidden, other):
+        super().__init__()
+        self.lin = paddle.nn.Linear(hidden, hidden)
+        self.__dict__["other"] = other  # not a sublayer: its parameter is not one of this layer's
+
+    def forward(self, x):
+        return paddle.tanh(self.lin(x) + self.other.weight.sum(0))
+
+
 def _copy(layer):
     twin = type(layer).__new__(type(layer))
     twin.__init__(*layer._init_args)
@@ -152,6 +176,51 @@ class PaddleShim:
     @staticmethod
     def autocast():
         return paddle.amp.auto_cast(dtype="bfloat16")
+
+    def norm_block(self, seed=0):
+        paddle.seed(seed)
+        b = NormBlock(self.hidden)
+        b._init_args = (self.hidden,)
+        return b
+
+    def reading_block(self, seed=0):
+        paddle.seed(seed)
+        other = paddle.nn.Linear(self.hidden, self.hidden)
+        return Reads(self.hidden, other), other
+
+    def copy_reading(self, block):
+        other = paddle.nn.Linear(self.hidden, self.hidden)
+        other.set_state_dict(block.other.state_dict())
+        twin = Reads(self.hidden, other)
+        twin.set_state_dict(block.state_dict())
+        return twin, other
+
+    @staticmethod
+    def autograd_grad(output, inputs, retain_graph=False):
+        return paddle.grad(output, inputs, retain_graph=retain_graph)
+
+    @staticmethod
+    def tensor_hook(t, fn):
+        return t.register_hook(fn)
+
+    module_backward_hook = None  # Paddle has no module backward hooks
+
+    @staticmethod
+    def set_trainable(p, flag):
+        p.stop_gradient = not flag
+
+    @staticmethod
+    def buffers(m):
+        # Paddle's batch norm keeps its running statistics as parameters with stop_gradient, not buffers
+        return [t for _, t in m.named_buffers()] + [p for p in m.parameters() if p.stop_gradient]
+
+    @staticmethod
+    def save_load(m):
+        # Paddle saves state dicts, not Layer objects (paddle.save refuses one, and a pickled Layer's
+        # parameters come back as plain tensors): deepcopy is the copy a Paddle user makes.
+        import copy
+
+        return copy.deepcopy(m)
 
 
 @pytest.fixture

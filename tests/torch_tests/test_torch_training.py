@@ -85,3 +85,77 @@ def test_second_order_gradients_are_refused_clearly(F):
     with pytest.raises(RuntimeError, match="once_differentiable"):
         (g,) = torch.autograd.grad(F.loss(y), [m.up.weight], create_graph=True)
         g.sum().backward()
+
+
+# -- autograd beyond loss.backward(), torch's own ---------------------------------------------------
+def _params_equal(ref, m):
+    for (name, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
+        assert (p.grad is None) == (p_ref.grad is None) and (p.grad is None or torch.equal(p.grad, p_ref.grad)), name
+
+
+def test_calls_under_inference_mode_then_no_grad_both_answer_eagers(F):
+    """Static buffers made under inference_mode are ordinary tensors: a later no_grad call copies into them."""
+    ref, m = twins(F, warmup_steps=0)
+    x = F.randn([4, 6, F.hidden], seed=3)
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode, torch.no_grad):
+        with mode():
+            assert torch.equal(m(x.clone()), ref(x.clone())), mode.__name__
+    assert graph_opt.stats(m).fallbacks == 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_graphed_block_inside_checkpoint_gives_eagers_gradients(F, reentrant):
+    """torch.utils.checkpoint keeps the activations itself (non-reentrant: saved-tensor hooks; reentrant:
+    a no-grad forward, recomputed in backward): such calls run eagerly, and the gradients are eager's."""
+    from torch.utils.checkpoint import checkpoint
+
+    ref, m = twins(F, warmup_steps=0)
+    for step in range(3):
+        F.zero_grads(ref), F.zero_grads(m)
+        x = F.randn([4, 6, F.hidden], seed=step)
+        xs, xs_ref = F.leaf(x, True), F.leaf(x, True)
+        F.loss(checkpoint(m, xs, use_reentrant=reentrant)).backward()
+        F.loss(checkpoint(ref, xs_ref, use_reentrant=reentrant)).backward()
+        assert torch.equal(xs.grad, xs_ref.grad)
+        _params_equal(ref, m)
+    F.zero_grads(ref), F.zero_grads(m)  # and outside checkpoint, graphs as usual
+    assert_same_step(F, ref, m, F.randn([4, 6, F.hidden], seed=9), seed=0)
+    assert graph_opt.stats(m).replays >= 1
+
+
+def test_a_lazy_module_is_graphed_once_its_parameters_exist(F):
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.LazyLinear(F.hidden), torch.nn.Tanh(), torch.nn.Linear(F.hidden, 4))
+
+    ref, m = make(), graph_opt.autocudagraph(make(), warmup_steps=0)
+    for step in range(3):
+        F.zero_grads(ref), F.zero_grads(m)
+        x = F.randn([4, 8], seed=step)
+        torch.manual_seed(step)  # the lazy parameters are drawn at the first call
+        y = m(F.leaf(x, True))
+        torch.manual_seed(step)
+        y_ref = ref(F.leaf(x, True))
+        assert torch.equal(y, y_ref)
+        F.loss(y).backward(), F.loss(y_ref).backward()
+        _params_equal(ref, m)
+    s = graph_opt.stats(m)
+    assert s.fallback_reasons == {"lazy_parameters": 1} and s.replays == 2
+
+
+def test_a_backward_through_an_earlier_retained_output_is_eagers(F):
+    """backward(retain_graph=True), a new forward, then a backward through the first output: the second
+    forward must not overwrite what the first output's backward reads."""
+    ref, m = twins(F, warmup_steps=0)
+    xa, xb = F.randn([4, 6, F.hidden], seed=1), F.randn([4, 6, F.hidden], seed=2)
+    outs = {}
+    for model in (ref, m):
+        ya = model(F.leaf(xa, True))
+        F.loss(ya).backward(retain_graph=True)
+        yb = model(F.leaf(xb, True))
+        F.loss(ya * 3.0).backward()
+        F.loss(yb).backward()
+        outs[id(model)] = (ya, yb)
+    for a, b in zip(outs[id(m)], outs[id(ref)]):
+        assert torch.equal(a, b)
+    _params_equal(ref, m)

@@ -240,8 +240,10 @@ class TorchF:
         return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
     @staticmethod
-    def same_with_nan(a, b):
-        return a.shape == b.shape and torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+    def same_with_nan(a, b, exact=True):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        return torch.allclose(a, b, rtol=0 if exact else 1e-5, atol=0, equal_nan=True)
 
     @staticmethod
     def shape(t):

@@ -40,6 +40,30 @@ class NestedBlock(torch.nn.Module):
         return {"sum": self.b(h) * c, "parts": [h * 2.0, (a * c + h, "tag")], "count": count}
 
 
+class NormBlock(torch.nn.Module):
+    """Batch norm in training mode: its running statistics are state the forward writes."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.norm = torch.nn.BatchNorm1d(hidden)
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+class Reads(torch.nn.Module):
+    """Reads another module's parameter without receiving it (a shared embedding, say)."""
+
+    def __init__(self, hidden, other):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.__dict__["other"] = other  # not a submodule: its parameter is not one of this module's
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) + self.other.weight.sum(0))
+
+
 class TorchShim:
     hidden = 16
 
@@ -133,6 +157,52 @@ class TorchShim:
     @staticmethod
     def requires_grad(t):
         return t.requires_grad
+
+    def norm_block(self, seed=0):
+        torch.manual_seed(seed)
+        return NormBlock(self.hidden).to(self.device)
+
+    def reading_block(self, seed=0):
+        """(block, the module whose parameter it reads)."""
+        torch.manual_seed(seed)
+        other = torch.nn.Linear(self.hidden, self.hidden).to(self.device)
+        return Reads(self.hidden, other).to(self.device), other
+
+    @staticmethod
+    def copy_reading(block):
+        other = copy.deepcopy(block.other)
+        twin = copy.deepcopy(block)
+        twin.__dict__["other"] = other
+        return twin, other
+
+    @staticmethod
+    def autograd_grad(output, inputs, retain_graph=False):
+        return torch.autograd.grad(output, inputs, retain_graph=retain_graph)
+
+    @staticmethod
+    def tensor_hook(t, fn):
+        return t.register_hook(fn)
+
+    @staticmethod
+    def module_backward_hook(m, fn):
+        return m.register_full_backward_hook(lambda mod, grad_in, grad_out: fn(grad_in[0]))
+
+    @staticmethod
+    def set_trainable(p, flag):
+        p.requires_grad_(flag)
+
+    @staticmethod
+    def buffers(m):
+        return [b for _, b in m.named_buffers()]
+
+    @staticmethod
+    def save_load(m):
+        import io
+
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
 
     def autocast(self):
         return torch.autocast(self.device if self.device == "cpu" else "cuda", dtype=torch.bfloat16)
