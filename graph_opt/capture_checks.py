@@ -51,7 +51,7 @@ def expect(runner, sig, static: List, leaves: List, padded: int, warm=None):
             if not sig.layout.known:
                 _observe_other_size(runner, sig, static, padded)
             return None
-        small = [t if d is None else adapter.narrow(t, d, rows) for t, d in zip(leaves, sig.dims)]
+        small = _probe_rows(adapter, leaves, sig.dims, rows)
         runner._copy_in(sig, static, small, padded)
         own = [t if d is None else adapter.narrow(t, d, rows) for t, d in zip(static, sig.dims)]
         expected = _clone(adapter, _run(runner, sig, own))
@@ -74,7 +74,7 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
     adapter = runner.adapter
     padded = entry.padded_size
     rows = smallest_call(runner, padded)
-    small = [t if d is None else adapter.narrow(t, d, rows) for t, d in zip(leaves, sig.dims)]
+    small = _probe_rows(adapter, leaves, sig.dims, rows)
     try:
         with adapter.no_grad():  # as replays run
             got = entry.run(adapter, small, rows)  # as a call of `rows` rows: copied in, padded, replayed, cut
@@ -98,6 +98,14 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
                    "batch size), or capture every batch size it is called with")
         logger.warning("%s: %s", runner.name, message)
         runner.capture_notes.append(message)
+
+
+def _probe_rows(adapter, leaves, dims, rows: int) -> List:
+    """The first `rows` rows of the capture inputs, for the check. A floating input whose elements are
+    all equal (zeros: a dummy input) is replaced by one whose rows differ: padding rows hold the pad
+    value, and a forward that mixes rows gives the same real rows with them as without only if real
+    and padding rows are alike. (Both runs of the check see the same replacement.)"""
+    return [t if d is None else adapter.varied(adapter.narrow(t, d, rows)) for t, d in zip(leaves, dims)]
 
 
 def _read_futures(tree) -> None:

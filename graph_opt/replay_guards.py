@@ -148,8 +148,10 @@ class ModelState:
             describe = self.adapter.describe_ambient
             return ("ambient", f"the call runs under {describe(ambient)}; the graphs were captured under "
                                f"{describe(self.ambient)}")
-        if self.watch_replacements and self.registered[0] != self.registrations:
-            return self._registrations_changed()
+        if self.registered[0] != self.registrations:
+            replaced = self._registrations_changed()
+            if replaced is not None:
+                return replaced
         if self.converted[0] != self.conversions:
             return self._conversions_changed()
         if self.hooked[0] != self.hook_changes:
@@ -192,6 +194,13 @@ class ModelState:
             return None
         before, after = dict(self.tensor_ids), dict(now)
         names = [n for n in after if before.get(n) != after[n]] + [n for n in before if n not in after]
+        if not self.watch_replacements:
+            # The static path reads a replaced parameter anew (its guards were kept off the tensors' metadata
+            # for speed): only a tensor now gone (set to None, deleted) must not replay
+            names = [n for n in names if before.get(n) and not after.get(n)]
+            if not names:
+                self.registrations = self.registered[0]
+                return None
         what = ", ".join(f"{self.name}.{n}" for n in names[:3]) or "a submodule"
         self.stale = ("replaced", f"{what} was replaced by a new object since capture (or added or removed); the "
                       "graphs read the old one. clear_graphs() and capture_model() capture the new one")

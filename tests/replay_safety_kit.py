@@ -333,6 +333,19 @@ def test_a_forward_whose_real_rows_depend_on_other_rows_replays_only_captured_si
     assert not warned(logs, "other values than eager")
 
 
+def test_dummy_capture_inputs_of_zeros_do_not_hide_a_forward_that_mixes_rows(F, M, level, logs):
+    """Captured with all-zero inputs (a serving engine's dummy run): padding rows hold the pad value 0
+    too, so the check must probe with rows that differ from them."""
+    m, twin = pair(F, M.BatchMean, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n) * 0.0)
+    assert warned(logs, "gave other values than eager")
+    with F.no_grad():
+        for real in (3, 5):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x)), f"a call of {real} rows"
+    assert graph_opt.stats(m).fallback_reasons == {"outputs": 2}
+
+
 def test_a_forward_that_branches_on_the_batch_size_replays_only_captured_sizes(F, M, level, logs):
     m, twin = pair(F, M.BranchOnBatch, level)
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))

@@ -92,6 +92,17 @@ class PaddleAdapter:
     def compact(self, t):
         return t  # Paddle's expand copies: no broadcast views
 
+    def varied(self, t):
+        """t, or where it is floating with every element equal (zeros, a dummy input), a tensor of its
+        shape and dtype whose elements all differ: capture_checks compares rows with padding rows."""
+        if not t.is_floating_point() or t.size < 2:
+            return t
+        flat = t.flatten()
+        if not bool((flat == flat[0]).all()):
+            return t
+        ramp = (paddle.arange(t.size, dtype="float64") * 0.6180339887498949) % 1.0 - 0.5
+        return ramp.reshape(t.shape).astype(t.dtype)
+
     def max_abs_diff(self, a, b) -> float:
         """The largest |a - b| (NaN where both are NaN counts as equal); inf where shapes or dtypes differ."""
         if list(a.shape) != list(b.shape) or a.dtype != b.dtype:

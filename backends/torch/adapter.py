@@ -110,6 +110,15 @@ class TorchAdapter:
                 t = t.narrow(dim, 0, 1)
         return t
 
+    def varied(self, t):
+        """t, or where it is floating with every element equal (zeros, a dummy input), a tensor of its
+        shape and dtype whose elements all differ: capture_checks compares rows with padding rows."""
+        if not t.is_floating_point() or t.numel() < 2 or not bool((t == t.reshape(-1)[0]).all()):
+            return t
+        with torch.inference_mode(False):
+            ramp = (torch.arange(t.numel(), dtype=torch.float64, device=t.device) * _GOLDEN).remainder_(1.0) - 0.5
+        return ramp.reshape(t.shape).to(t.dtype)
+
     def max_abs_diff(self, a, b) -> float:
         """The largest |a - b| (NaN where both are NaN counts as equal); inf where shapes or dtypes differ."""
         if a.shape != b.shape or a.dtype != b.dtype:
@@ -170,16 +179,20 @@ class TorchAdapter:
         return _no_grad_normal_tensors()
 
     def ambient(self):
-        """The autocast state a replay must match; None (the common case) without autocast."""
+        """The autocast state and default dtype a replay must match; None (the common case) without
+        autocast and with float32 as the default dtype."""
+        default = torch.get_default_dtype()
         if not torch._C._is_any_autocast_enabled():
-            return None
+            return None if default is torch.float32 else (("default dtype", default),)
         return tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
-                     if torch.is_autocast_enabled(device))
+                     if torch.is_autocast_enabled(device)) + ((("default dtype", default),) if default is not torch.float32 else ())
 
     def describe_ambient(self, ambient) -> str:
         if not ambient:
             return "no autocast"
-        return " and ".join(f"torch.autocast({device!r}, dtype={dtype})" for device, dtype in ambient)
+        parts = [f"torch.set_default_dtype({dtype})" if device == "default dtype" else
+                 f"torch.autocast({device!r}, dtype={dtype})" for device, dtype in ambient]
+        return " and ".join(parts)
 
     # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
     static_reads_replaced_tensors = True  # level >= 1: a replaced parameter reaches the graph (dynamo.py)
@@ -230,7 +243,7 @@ class TorchAdapter:
         return list(model.named_buffers())
 
     def module_tensor_ids(self, model):
-        return tuple((name, id(t)) for name, t in itertools.chain(model.named_parameters(), model.named_buffers()))
+        return module_fingerprint(model)
 
     def call_hooks(self, model) -> bool:
         """Whether calling model runs hooks around its forward (its own, or torch's global ones)."""
@@ -405,6 +418,7 @@ def _no_grad_normal_tensors():
         yield
 
 
+_GOLDEN = 0.6180339887498949  # steps of it modulo 1 never repeat
 _registrations = [0]  # parameter, buffer or submodule registrations in this process
 _hooks_installed = False
 
@@ -420,7 +434,31 @@ def _install_registration_hooks() -> None:
     _module_mod.register_module_parameter_registration_hook(bump)
     _module_mod.register_module_buffer_registration_hook(bump)
     _module_mod.register_module_module_registration_hook(bump)
+    # torch calls those hooks for tensors and modules only: `lin.bias = None` (register_parameter(name,
+    # None)), register_buffer(name, None) and `del m.attr` change what a forward reads without them.
+    Module = torch.nn.Module
+    for name in ("register_parameter", "register_buffer", "__delattr__"):
+        Module_method = getattr(Module, name)
+
+        def counted(self, *args, __method=Module_method, **kwargs):
+            _registrations[0] += 1
+            return __method(self, *args, **kwargs)
+
+        functools.update_wrapper(counted, Module_method)
+        setattr(Module, name, counted)
     _hooks_installed = True
+
+
+def module_fingerprint(model) -> tuple:
+    """(path, id) of every submodule, parameter slot and buffer slot; a slot holding None has id 0."""
+    out = []
+    for path, m in model.named_modules(remove_duplicate=False):
+        prefix = path + "." if path else ""
+        if path:
+            out.append((path, id(m)))
+        out.extend((prefix + k, 0 if t is None else id(t)) for k, t in m._parameters.items())
+        out.extend((prefix + k, 0 if t is None else id(t)) for k, t in m._buffers.items())
+    return tuple(out)
 
 
 _mode_changes = [0]  # calls of nn.Module.train / eval in this process

@@ -49,7 +49,7 @@ from ...errors import CaptureError
 from ...pytree import flatten
 from ...testing import simulation_enabled
 from . import fx_split
-from .adapter import _install_registration_hooks, _registrations
+from .adapter import _install_registration_hooks, _registrations, module_fingerprint
 from .pieces import CapturablePiece, CompiledForward, EagerPiece, GraphState, Mode
 
 logger = logging.getLogger("graph_opt")
@@ -387,7 +387,7 @@ class _ModuleTensors:
         self.moved = False
 
     def current(self):
-        return tuple(id(t) for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        return module_fingerprint(self.model)
 
     def direct(self, graph_replay, bytecode_replay, outputs):
         _install_registration_hooks()

@@ -69,3 +69,85 @@ def test_a_parameter_replaced_after_capture_is_never_replayed_stale_at_level_0(F
     s = graph_opt.stats(m)
     assert s.replays == 0 and s.fallback_reasons == {"replaced": 2}
     assert len(warned(logs, "replaced by a new object")) == 1
+
+
+class _WithActivation(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sub = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU())
+
+    def forward(self, x):
+        return self.sub(x)
+
+
+class _DefaultDtype(Scaled):
+    def forward(self, x):
+        return self.lin(x) + torch.zeros(HIDDEN, device=x.device)  # follows torch's default dtype
+
+
+class _ParameterView(Scaled):
+    def forward(self, x):
+        return self.lin(x), self.lin.bias[:4], self.lin.weight.t()
+
+
+@pytest.mark.parametrize("level", [0, 1], ids=["level0", "level1"])
+def test_a_parameter_set_to_none_after_capture_is_never_replayed(F, level, logs):
+    """`lin.bias = None` goes through no registration hook of torch's: the graphs would add the old bias."""
+    m, twin = pair(F, Scaled, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    m.lin.bias = None
+    twin.lin.bias = None
+    x = F.randn(4, HIDDEN, seed=1)
+    with torch.no_grad():
+        assert torch.equal(m(x), twin(x))
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.fallback_reasons == {"replaced": 1}
+    assert warned(logs, "lin.bias")
+
+
+def test_a_submodule_without_tensors_swapped_after_capture_is_seen_at_level_0(F, logs):
+    """An activation swapped on a submodule: level-0 graphs ran the old one (a real device shows it;
+    simulated replays rerun Python, so the fallback is what is asserted)."""
+    F.seed(0)
+    decorated = graph_opt.support_graph_optimization(type("Act", (_WithActivation,), {}))
+    m = decorated(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=0, cudagraph_capture_sizes=[2, 4, 8]))
+    m = F.place(m)
+    twin = F.place(_WithActivation())
+    twin.load_state_dict(m.state_dict())
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    m.sub[1] = torch.nn.Tanh()
+    twin.sub[1] = torch.nn.Tanh()
+    x = F.randn(4, HIDDEN, seed=1)
+    with torch.no_grad():
+        assert torch.equal(m(x), twin(x))
+    assert graph_opt.stats(m).fallback_reasons == {"replaced": 1}
+    assert warned(logs, "sub.1")
+
+
+def test_the_default_dtype_is_part_of_what_a_replay_must_match(F, logs):
+    m, twin = pair(F, _DefaultDtype, 0)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(4, HIDDEN, seed=1)
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.no_grad():
+            out, ref = m(x), twin(x)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert out.dtype == ref.dtype == torch.float64 and torch.equal(out, ref)
+    assert graph_opt.stats(m).fallback_reasons == {"ambient": 1}
+    assert warned(logs, "set_default_dtype")
+    with torch.no_grad():
+        assert torch.equal(m(x), twin(x)) and graph_opt.stats(m).replays == 1
+
+
+@pytest.mark.parametrize("level", [0, 1], ids=["level0", "level1"])
+def test_an_output_that_is_a_view_of_a_parameter_replays(F, level):
+    m, twin = pair(F, _ParameterView, level)
+    weight = m.lin.weight.detach().clone()
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(4, HIDDEN, seed=1)
+    with torch.no_grad():
+        for got, want in zip(m(x), twin(x)):
+            assert torch.equal(got, want)
+    assert torch.equal(m.lin.weight, weight) and graph_opt.stats(m).replays == 1
