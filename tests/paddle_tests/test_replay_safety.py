@@ -245,6 +245,8 @@ class PaddleF:
 
         return list(a.shape) == list(b.shape) and a.dtype == b.dtype and np.allclose(a.numpy(), b.numpy(), 1e-5, 1e-5)
 
+    inductor_drops_the_sign_of_zero = False
+
     @staticmethod
     def same_with_nan(a, b, exact=True):
         import numpy as np

@@ -198,6 +198,8 @@ class TorchF:
     def __init__(self, device="cpu"):
         self.device = torch.device(device)
         self.simulate = self.device.type != "cuda"
+        # Inductor's CUDA code folds a -0.0 constant to 0.0 (torch.compile alone, measured with torch 2.11)
+        self.inductor_drops_the_sign_of_zero = self.device.type == "cuda"
 
     def graphs(self):
         """Where captures happen: simulated graphs on CPU, real ones on a CUDA device."""
