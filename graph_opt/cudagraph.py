@@ -35,6 +35,7 @@ logger = logging.getLogger("graph_opt")
 
 _MISMATCH = object()  # CapturedSize.run could not use its graph for these inputs
 _ALIASED = object()  # two arguments share memory and the forward writes one: separate static buffers differ
+_HOST_VALUE = object()  # a host tensor argument holds another value than the level-0 graph baked
 REQUIRED = object()  # a forward parameter without default
 
 
@@ -68,6 +69,9 @@ class CapturedSize:
     copies: Optional[SizeCopies] = None  # host_outputs copied by the graph itself
     views: Dict[int, tuple] = field(default_factory=dict)
     pending_check: Optional[tuple] = None  # (capture inputs, eager's outputs) until finish_captures()
+    # Level 0 on a device: (index, value at capture) of each host tensor argument. A kernel takes a host
+    # scalar (x / t, t a CPU tensor) by value when it is launched, so the graph holds the capture's.
+    host_values: List[tuple] = field(default_factory=list)
 
     def run(self, adapter, leaves: Sequence[Any], real: int):
         copies = self.copies
@@ -101,6 +105,10 @@ class CapturedSize:
                     return _MISMATCH
         if sig.mutated and _aliased(adapter, leaves):
             return _ALIASED
+        if self.host_values:
+            for i, value in self.host_values:
+                if not adapter.same_values(leaves[i], value):
+                    return _HOST_VALUE
         fresh = self.captured.replay()
         if sig.mutated:
             self._write_back(adapter, sig, dsts, leaves)
@@ -360,6 +368,8 @@ class GraphRunner:
             return self._fallback(args, kwargs, ("aliased", "two tensor arguments share memory and the forward "
                                                  "writes one of them in place: the graph reads them from separate "
                                                  "buffers, so this call runs without graphs"))
+        if out is _HOST_VALUE:
+            return self._fallback(args, kwargs, ("host_argument", _FALLBACK_REASONS["host_argument"]))
         if out is _MISMATCH:
             # The slow path: a rank or dtype the graph cannot take is the caller's error; another
             # non-batch shape (or, without copied inputs, another address or strides) runs without graphs.
@@ -799,6 +809,9 @@ class GraphRunner:
             memory_bytes=memory,
             copies=copies,
         )
+        if self.config.graph_opt_level == 0 and not simulation_enabled():
+            entry.host_values = [(i, adapter.clone(t)) for i, (t, d) in enumerate(zip(static, sig.dims))
+                                 if d is None and adapter.on_host(t)]
         sig.entries[padded] = entry
         # Checked by finish_captures(), once the ranks agreed that every one captured this size: the
         # check replays, and with several ranks a replay's collectives need every rank.
@@ -922,6 +935,9 @@ _FALLBACK_REASONS = {
     "grad": "autograd is enabled: graphs replay only under no_grad, so this call runs without graphs",
     "mismatch": "an input does not match the captured buffers (shape, or address and strides with "
     "cudagraph_copy_inputs=false); this call runs without graphs",
+    "host_argument": "a host (CPU) tensor argument holds another value than at capture, and a level-0 graph "
+    "keeps the value its kernels were launched with; this call runs without graphs. Pass it as a device "
+    "tensor, or use graph_opt_level=1, which runs host operations outside the graphs",
 }
 
 

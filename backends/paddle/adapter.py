@@ -164,6 +164,12 @@ class PaddleAdapter:
     def data_ptr(self, t) -> int:
         return t.data_ptr()
 
+    def on_host(self, t) -> bool:
+        return t.place.is_cpu_place()
+
+    def same_values(self, a, b) -> bool:
+        return list(a.shape) == list(b.shape) and a.dtype == b.dtype and bool((a == b).all())
+
     def nbytes(self, t) -> int:
         return math.prod(t.shape) * t.element_size()
 

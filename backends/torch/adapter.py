@@ -158,6 +158,12 @@ class TorchAdapter:
     def data_ptr(self, t) -> int:
         return t.data_ptr()
 
+    def on_host(self, t) -> bool:
+        return t.device.type == "cpu"
+
+    def same_values(self, a, b) -> bool:
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
     def nbytes(self, t) -> int:
         return t.numel() * t.element_size()
 

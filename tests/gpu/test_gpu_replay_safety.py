@@ -46,3 +46,32 @@ def test_a_capture_that_fails_on_a_host_sync_leaves_random_ops_working(level):
     x = torch.randn(3, 16, device="cuda")
     with torch.no_grad():
         assert torch.equal(m(x), type(m).forward(m, x))
+
+
+class _DividesByHostTensor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x, t):
+        return self.lin(x) / t  # t: a 0-dim CPU tensor, a temperature; its kernel takes the value at launch
+
+
+@pytest.mark.parametrize("level", [0, 1], ids=["level0", "level1"])
+def test_a_host_tensor_argument_with_another_value_is_never_replayed_with_the_captured_one(level):
+    import graph_opt
+
+    cls = graph_opt.support_graph_optimization(type("Divides", (_DividesByHostTensor,), {}))
+    m = cls(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=level, cudagraph_capture_sizes=[2, 4])).cuda()
+    report = graph_opt.capture_model(m, lambda n: (torch.randn(n, 16, device="cuda"), torch.tensor(1.0)),
+                                     progress=False)
+    assert report.failed is None
+    x = torch.randn(4, 16, device="cuda")
+    with torch.no_grad():
+        for t in (4.0, 1.0, 0.5):
+            assert torch.equal(m(x, torch.tensor(t)), type(m).forward(m, x, torch.tensor(t))), f"t={t}"
+    s = graph_opt.stats(m)
+    if level == 0:  # the graph holds t=1.0: only that call replays
+        assert s.replays == 1 and s.fallback_reasons == {"host_argument": 2}
+    else:  # Dynamo's graph takes t as an input, and host operations run outside the graphs
+        assert s.replays == 3
