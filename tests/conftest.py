@@ -28,3 +28,7 @@ def graph_opt_warnings(caplog):
         return [r.getMessage() for r in caplog.records if r.name == "graph_opt" and r.levelno >= level]
 
     return collect
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "inductor: compiles with Inductor on CPU (C++ codegen; seconds per graph)")

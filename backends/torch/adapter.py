@@ -434,8 +434,14 @@ def _install_registration_hooks() -> None:
     if _hooks_installed:
         return
 
+    compiling = torch.compiler.is_compiling
+
+    # Not counted while Dynamo traces: a forward that registers a module (Hugging Face Llama slices
+    # `self.layers[:n]`, a new ModuleList each call) would make the count a guard of its graph, failing
+    # at every replay. Such a registration is the forward's own, not a change of the model.
     def bump(*args):
-        _registrations[0] += 1
+        if not compiling():
+            _registrations[0] += 1
 
     _module_mod.register_module_parameter_registration_hook(bump)
     _module_mod.register_module_buffer_registration_hook(bump)
@@ -447,7 +453,8 @@ def _install_registration_hooks() -> None:
         Module_method = getattr(Module, name)
 
         def counted(self, *args, __method=Module_method, **kwargs):
-            _registrations[0] += 1
+            if not compiling():
+                _registrations[0] += 1
             return __method(self, *args, **kwargs)
 
         functools.update_wrapper(counted, Module_method)

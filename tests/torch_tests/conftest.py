@@ -16,6 +16,3 @@ def _reset_dynamo():
     torch._dynamo.reset()
     yield
 
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "inductor: compiles with Inductor on CPU (C++ codegen; seconds per graph)")

@@ -1,0 +1,27 @@
+"""tests/models/hf_models_kit.py on a CUDA device, with real graphs. Skipped without one."""
+import contextlib
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+
+from hf_models_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
+
+
+@pytest.fixture
+def env():
+    yield SimpleNamespace(device="cuda", graphs=contextlib.nullcontext, tolerance=1e-6)
+    torch.cuda.synchronize()
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
