@@ -101,6 +101,9 @@ class StepGraphs:
     grad_buffers: List[Any]  # one per apply() input: a buffer, or None where no grad flows
     buffer_bytes: int
     outside: List[Any] = field(default_factory=list)  # leaves the block reads without receiving them
+    # Per apply() input: the differentiable outputs its gradient flows from (None: one output, or all).
+    # A backward where none of them got a gradient gives it None, as eager leaves an unused head's .grad.
+    reached_from: Optional[List[Tuple[int, ...]]] = None
 
     def release(self) -> None:
         for graph in (self.forward, self.backward):
@@ -171,6 +174,9 @@ class GraphedBlock:
         self.watched_names: List[str] = []
         self.watched_tensors: List[Any] = []
         self.watched_ptrs: List[int] = []  # their addresses at capture
+        self.registered: List[int] = [0]  # the adapter's count of parameter, buffer and submodule registrations
+        self.registrations = 0
+        self.tensor_ids: tuple = ()  # the module's submodules, parameters and buffers at capture
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
         self.all_params: List[Any] = []  # every parameter, and whether each was trainable at capture
         self.trainable: List[bool] = []
@@ -228,7 +234,7 @@ class GraphedBlock:
             state = self.keys[key] = KeyState()
         graphs = state.graphs
         if graphs is not None:
-            if self.watched and self._params_moved():
+            if self.module is not None and self._params_moved():
                 self._recapture()
                 graphs = None
             elif self.pending:
@@ -279,6 +285,7 @@ class GraphedBlock:
         """The body of the Function / PyLayer forward (each bridge's `_ReplayStep`): replay, and leave
         on ctx what its backward needs. Returns the outputs, those without a gradient marked so."""
         outs = self.forward_replay(graphs, tensors)
+        ctx.set_materialize_grads(False)  # an output the loss does not use comes back None, not zeros
         ctx.block, ctx.graphs = self, graphs
         ctx.pending = PendingBackward(self, tensors) if graphs.backward is not None else None
         fixed = [o for o, d in zip(outs, graphs.differentiable) if not d]
@@ -310,7 +317,12 @@ class GraphedBlock:
         self.counters.backward_replays += 1
         if not self.bridge.keeps_graph():  # retain_graph=True: a second backward may read the activations
             pending.release()
-        return self.bridge.hand_out(graphs.grad_buffers, pending.inputs, self.lent)
+        buffers = graphs.grad_buffers
+        if graphs.reached_from is not None and None in grads:
+            unused = [g is None for g in grads]
+            buffers = [None if b is None or all(unused[i] for i in outs) else b
+                       for b, outs in zip(buffers, graphs.reached_from)]
+        return self.bridge.hand_out(buffers, pending.inputs, self.lent)
 
     def _reclaim(self) -> None:
         """Give leaves still holding a lent gradient buffer as .grad a copy of their own, before a replay
@@ -333,12 +345,14 @@ class GraphedBlock:
                 raise GraphOptInputError(
                     f"autocudagraph(dispatch_key_fn=...): {self.name}'s key function returned an unhashable "
                     f"{type(user).__name__}; return a hashable value (a tuple, int or str)") from None
-            # The shapes still have to match the captured buffers: a graph replays one shape.
-            base = (user, spec, tuple(tuple(bridge.shape(t)) for t in leaves))
+            # Added to the arguments' key, never in place of it: a graph replays one shape, layout and
+            # set of inputs requiring grad, whatever the user's key says
+            base = (user, spec, tuple(bridge.leaf_key(t) for t in leaves))
         else:
             base = (spec, tuple(bridge.leaf_key(t) for t in leaves))
-        needs_grad = bridge.grad_enabled() and (bool(self.params) or any(bridge.requires_grad(t) for t in leaves))
-        return base, needs_grad, bridge.amp_state(), self._module_mode()
+        # Grad mode alone, not whether the inputs or the block's own parameters require grad: a block may
+        # read trainable tensors it does not hold (a closure's, another module's), found at capture
+        return base, bridge.grad_enabled(), bridge.amp_state(), self._module_mode()
 
     def _module_mode(self):
         """The training flags of the module and its submodules (a graph captured in training mode replays
@@ -390,21 +404,32 @@ class GraphedBlock:
         self.watched_ptrs = self.bridge.addresses(self.watched_tensors)
         self.all_params = self.bridge.all_parameters(self.module)
         self.trainable = self.bridge.trainable_flags(self.all_params)
+        self.registered = self.adapter.registration_counter()
+        self.registrations = self.registered[0]
+        self.tensor_ids = self.adapter.module_tensor_ids(self.module)
         return owned
 
     def _params_moved(self) -> bool:
-        """A parameter or buffer replaced (a new object, or its data swapped), or the trainable set changed
-        (a parameter frozen or unfrozen): the graphs compute gradients for the parameters captured."""
+        """A parameter or buffer replaced (a new object, or its data swapped), one added or a submodule
+        replaced (a new head, a LoRA adapter), or the trainable set changed (a parameter frozen or
+        unfrozen): the graphs read and compute gradients for the tensors captured."""
         tensors = self.watched_tensors
-        return (any(map(operator.is_not, map(dict.get, self.watched_owners, self.watched_names), tensors))
+        if (any(map(operator.is_not, map(dict.get, self.watched_owners, self.watched_names), tensors))
                 or self.bridge.addresses(tensors) != self.watched_ptrs
-                or self.bridge.trainable_flags(self.all_params) != self.trainable)
+                or self.bridge.trainable_flags(self.all_params) != self.trainable):
+            return True
+        if self.registered[0] != self.registrations:  # a registration somewhere: is it in this module?
+            if self.adapter.module_tensor_ids(self.module) != self.tensor_ids:
+                return True
+            self.registrations = self.registered[0]
+        return False
 
     def _recapture(self) -> None:
         if "recapture" not in self._warned:
             self._warned.add("recapture")
-            logger.warning("%s: a parameter or buffer was replaced after capture (a new tensor, or its data "
-                           "swapped), or a parameter frozen or unfrozen; its graphs are dropped and captured again",
+            logger.warning("%s: a parameter, buffer or submodule was replaced or added after capture (a new "
+                           "tensor, its data swapped, a new submodule), or a parameter frozen or unfrozen; its "
+                           "graphs are dropped and captured again",
                            self.name)
         self.counters.recaptures += 1
         self.release(keep_warmups=True)
@@ -415,6 +440,8 @@ class GraphedBlock:
     def _capture(self, state: KeyState, leaves, spec, args, kwargs, needs_grad: bool) -> Optional[StepGraphs]:
         bridge, adapter = self.bridge, self.adapter
         simulated = simulation_enabled() or not adapter.graphs_supported()
+        if self.lent:  # a leaf still holding a lent buffer keeps a copy: the capture may reuse the memory
+            self._reclaim()
         buffers = None
         if self.module is not None:  # what the graphs will read: parameters as they are now
             self.lazy = False
@@ -529,11 +556,15 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
             return block.call(*args, **kwargs)
 
     if not simulated:
+        mark = bridge.graph_mark() if needs_grad else None
         outs = forward()
         if needs_grad:
             diff = [o for o in flatten(outs, bridge.is_tensor)[0] if bridge.requires_grad(o)]
             if diff:
-                bridge.grad(diff, grad_inputs, [bridge.ones_like(o) for o in diff])
+                # The backward the capture will record, tensors read from outside the block included
+                targets = grad_inputs + bridge.outside_tensors(diff, {id(t): t for t in grad_inputs}, mark)[0]
+                with bridge.leaf_hooks_off(targets):
+                    bridge.grad(diff, targets, [bridge.ones_like(o) for o in diff])
         del outs
         bridge.set_rng_state(rng)
         adapter.synchronize()
@@ -564,7 +595,7 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
     if simulated:
         fwd.keep(out_buffers, differentiable)
 
-    bwd, grad_out_buffers, grad_buffers = None, [], []
+    bwd, grad_out_buffers, grad_buffers, reached_from = None, [], [], None
     if needs_grad:
         grad_out_buffers = [bridge.zeros_like(o) for o in diff_outs]
         flows = [bridge.requires_grad(t) for t in static_inputs] + [True] * (len(params) + len(outside))
@@ -576,7 +607,11 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
                 # Captured retaining the forward's saved tensors: a backward that frees them as it goes lets
                 # the pool hand their memory to its own temporaries, and a second backward through the same
                 # forward (retain_graph=True, or autograd.grad twice) would read them overwritten.
-                grads = bridge.grad(diff_outs, grad_inputs, grad_out_buffers, retain_graph=True)
+                with bridge.leaf_hooks_off(grad_inputs):
+                    grads = bridge.grad(diff_outs, grad_inputs, grad_out_buffers, retain_graph=True)
+                # One buffer per gradient: autograd may give two leaves one tensor (of `x + a + b`), or the
+                # incoming gradient itself, and each leaf's .grad must be its own
+                grads = bridge.unshared(grads, grad_out_buffers + static_inputs)
             finally:
                 bwd.capture_end()
             if simulated:
@@ -586,6 +621,9 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
         it = iter(grads)
         grad_buffers = [next(it) if f else None for f in flows]
         grad_buffers = [None if g is None else bridge.detach(g) for g in grad_buffers]
+        if len(diff_outs) > 1:
+            it = iter(bridge.reached_from(diff_outs, grad_inputs))
+            reached_from = [next(it) if f else () for f in flows]
     del outs, diff_outs
     nbytes = adapter.nbytes
     buffer_bytes = sum(nbytes(t) for t in static_inputs + out_buffers + grad_out_buffers) + \
@@ -600,7 +638,8 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
         grad_buffers = [None if g is None else weak(g) for g in grad_buffers]
     return StepGraphs(forward=fwd, backward=bwd, static_inputs=static_inputs, out_buffers=out_buffers,
                       out_spec=out_spec, differentiable=differentiable, grad_out_buffers=grad_out_buffers,
-                      grad_buffers=grad_buffers, buffer_bytes=buffer_bytes, outside=outside)
+                      grad_buffers=grad_buffers, buffer_bytes=buffer_bytes, outside=outside,
+                      reached_from=reached_from)
 
 
 # -- simulated graphs: the host stand-in for a forward and its backward ----------------------------
@@ -629,9 +668,10 @@ class _SimulatedForward:
         if len(fresh) != len(self.out_buffers):
             raise RuntimeError(f"simulated replay produced {len(fresh)} tensors where the capture produced "
                                f"{len(self.out_buffers)}")
-        copy_ = self.bridge.copy_detached
+        copy_, same = self.bridge.copy_detached, self.bridge.same_memory
         for dst, src in zip(self.out_buffers, fresh):
-            copy_(dst, src)
+            if not same(dst, src):  # an output that is (a view of) an input: a copy would bump its version
+                copy_(dst, src)
         self.live = [o for o, d in zip(fresh, self.differentiable) if d]
 
     def reset(self) -> None:
@@ -659,7 +699,8 @@ class _SimulatedBackward:
 
     def replay(self) -> None:
         self.bridge.check_simulated_backward()
-        fresh = self.bridge.grad(self.forward.live, self.inputs, self.grad_out_buffers, retain_graph=True)
+        with self.bridge.leaf_hooks_off(self.inputs):
+            fresh = self.bridge.grad(self.forward.live, self.inputs, self.grad_out_buffers, retain_graph=True)
         copy_ = self.bridge.copy_detached
         for dst, src in zip(self.grad_buffers, fresh):
             if dst is not None:

@@ -126,6 +126,37 @@ class PaddleAutogradBridge:
     def ones_like(self, t):
         return paddle.ones_like(t)
 
+    @staticmethod
+    def same_memory(a, b) -> bool:
+        return a.data_ptr() == b.data_ptr()
+
+    @staticmethod
+    def leaf_hooks_off(tensors):
+        return contextlib.nullcontext()  # paddle.grad does not run the inputs' own hooks
+
+    @staticmethod
+    def unshared(grads, taken):
+        return list(grads)  # hand_out copies every gradient it gives out
+
+    @staticmethod
+    def reached_from(outputs, leaves):
+        """Per leaf: the indices of the outputs whose autograd graph reaches it."""
+        nodes = [_accumulation_node(t) for t in leaves]
+        reached = []
+        for o in outputs:
+            if o.grad_fn is None:
+                reached.append({_accumulation_node(o)} if not o.stop_gradient else set())
+                continue
+            stack, seen = [o.grad_fn], set()
+            while stack:
+                node = stack.pop()
+                if node is None or node.node_ptr() in seen:
+                    continue
+                seen.add(node.node_ptr())
+                stack.extend(node.next_functions)
+            reached.append(seen)
+        return [tuple(i for i, r in enumerate(reached) if n in r) for n in nodes]
+
     def copy_detached(self, dst, src) -> None:
         with paddle.no_grad():
             dst.copy_(src.detach(), False)

@@ -53,14 +53,16 @@ class TorchAutogradBridge:
         return t.shape
 
     def leaf_key(self, t):
-        return t.shape, t.dtype, t.requires_grad, t.device
+        # A layout other than the contiguous one (channels_last) is kept by the static copy, and kernels
+        # pick their algorithm by it: it is part of the key
+        return t.shape, t.dtype, t.requires_grad, t.device, None if t.is_contiguous() else t.stride()
 
     def requires_grad(self, t) -> bool:
         return t.requires_grad
 
     def static_input(self, t):
         with torch.inference_mode(False):  # never an inference tensor: calls under no_grad copy into it
-            s = t.detach().clone(memory_format=torch.contiguous_format)
+            s = t.detach().clone(memory_format=torch.preserve_format)
         return s.requires_grad_(True) if t.requires_grad else s
 
     def detach(self, t):
@@ -73,11 +75,70 @@ class TorchAutogradBridge:
         t.zero_()
 
     def zeros_like(self, t):
-        with torch.inference_mode(False):
-            return torch.zeros_like(t, memory_format=torch.contiguous_format)
+        with torch.inference_mode(False):  # t's layout, as eager's incoming gradient has (channels_last)
+            return torch.zeros_like(t, memory_format=torch.preserve_format)
 
     def ones_like(self, t):
         return torch.ones_like(t)
+
+    @staticmethod
+    def same_memory(a, b) -> bool:
+        return _data_ptr(a) == _data_ptr(b)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def leaf_hooks_off(tensors):
+        """Tensor hooks of these leaves (a parameter's `register_hook`) off for the block's own
+        autograd.grad: the outer backward runs them once, on the gradient the replay hands out. Run at
+        capture, a hook would be baked into the graph and applied twice."""
+        held = []
+        for t in tensors:
+            hooks = t._backward_hooks  # the dict autograd's pre-hook reads at each call
+            if hooks:
+                held.append((hooks, list(hooks.items())))
+                hooks.clear()
+        try:
+            yield
+        finally:
+            for hooks, items in held:
+                hooks.update(items)
+
+    @staticmethod
+    def unshared(grads, taken):
+        """grads, each a tensor over memory of its own: one whose storage another gradient or a tensor of
+        `taken` already uses is cloned."""
+        seen = {t.untyped_storage().data_ptr() for t in taken if t.numel()}
+        out = []
+        for g in grads:
+            if g is not None and g.numel():
+                ptr = g.untyped_storage().data_ptr()
+                if ptr in seen:
+                    g = g.clone()
+                    ptr = g.untyped_storage().data_ptr()
+                seen.add(ptr)
+            out.append(g)
+        return out
+
+    @staticmethod
+    def reached_from(outputs, leaves):
+        """Per leaf: the indices of the outputs whose autograd graph reaches it."""
+        reached = [set() for _ in outputs]
+        for i, o in enumerate(outputs):
+            if o.grad_fn is None:
+                reached[i].add(id(o))
+                continue
+            stack, seen = [o.grad_fn], {}  # nodes held: a freed node's id could come back for another
+            while stack:
+                node = stack.pop()
+                if id(node) in seen:
+                    continue
+                seen[id(node)] = node
+                variable = getattr(node, "variable", None)
+                if variable is not None:
+                    reached[i].add(id(variable))
+                    continue
+                stack.extend(n for n, _ in node.next_functions if n is not None)
+        return [tuple(i for i, r in enumerate(reached) if id(t) in r) for t in leaves]
 
     def copy_detached(self, dst, src) -> None:
         with torch.no_grad():

@@ -79,3 +79,8 @@ def test_a_broadcast_incoming_gradient_is_within_the_stated_tolerance(shape):
             assert diff <= bound, f"step {step}: grad of {name} differs by {diff:.3g} > {bound:.3g}"
     print(f"\nout.sum() at {shape}: worst difference {worst:.2f} of the stated bound")
     assert graph_opt.stats(m).backward_replays == 3
+
+
+# torch's own cases that real graphs decide (cuDNN picks kernels by layout; a hook baked into a capture)
+from test_torch_training import (  # noqa: E402,F401
+    test_a_parameter_s_tensor_hook_runs_once_per_backward, test_channels_last_inputs_keep_their_layout_and_eager_s_gradients)

@@ -24,7 +24,9 @@ class Block(paddle.nn.Layer):
     def forward(self, x):
         if self.fail_capture and graph_opt.is_capturing():
             raise RuntimeError("injected capture failure")
-        return x + self.drop(self.down(paddle.nn.functional.gelu(self.up(self.norm(x)))))
+        y = x + self.drop(self.down(paddle.nn.functional.gelu(self.up(self.norm(x)))))
+        lora = getattr(self, "lora", None)  # a parameter a user may add after capture
+        return y if lora is None else y + paddle.matmul(x, lora)
 
 
 class NestedBlock(paddle.nn.Layer):
@@ -53,6 +55,33 @@ class NormBlock(paddle.nn.Layer):
 
     def forward(self, x):
         return self.norm(self.lin(x))
+
+
+class Heads(paddle.nn.Layer):
+    """A trunk and two heads, and the input passed through: a multi-task block whose loss may skip a head."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.trunk = paddle.nn.Linear(hidden, hidden)
+        self.cls = paddle.nn.Linear(hidden, hidden)
+        self.aux = paddle.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = paddle.tanh(self.trunk(x))
+        return x, self.cls(h), self.aux(h)
+
+
+class Embeddings(paddle.nn.Layer):
+    """Position and segment tables added to one output: autograd may give both one gradient tensor."""
+
+    def __init__(self, hidden, rows):
+        super().__init__()
+        self.lin = paddle.nn.Linear(hidden, hidden)
+        self.pos = self.create_parameter([rows, hidden])
+        self.seg = self.create_parameter([rows, hidden])
+
+    def forward(self, x):
+        return self.lin(x) + self.pos + self.seg
 
 
 class Reads(paddle.nn.Layer):
@@ -182,6 +211,43 @@ class PaddleShim:
         b = NormBlock(self.hidden)
         b._init_args = (self.hidden,)
         return b
+
+    def heads_block(self, seed=0):
+        paddle.seed(seed)
+        b = Heads(self.hidden)
+        b._init_args = (self.hidden,)
+        return b
+
+    def embeddings_block(self, rows, seed=0):
+        paddle.seed(seed)
+        b = Embeddings(self.hidden, rows)
+        b._init_args = (self.hidden, rows)
+        return b
+
+    def linear_pair(self, seed=0):
+        """Two equal Linear layers: a user's and its eager twin."""
+        paddle.seed(seed)
+        lin, twin = paddle.nn.Linear(self.hidden, self.hidden), paddle.nn.Linear(self.hidden, self.hidden)
+        twin.set_state_dict(lin.state_dict())
+        return lin, twin
+
+    def replace_down(self, m, seed):
+        paddle.seed(seed)
+        m.down = paddle.nn.Linear(2 * self.hidden, self.hidden)
+
+    def add_lora(self, m, seed):
+        value = self.randn([self.hidden, self.hidden], seed) * 0.1
+        p = paddle.create_parameter(value.shape, value.dtype)
+        p.set_value(value)
+        m.lora = p
+
+    @staticmethod
+    def scale_grads_in_place(m, factor):
+        """What gradient clipping and loss-scale unscaling do: each parameter's gradient scaled in place."""
+        with paddle.no_grad():
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.grad.scale_(factor)
 
     def reading_block(self, seed=0):
         paddle.seed(seed)

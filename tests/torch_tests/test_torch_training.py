@@ -159,3 +159,61 @@ def test_a_backward_through_an_earlier_retained_output_is_eagers(F):
     for a, b in zip(outs[id(m)], outs[id(ref)]):
         assert torch.equal(a, b)
     _params_equal(ref, m)
+
+
+class _Convs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Conv2d(8, 16, 3, padding=1)
+        self.b = torch.nn.Conv2d(16, 8, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_channels_last_inputs_keep_their_layout_and_eager_s_gradients(F):
+    """A convolution block fed channels_last tensors: outputs in eager's layout, gradients bitwise (the
+    kernels pick their algorithm by layout); a contiguous call gets a graph of its own."""
+    import copy
+
+    torch.manual_seed(0)
+    ref = _Convs().to(F.device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=0)
+    for step, layout in enumerate((torch.channels_last,) * 3 + (torch.contiguous_format,)):
+        outs = []
+        for model in (ref, m):
+            model.zero_grad(set_to_none=True)
+            x = F.randn([2, 8, 6, 6], seed=step).to(memory_format=layout).requires_grad_(True)
+            y = model(x)
+            F.loss(y).backward()
+            outs.append((y, x.grad))
+        (y_ref, gx_ref), (y, gx) = outs
+        assert y.stride() == y_ref.stride() and torch.equal(y, y_ref), f"step {step}: output"
+        assert torch.equal(gx, gx_ref), f"step {step}: input grad"
+        for (name, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
+            # On a device the README's stated exception: cuDNN reduces a channels_last bias gradient in
+            # another order inside the graph (1.9e-9 seen); within 8 float32 epsilons of the largest element
+            bound = 0.0 if F.device == "cpu" else 8 * torch.finfo(torch.float32).eps * p_ref.grad.abs().max().item()
+            assert F.max_diff(p.grad, p_ref.grad) <= bound, f"step {step}: grad of {name}"
+    s = graph_opt.stats(m)
+    assert s.keys == 2 and s.replays == 4
+
+
+def test_a_parameter_s_tensor_hook_runs_once_per_backward(F):
+    """`p.register_hook(lambda g: g * 2)`: the hook sees the gradient once, as in eager (the block's
+    own autograd.grad runs with it off; capture does not bake it in)."""
+    ref, m = twins(F, warmup_steps=0)
+    calls = {id(ref): 0, id(m): 0}
+
+    def hook(model):
+        def double(g):
+            calls[id(model)] += 1
+            return g * 2
+        return double
+
+    for model in (ref, m):
+        model.up.weight.register_hook(hook(model))
+    for step in range(3):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, F.randn([4, 6, F.hidden], seed=step), seed=step)
+    assert calls[id(m)] == calls[id(ref)] == 3

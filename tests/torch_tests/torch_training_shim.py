@@ -21,7 +21,9 @@ class Block(torch.nn.Module):
     def forward(self, x):
         if self.fail_capture and graph_opt.is_capturing():
             raise RuntimeError("injected capture failure")
-        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+        y = x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+        lora = getattr(self, "lora", None)  # a parameter a user may add after capture
+        return y if lora is None else y + x @ lora
 
 
 class NestedBlock(torch.nn.Module):
@@ -50,6 +52,33 @@ class NormBlock(torch.nn.Module):
 
     def forward(self, x):
         return self.norm(self.lin(x))
+
+
+class Heads(torch.nn.Module):
+    """A trunk and two heads, and the input passed through: a multi-task block whose loss may skip a head."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.trunk = torch.nn.Linear(hidden, hidden)
+        self.cls = torch.nn.Linear(hidden, hidden)
+        self.aux = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return x, self.cls(h), self.aux(h)
+
+
+class Embeddings(torch.nn.Module):
+    """Position and segment tables added to one output: autograd gives both one gradient tensor."""
+
+    def __init__(self, hidden, rows):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.pos = torch.nn.Parameter(torch.randn(rows, hidden))
+        self.seg = torch.nn.Parameter(torch.randn(rows, hidden))
+
+    def forward(self, x):
+        return self.lin(x) + self.pos + self.seg
 
 
 class Reads(torch.nn.Module):
@@ -161,6 +190,35 @@ class TorchShim:
     def norm_block(self, seed=0):
         torch.manual_seed(seed)
         return NormBlock(self.hidden).to(self.device)
+
+    def heads_block(self, seed=0):
+        torch.manual_seed(seed)
+        return Heads(self.hidden).to(self.device)
+
+    def embeddings_block(self, rows, seed=0):
+        torch.manual_seed(seed)
+        return Embeddings(self.hidden, rows).to(self.device)
+
+    def linear_pair(self, seed=0):
+        """Two equal Linear modules: a user's and its eager twin."""
+        torch.manual_seed(seed)
+        lin = torch.nn.Linear(self.hidden, self.hidden).to(self.device)
+        return lin, copy.deepcopy(lin)
+
+    def replace_down(self, m, seed):
+        torch.manual_seed(seed)
+        m.down = torch.nn.Linear(2 * self.hidden, self.hidden).to(self.device)
+
+    def add_lora(self, m, seed):
+        m.lora = torch.nn.Parameter(self.randn([self.hidden, self.hidden], seed) * 0.1)
+
+    @staticmethod
+    def scale_grads_in_place(m, factor):
+        """What clip_grad_norm_ and GradScaler.unscale_ do: each parameter's .grad scaled in place."""
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
 
     def reading_block(self, seed=0):
         """(block, the module whose parameter it reads)."""
