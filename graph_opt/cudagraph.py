@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import capture_checks, guards, output_layout, output_sharing, ranks, split
 from .errors import CaptureError, GraphOptConfigError, GraphOptError, GraphOptInputError, GuardFailed, ReplayDivergence
+from .failures import describe
 from .pytree import TENSOR, flatten, leaf_paths, tensor_leaf_owners, unflatten
 from .replay_guards import ModelState, Unwatched
 from .padding import Padding
@@ -697,7 +698,7 @@ class GraphRunner:
         self.counters.capture_failures += 1
         self.adapter.after_failed_capture()
         self.release()
-        self.disabled_reason = across_ranks or f"capture of size {size} failed: {type(exc).__name__}: {exc}"
+        self.disabled_reason = across_ranks or f"capture of size {size} failed: {describe(exc)}"
         logger.warning("%s: %s; running without graphs", self.name, self.disabled_reason)
 
     def _static_inputs(self, sig: Signature, padded: int, leaves) -> List[Any]:

@@ -29,6 +29,7 @@ import contextlib
 from typing import Any, List, Optional, Protocol, Sequence, Type
 
 from .errors import GraphOptConfigError, GraphOptError
+from .failures import describe
 
 
 _enabled = True
@@ -115,7 +116,7 @@ def agree_on_capture(group: Optional[RankGroup], size: int, error: Optional[Base
     every rank must drop its graphs, naming the ranks that failed."""
     if group is None:
         return None
-    gathered = group.all_gather((size, None if error is None else _describe(error)))
+    gathered = group.all_gather((size, None if error is None else describe(error)))
     sizes = [s for s, _ in gathered]
     if any(s != size for s in sizes):
         per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes))

@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import backends, env, guards
 from .cudagraph import frozen_gc
 from .errors import CaptureError, GraphOptError, GraphOptInputError
+from .failures import describe
 from .host_outputs import _pending as _pending_host_copies, land_pending_copies
 from .pytree import flatten, unflatten
 from .testing import simulation_enabled
@@ -483,7 +484,7 @@ class GraphedBlock:
 
     def _capture_failed(self, state: KeyState, exc: BaseException) -> None:
         self.adapter.after_failed_capture()  # the CUDA generators must leave capture mode
-        why = f"{type(exc).__name__}: {exc}"
+        why = describe(exc)
         state.failed = why
         self.disabled_reason = why
         self.counters.capture_failures += 1

@@ -448,8 +448,9 @@ def check_size_mismatch(results) -> None:
 def check_capture_fault(results, name: str) -> None:
     r0, r1 = passed(results, name)
     assert r0["failed"] == r1["failed"], (r0["failed"], r1["failed"])
-    assert ("capture of size 4 failed on rank 1 (RuntimeError: injected capture fault on rank 1 at size 4)"
-            in r0["failed"]), r0["failed"]
+    # The failing rank's error, with the line that raised it, reaches every rank
+    assert ("capture of size 4 failed on rank 1 (RuntimeError: injected capture fault on rank 1 at size 4; "
+            "raised at " in r0["failed"] and "rank_harness.py" in r0["failed"]), r0["failed"]
     for res in (r0, r1):
         assert len(res["warnings"]) == 1 and res["failed"] in res["warnings"][0], res["warnings"]
         assert res["disabled"] == res["failed"]

@@ -1,0 +1,148 @@
+"""What a capture failure says: the framework's error, the line of model code that issued the failing
+operation, and where the cause is a known one, what to do about it.
+
+A capture fails inside the framework (a CUDA call refused during capture), but the user's question is
+which line of their model did it. The line is the innermost frame of the traceback outside graph_opt,
+the frameworks and the standard library: the model's own code, or a library's model code (transformers,
+PaddleFormers), which is where the fix goes.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import sysconfig
+import traceback
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (pattern of the framework's message, remedy). First match wins.
+_REMEDIES: List[Tuple[re.Pattern, str]] = [
+    (re.compile(r"unless the CPU tensor is pinned|Cannot copy between CPU and CUDA|pageable", re.I),
+     "a tensor made from host data inside the forward (torch.tensor(0.0, device=...), a CPU tensor moved "
+     "to the device): make it once outside the forward (a buffer, or a module attribute on the device), "
+     "pin it, or pass the Python number to the op itself (torch.where(mask, 0.0, x), torch.full)"),
+    (re.compile(r"operation not permitted when stream is capturing|StreamCaptureUnsupported|"
+                r"StreamCaptureInvalidated|capture.*(sync|invalidated)|synchroniz", re.I),
+     "the forward waits for the device (.item(), .cpu(), .tolist(), a Python bool of a tensor, printing a "
+     "tensor, or an op whose output shape depends on data, such as nonzero or masked_select): move it out "
+     "of the forward, or, for inference, list the op in splitting_ops so it runs eagerly between graphs"),
+    (re.compile(r"current_seed|get_rng_state|set_rng_state|generator", re.I),
+     "the forward reads or sets a random generator's state: a graph replays the device generator's draws "
+     "itself; seed outside the forward"),
+    (re.compile(r"out of memory", re.I),
+     "the device ran out of memory while capturing: capture fewer or smaller batch sizes "
+     "(cudagraph_capture_sizes), or free memory before capture"),
+]
+
+
+_FRAME_TEXT = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n[ \t]*([^\n]*)')
+# CUDA's advice for kernel errors, which a refused capture is not
+_BOILERPLATE = re.compile(r"^(CUDA kernel errors might be asynchronously reported|For debugging consider passing|"
+                          r"Compile with `TORCH_USE_CUDA_DSA`).*\n?", re.M)
+_ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", re.M)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The model line a failure came from."""
+
+    filename: str
+    lineno: int
+    name: str
+    line: str
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno} in {self.name}: {self.line}" if self.line else \
+            f"{self.filename}:{self.lineno} in {self.name}"
+
+
+def describe(exc: BaseException) -> str:
+    """`<Type>: <message>`, then `; raised at <file>:<line> in <function>: <source line>` where the
+    traceback reaches model code, then `; fix: <remedy>` where the cause is a known one. A message of
+    several paragraphs (Dynamo's) keeps its first."""
+    message = _BOILERPLATE.sub("", str(exc)).strip()
+    first = message.split("\n\n", 1)[0]
+    if first.endswith(":"):  # a header whose substance follows (SOT's "In simulate execution:")
+        errors = _ERROR_LINE.findall(message)
+        if errors:
+            first = f"{first} {errors[-1][0]}: {errors[-1][1].strip()}"
+    text = f"{type(exc).__name__}: {first if len(first) <= 800 else first[:800] + ' ...'}"
+    origin = origin_of(exc)
+    if origin is not None:
+        text += f"; raised at {origin}"
+    remedy = remedy_for(str(exc))
+    if remedy is not None:
+        text += f"; fix: {remedy}"
+    return text
+
+
+def origin_of(exc: BaseException) -> Optional[Origin]:
+    """The innermost frame of the traceback in model code (see the module docstring), following the
+    exceptions it was raised from."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        frames = traceback.extract_tb(exc.__traceback__)
+        # Only frames graph_opt called into: the caller of capture_model is not where it failed
+        ours = [i for i, f in enumerate(frames) if _is_ours(f.filename)]
+        inner = frames[ours[-1] + 1:] if ours else frames
+        model = [f for f in inner if _is_model_code(f.filename)]
+        # Dynamo fails while tracing, with the model's frames on its symbolic stack, not Python's
+        model = model or [f for f in (getattr(exc, "real_stack", None) or []) if _is_model_code(f.filename)]
+        if model:
+            f = model[-1]
+            return Origin(f.filename, f.lineno or 0, f.name, (f.line or "").strip())
+        # SOT's errors carry the model's stack as text
+        quoted = [m for m in _FRAME_TEXT.finditer(str(exc)) if _is_model_code(m.group(1))]
+        if quoted:
+            m = quoted[-1]
+            return Origin(m.group(1), int(m.group(2)), m.group(3), m.group(4).strip())
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def remedy_for(message: str) -> Optional[str]:
+    for pattern, remedy in _REMEDIES:
+        if pattern.search(message):
+            return remedy
+    return None
+
+
+def _is_ours(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return any(path.startswith(root) for root in _library_roots()[:2])
+
+
+def _is_model_code(filename: str) -> bool:
+    if not filename or filename.startswith("<"):
+        return False
+    path = os.path.abspath(filename)
+    if any(path.startswith(root) for root in _library_roots()):
+        return False
+    stdlib = _stdlib()
+    return not (stdlib and path.startswith(stdlib) and "-packages" + os.sep not in path)
+
+
+_roots: Optional[Tuple[str, ...]] = None
+
+
+def _library_roots() -> Tuple[str, ...]:
+    """graph_opt itself (its backends included) and the frameworks."""
+    global _roots
+    if _roots is None:
+        roots = [_HERE, os.path.join(os.path.dirname(_HERE), "backends")]  # graph_opt's own first
+        for name in ("torch", "paddle", "numpy", "pytest", "_pytest", "pluggy"):
+            module = sys.modules.get(name)
+            path = getattr(module, "__file__", None)
+            if path:
+                roots.append(os.path.dirname(os.path.abspath(path)))
+        _roots = tuple(r if r.endswith(os.sep) else r + os.sep for r in roots)
+    return _roots
+
+
+def _stdlib() -> str:
+    path = sysconfig.get_paths().get("stdlib")
+    return os.path.abspath(path) + os.sep if path else ""

@@ -1,0 +1,71 @@
+"""Capture failures on a device name the model line that issued the refused operation and say what to
+do: a device tensor made from a Python number (a pageable host-to-device copy, the line in Hugging
+Face's masking code), a host sync (.item()), and a data-dependent shape (nonzero). Inference at level
+0 and training graphs; each then runs eagerly and equals eager. Skipped without a CUDA device."""
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+import graph_opt  # noqa: E402
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if marker in line and "_line_of" not in line)
+
+
+def host_number(x):
+    return torch.where(x > 0, torch.tensor(0.0, device=x.device), x)  # MARK host_number
+
+
+def host_sync(x):
+    return x * 2 if x.sum().item() > 0 else x  # MARK host_sync
+
+
+def data_shape(x):
+    return x + torch.nonzero(x > 0).shape[0]  # MARK data_shape
+
+
+FAILURES = [  # (model function, what the remedy says)
+    pytest.param(host_number, "make it once outside the forward", id="host-number"),
+    pytest.param(host_sync, ".item()", id="host-sync"),
+    pytest.param(data_shape, ".item()", id="data-dependent-shape"),
+]
+
+
+class Model(torch.nn.Module):
+    def __init__(self, fn, graph_opt_config=None):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.lin(x))
+
+
+def _where(fn):
+    return f"{__file__}:{_line_of('MARK ' + fn.__name__)} in {fn.__name__}"
+
+
+@pytest.mark.parametrize("fn,advice", FAILURES)
+def test_an_inference_capture_failure_names_the_line_and_the_fix(fn, advice):
+    cls = graph_opt.support_graph_optimization(type("Graphed", (Model,), {}))
+    m = cls(fn, graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=0, cudagraph_capture_sizes=[4])).cuda()
+    graph_opt.capture_model(m, lambda n: (torch.randn(n, 16, device="cuda"),), progress=False)
+    reason = graph_opt.stats(m).disabled_reason
+    assert reason is not None and _where(fn) in reason and "fix:" in reason and advice in reason, reason
+    x = torch.randn(3, 16, device="cuda")
+    assert torch.equal(m(x), Model.forward(m, x))
+
+
+@pytest.mark.parametrize("fn,advice", FAILURES)
+def test_a_training_capture_failure_names_the_line_and_the_fix(fn, advice):
+    m = graph_opt.autocudagraph(Model(fn).cuda(), warmup_steps=1)
+    for _ in range(3):
+        x = torch.randn(4, 16, device="cuda", requires_grad=True)
+        y = m(x)
+        y.sum().backward()
+        assert torch.equal(y, Model.forward(m, x))
+    reason = graph_opt.stats(m).disabled_reason
+    assert reason is not None and _where(fn) in reason and "fix:" in reason and advice in reason, reason

@@ -1,0 +1,61 @@
+"""A capture failure names the line of model code that issued the failing operation: at level 0, at
+level 1 (SOT reports the model's stack as text) and for training graphs; simulated graphs."""
+import logging
+
+import pytest
+
+paddle = pytest.importorskip("paddle")
+
+import graph_opt  # noqa: E402
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if marker in line and "_line_of" not in line)
+
+
+def scale_for(x):
+    if graph_opt.is_capturing():
+        return paddle.matmul(x, paddle.ones([3, 3]))  # MARK: the failing model line
+    return x
+
+
+class Model(paddle.nn.Layer):
+    def __init__(self, graph_opt_config=None):
+        super().__init__()
+        self.lin = paddle.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return scale_for(self.lin(x))
+
+
+WHERE = f"{__file__}:{_line_of('MARK: the failing model line')} in scale_for: " \
+        "return paddle.matmul(x, paddle.ones([3, 3]))  # MARK: the failing model line"
+
+
+@pytest.fixture(autouse=True)
+def _simulated():
+    with graph_opt.testing.simulate_cuda_graphs():
+        yield
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_an_inference_capture_failure_names_the_model_line(level, caplog):
+    cls = graph_opt.support_graph_optimization(type("Graphed", (Model,), {}))
+    m = cls(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=level, cudagraph_capture_sizes=[4]))
+    graph_opt.capture_model(m, lambda n: (paddle.randn([n, 8]),), progress=False)
+    reason = graph_opt.stats(m).disabled_reason
+    assert reason.endswith(WHERE) and "InvalidArgument" in reason, reason
+    warned = [r.getMessage() for r in caplog.records if r.name == "graph_opt" and r.levelno >= logging.WARNING]
+    assert sum(WHERE in w for w in warned) == 1
+    x = paddle.randn([3, 8])
+    assert bool((m(x) == Model.forward(m, x)).all())  # and the model still works, without graphs
+
+
+def test_a_training_capture_failure_names_the_model_line():
+    lin = paddle.nn.Linear(8, 8)
+    f = graph_opt.autocudagraph(lambda x: scale_for(lin(x)), warmup_steps=0)
+    x = paddle.randn([4, 8])
+    x.stop_gradient = False
+    assert bool((f(x) == lin(x)).all())
+    assert graph_opt.stats(f).disabled_reason.endswith(WHERE)
