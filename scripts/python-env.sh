@@ -4,7 +4,8 @@
 # - A machine whose python3 already has CUDA-enabled PyTorch (a GPU box, often without network) uses
 #   that interpreter as it is, with the checkout on PYTHONPATH.
 # - Otherwise a .venv is created once and `pip install -e .[dev]` runs (numpy, pyyaml, tqdm, pytest,
-#   paddlepaddle==3.3.1 and torch==2.13.0, both CPU builds). It reruns only when pyproject.toml changes.
+#   paddlepaddle==3.3.1 and torch==2.13.0, both CPU builds, transformers). It reruns only when
+#   pyproject.toml changes. PaddleFormers goes into .venv/paddleformers (see below).
 # PYTHON=/path/to/python overrides both.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,6 +31,17 @@ else
         .venv/bin/python -m pip install --quiet --upgrade pip
         .venv/bin/python -m pip install --quiet -e ".[dev]"
         touch "$STAMP"
+    fi
+    # PaddleFormers for tests/models/test_paddleformers.py, in a folder of its own that only that test's
+    # process puts on its path (it pins an older transformers; a plain install also pulls ~90 packages
+    # and paddlecodec, which breaks transformers' torch models)
+    PF="tests/models/paddleformers/requirements.txt"
+    PF_STAMP=".venv/paddleformers/.installed"
+    if [ ! -f "$PF_STAMP" ] || [ "$PF" -nt "$PF_STAMP" ]; then
+        echo "graph_opt: installing PaddleFormers into .venv/paddleformers (once)" >&2
+        rm -rf .venv/paddleformers
+        .venv/bin/python -m pip install --quiet --no-deps --target .venv/paddleformers -r "$PF"
+        touch "$PF_STAMP"
     fi
     PY="$ROOT/.venv/bin/python"
 fi
