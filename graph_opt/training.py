@@ -351,6 +351,10 @@ class GraphedBlock:
             base = (user, spec, tuple(bridge.leaf_key(t) for t in leaves))
         else:
             base = (spec, tuple(bridge.leaf_key(t) for t in leaves))
+        if len(leaves) > 1:  # the same tensor passed twice (attention's x, x, x): its own graph
+            ids = list(map(id, leaves))
+            if len(set(ids)) < len(ids):
+                base = base + (tuple(ids.index(i) for i in ids),)
         # Grad mode alone, not whether the inputs or the block's own parameters require grad: a block may
         # read trainable tensors it does not hold (a closure's, another module's), found at capture
         return base, bridge.grad_enabled(), bridge.amp_state(), self._module_mode()
@@ -444,6 +448,9 @@ class GraphedBlock:
         if self.lent:  # a leaf still holding a lent buffer keeps a copy: the capture may reuse the memory
             self._reclaim()
         buffers = None
+        if self.module is not None and self.watched_tensors and self._params_moved():
+            # Changed since the graphs of other keys were captured: theirs are as stale as a replay would be
+            self._recapture()
         if self.module is not None:  # what the graphs will read: parameters as they are now
             self.lazy = False
             self.params = bridge.trainable_parameters(self.module)
@@ -548,9 +555,13 @@ def _capture_key(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated:
 
 def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool, rng, params) -> StepGraphs:
     bridge, adapter = block.bridge, block.adapter
-    static_inputs = [bridge.static_input(t) for t in leaves]
+    # One static copy per distinct tensor: code may test `query is key` (attention takes another path)
+    copies = {}
+    static_inputs = [copies[id(t)] if id(t) in copies else copies.setdefault(id(t), bridge.static_input(t))
+                     for t in leaves]
+    first = [copies.pop(id(t), None) is not None for t in leaves]  # a repeat gets no gradient of its own
     args, kwargs = unflatten(spec, static_inputs)
-    grad_inputs = [t for t in static_inputs if bridge.requires_grad(t)] + list(params)
+    grad_inputs = [t for t, f in zip(static_inputs, first) if f and bridge.requires_grad(t)] + list(params)
 
     def forward():
         with (bridge.enable_grad() if needs_grad else adapter.no_grad()), bridge.amp_cache_disabled():
@@ -599,7 +610,8 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
     bwd, grad_out_buffers, grad_buffers, reached_from = None, [], [], None
     if needs_grad:
         grad_out_buffers = [bridge.zeros_like(o) for o in diff_outs]
-        flows = [bridge.requires_grad(t) for t in static_inputs] + [True] * (len(params) + len(outside))
+        flows = [f and bridge.requires_grad(t) for t, f in zip(static_inputs, first)] + \
+            [True] * (len(params) + len(outside))
         if diff_outs:
             bwd = _SimulatedBackward(bridge, fwd, grad_inputs, grad_out_buffers) if simulated \
                 else adapter.new_graph(block.pool)

@@ -571,3 +571,20 @@ def test_a_key_function_keeps_the_inputs_requires_grad_flags_in_the_key(F):
         assert F.equal(y, y_ref)
         assert same_grad(F, F.grad(xin), F.grad(x_ref)), f"step {step}: the input's grad"
     assert graph_opt.stats(m).keys == 2
+
+
+def test_a_change_before_a_new_key_s_capture_drops_the_other_keys_graphs(F):
+    """Two shapes captured with a frozen layer; the layer unfrozen; a third shape first, then the two
+    again: every call eager's gradients (a capture must not make the others' graphs look current)."""
+    ref, m = twins(F, warmup_steps=0)
+    for model in (ref, m):
+        F.set_trainable(F.first_weight(model), False)
+    for step, rows in enumerate((4, 2, 4)):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, F.randn([rows, 6, F.hidden], seed=step), seed=step)
+    for model in (ref, m):
+        F.set_trainable(F.first_weight(model), True)
+    for step, rows in enumerate((3, 4, 2, 4)):
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, F.randn([rows, 6, F.hidden], seed=10 + step), seed=step)
+    assert graph_opt.stats(m).recaptures == 1

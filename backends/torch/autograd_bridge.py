@@ -234,6 +234,9 @@ class TorchAutogradBridge:
 
     def grad(self, outputs, inputs, grad_outputs, retain_graph: bool = False):
         grads = torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph, allow_unused=True)
+        if any(g is not None and g.layout != torch.strided for g in grads):
+            raise RuntimeError("a sparse gradient (Embedding(sparse=True), say): a graph replays dense buffers; "
+                               "use sparse=False for the graphed block")
         # Dense, as eager's .grad is: an expanded gradient (of w.sum(0), say) shares one element between
         # rows, and a buffer like that can be neither copied into nor handed out as a .grad.
         return [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]

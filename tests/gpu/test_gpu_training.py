@@ -83,4 +83,5 @@ def test_a_broadcast_incoming_gradient_is_within_the_stated_tolerance(shape):
 
 # torch's own cases that real graphs decide (cuDNN picks kernels by layout; a hook baked into a capture)
 from test_torch_training import (  # noqa: E402,F401
-    test_a_parameter_s_tensor_hook_runs_once_per_backward, test_channels_last_inputs_keep_their_layout_and_eager_s_gradients)
+    test_a_parameter_s_tensor_hook_runs_once_per_backward, test_channels_last_inputs_keep_their_layout_and_eager_s_gradients,
+    test_one_tensor_passed_as_several_arguments_stays_one_tensor)

@@ -217,3 +217,48 @@ def test_a_parameter_s_tensor_hook_runs_once_per_backward(F):
         F.zero_grads(ref), F.zero_grads(m)
         assert_same_step(F, ref, m, F.randn([4, 6, F.hidden], seed=step), seed=step)
     assert calls[id(m)] == calls[id(ref)] == 3
+
+
+class _SelfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, q, k, v):
+        return self.mha(q, k, v, need_weights=False)[0]
+
+
+def test_one_tensor_passed_as_several_arguments_stays_one_tensor(F):
+    """`attn(x, x, x)`: MultiheadAttention takes its self-attention path when query is key is value;
+    the graph must see one tensor too (and x's gradient is the sum over its three uses, once)."""
+    import copy
+
+    torch.manual_seed(0)
+    ref = _SelfAttention().to(F.device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=0)
+    for step in range(3):
+        outs = []
+        for model in (ref, m):
+            model.zero_grad(set_to_none=True)
+            x = F.randn([2, 5, 16], seed=step).requires_grad_(True)
+            y = model(x, x, x)
+            F.loss(y).backward()
+            outs.append((y, x.grad))
+        (y_ref, gx_ref), (y, gx) = outs
+        assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref), f"step {step}"
+        for (name, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
+            assert torch.equal(p.grad, p_ref.grad), f"step {step}: grad of {name}"
+    x = F.randn([2, 5, 16], seed=9)
+    y = m(x, x.clone(), x.clone())  # three tensors: a graph of its own
+    assert torch.equal(y, ref(x, x.clone(), x.clone()))
+    assert graph_opt.stats(m).keys == 2
+
+
+def test_sparse_gradients_run_eagerly_and_say_so(F):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    m = graph_opt.autocudagraph(emb, warmup_steps=0)
+    ids = torch.tensor([[1, 2], [3, 1]])
+    m(ids).sum().backward()
+    assert emb.weight.grad.is_sparse
+    assert "sparse gradient" in graph_opt.stats(m).disabled_reason
