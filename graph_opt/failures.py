@@ -82,21 +82,22 @@ def describe(exc: BaseException) -> str:
 def origin_of(exc: BaseException) -> Optional[Origin]:
     """The innermost frame of the traceback in model code (see the module docstring), following the
     exceptions it was raised from."""
+    places = _Places.now()
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         frames = traceback.extract_tb(exc.__traceback__)
         # Only frames graph_opt called into: the caller of capture_model is not where it failed
-        ours = [i for i, f in enumerate(frames) if _is_ours(f.filename)]
+        ours = [i for i, f in enumerate(frames) if places.is_ours(f.filename)]
         inner = frames[ours[-1] + 1:] if ours else frames
-        model = [f for f in inner if _is_model_code(f.filename)]
+        model = [f for f in inner if places.is_model_code(f.filename)]
         # Dynamo fails while tracing, with the model's frames on its symbolic stack, not Python's
-        model = model or [f for f in (getattr(exc, "real_stack", None) or []) if _is_model_code(f.filename)]
+        model = model or [f for f in (getattr(exc, "real_stack", None) or []) if places.is_model_code(f.filename)]
         if model:
             f = model[-1]
             return Origin(f.filename, f.lineno or 0, f.name, (f.line or "").strip())
         # SOT's errors carry the model's stack as text
-        quoted = [m for m in _FRAME_TEXT.finditer(str(exc)) if _is_model_code(m.group(1))]
+        quoted = [m for m in _FRAME_TEXT.finditer(str(exc)) if places.is_model_code(m.group(1))]
         if quoted:
             m = quoted[-1]
             return Origin(m.group(1), int(m.group(2)), m.group(3), m.group(4).strip())
@@ -111,38 +112,38 @@ def remedy_for(message: str) -> Optional[str]:
     return None
 
 
-def _is_ours(filename: str) -> bool:
-    path = os.path.abspath(filename)
-    return any(path.startswith(root) for root in _library_roots()[:2])
+@dataclass(frozen=True)
+class _Places:
+    """Where code lives: graph_opt's own (its backends included), the frameworks loaded now, the
+    standard library. Found anew per failure: a framework imported after the first one must not pass
+    for model code."""
 
+    ours: Tuple[str, ...]
+    libraries: Tuple[str, ...]
+    stdlib: str
 
-def _is_model_code(filename: str) -> bool:
-    if not filename or filename.startswith("<"):
-        return False
-    path = os.path.abspath(filename)
-    if any(path.startswith(root) for root in _library_roots()):
-        return False
-    stdlib = _stdlib()
-    return not (stdlib and path.startswith(stdlib) and "-packages" + os.sep not in path)
-
-
-_roots: Optional[Tuple[str, ...]] = None
-
-
-def _library_roots() -> Tuple[str, ...]:
-    """graph_opt itself (its backends included) and the frameworks."""
-    global _roots
-    if _roots is None:
-        roots = [_HERE, os.path.join(os.path.dirname(_HERE), "backends")]  # graph_opt's own first
+    @classmethod
+    def now(cls) -> "_Places":
+        ours = (_HERE, os.path.join(os.path.dirname(_HERE), "backends"))
+        libraries = []
         for name in ("torch", "paddle", "numpy", "pytest", "_pytest", "pluggy"):
-            module = sys.modules.get(name)
-            path = getattr(module, "__file__", None)
+            path = getattr(sys.modules.get(name), "__file__", None)
             if path:
-                roots.append(os.path.dirname(os.path.abspath(path)))
-        _roots = tuple(r if r.endswith(os.sep) else r + os.sep for r in roots)
-    return _roots
+                libraries.append(os.path.dirname(os.path.abspath(path)))
+        stdlib = sysconfig.get_paths().get("stdlib")
+        return cls(_folders(ours), _folders(ours + tuple(libraries)), _folders((stdlib,))[0] if stdlib else "")
+
+    def is_ours(self, filename: str) -> bool:
+        return os.path.abspath(filename).startswith(self.ours)
+
+    def is_model_code(self, filename: str) -> bool:
+        if not filename or filename.startswith("<"):
+            return False
+        path = os.path.abspath(filename)
+        if path.startswith(self.libraries):
+            return False
+        return not (self.stdlib and path.startswith(self.stdlib) and "-packages" + os.sep not in path)
 
 
-def _stdlib() -> str:
-    path = sysconfig.get_paths().get("stdlib")
-    return os.path.abspath(path) + os.sep if path else ""
+def _folders(paths) -> Tuple[str, ...]:
+    return tuple(os.path.abspath(p).rstrip(os.sep) + os.sep for p in paths)

@@ -170,8 +170,7 @@ class GraphedBlock:
         self.generation = 0  # forward replays so far: a backward checks its activations are still there
         self.epoch = 0  # releases of the graphs so far
         self.lent: List[Tuple[Any, Any]] = []  # (leaf, gradient buffer) handed out by the last backward
-        self.watched: List[Tuple[dict, str, Any]] = []  # (owner dict, name, tensor) of parameters and buffers
-        self.watched_owners: List[dict] = []  # the same, column by column: checked on every call
+        self.watched_owners: List[dict] = []  # owner dicts, names and tensors of parameters and buffers
         self.watched_names: List[str] = []
         self.watched_tensors: List[Any] = []
         self.watched_ptrs: List[int] = []  # their addresses at capture
@@ -399,9 +398,9 @@ class GraphedBlock:
             self.lazy = self.bridge.uninitialized(self.module)
             self.params = self.bridge.trainable_parameters(self.module)
             if not self.lazy:
-                self.watched = self._watch()
+                self._watch()
 
-    def _watch(self):
+    def _watch(self) -> None:
         owned = self.bridge.owned_tensors(self.module)
         self.watched_owners = [owner for owner, _, _ in owned]
         self.watched_names = [name for _, name, _ in owned]
@@ -412,7 +411,6 @@ class GraphedBlock:
         self.registered = self.adapter.registration_counter()
         self.registrations = self.registered[0]
         self.tensor_ids = self.adapter.module_tensor_ids(self.module)
-        return owned
 
     def _params_moved(self) -> bool:
         """A parameter or buffer replaced (a new object, or its data swapped), one added or a submodule
@@ -439,7 +437,7 @@ class GraphedBlock:
         self.counters.recaptures += 1
         self.release(keep_warmups=True)
         self.params = self.bridge.trainable_parameters(self.module)
-        self.watched = self._watch()
+        self._watch()
 
     # -- capture -----------------------------------------------------------------------------------
     def _capture(self, state: KeyState, leaves, spec, args, kwargs, needs_grad: bool) -> Optional[StepGraphs]:
@@ -454,7 +452,7 @@ class GraphedBlock:
         if self.module is not None:  # what the graphs will read: parameters as they are now
             self.lazy = False
             self.params = bridge.trainable_parameters(self.module)
-            self.watched = self._watch()
+            self._watch()
             buffers = bridge.snapshot_buffers(self.module)
         targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
         grads_before = bridge.snapshot_grads(targets)
@@ -556,10 +554,13 @@ def _capture_key(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated:
 def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool, rng, params) -> StepGraphs:
     bridge, adapter = block.bridge, block.adapter
     # One static copy per distinct tensor: code may test `query is key` (attention takes another path)
-    copies = {}
-    static_inputs = [copies[id(t)] if id(t) in copies else copies.setdefault(id(t), bridge.static_input(t))
-                     for t in leaves]
-    first = [copies.pop(id(t), None) is not None for t in leaves]  # a repeat gets no gradient of its own
+    copies, static_inputs, first = {}, [], []  # first: False for a repeat, which gets no gradient of its own
+    for t in leaves:
+        s = copies.get(id(t))
+        first.append(s is None)
+        if s is None:
+            s = copies[id(t)] = bridge.static_input(t)
+        static_inputs.append(s)
     args, kwargs = unflatten(spec, static_inputs)
     grad_inputs = [t for t, f in zip(static_inputs, first) if f and bridge.requires_grad(t)] + list(params)
 

@@ -40,20 +40,23 @@ def _accumulation_node(t):
         return (t * 1).grad_fn.next_functions[0].node_ptr()
 
 
-def _reaches(t, wanted) -> bool:
-    """Whether t's gradient flows to one of the accumulation nodes `wanted` (a walk of Paddle's graph)."""
-    if t.grad_fn is None:
-        return not t.stop_gradient and _accumulation_node(t) in wanted
-    stack, seen = [t.grad_fn], set()
+def _nodes(grad_fn):
+    """The node_ptr of every node of Paddle's graph from grad_fn on, each once, as the walk finds it."""
+    stack, seen = [grad_fn], set()
     while stack:
         node = stack.pop()
         if node is None or node.node_ptr() in seen:
             continue
         seen.add(node.node_ptr())
-        if node.node_ptr() in wanted:
-            return True
+        yield node.node_ptr()
         stack.extend(node.next_functions)
-    return False
+
+
+def _reaches(t, wanted) -> bool:
+    """Whether t's gradient flows to one of the accumulation nodes `wanted` (a walk of Paddle's graph)."""
+    if t.grad_fn is None:
+        return not t.stop_gradient and _accumulation_node(t) in wanted
+    return any(ptr in wanted for ptr in _nodes(t.grad_fn))
 
 
 def _only_requested(inputs, grads, requested):
@@ -142,19 +145,8 @@ class PaddleAutogradBridge:
     def reached_from(outputs, leaves):
         """Per leaf: the indices of the outputs whose autograd graph reaches it."""
         nodes = [_accumulation_node(t) for t in leaves]
-        reached = []
-        for o in outputs:
-            if o.grad_fn is None:
-                reached.append({_accumulation_node(o)} if not o.stop_gradient else set())
-                continue
-            stack, seen = [o.grad_fn], set()
-            while stack:
-                node = stack.pop()
-                if node is None or node.node_ptr() in seen:
-                    continue
-                seen.add(node.node_ptr())
-                stack.extend(node.next_functions)
-            reached.append(seen)
+        reached = [set(_nodes(o.grad_fn)) if o.grad_fn is not None else
+                   {_accumulation_node(o)} if not o.stop_gradient else set() for o in outputs]
         return [tuple(i for i, r in enumerate(reached) if n in r) for n in nodes]
 
     def copy_detached(self, dst, src) -> None:

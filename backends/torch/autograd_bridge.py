@@ -30,6 +30,28 @@ def _accumulates(t) -> bool:
         return False
 
 
+def _leaves_reached(roots, mark=None):
+    """({id: leaf} of the leaves requiring grad that the autograd graph from `roots` reaches, whether it
+    reaches a node older than `mark`, where the walk stops)."""
+    # Holds each node seen: a node's Python object is made anew on each access, and an id freed with it
+    # could come back for another node
+    stack, seen, found, older = list(roots), {}, {}, False
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        variable = getattr(node, "variable", None)
+        if variable is not None:  # AccumulateGrad: a leaf
+            found[id(variable)] = variable
+            continue
+        if mark is not None and node._sequence_nr() < mark:
+            older = True
+            continue
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return found, older
+
+
 class _ReplayStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block, graphs, *tensors):
@@ -122,22 +144,7 @@ class TorchAutogradBridge:
     @staticmethod
     def reached_from(outputs, leaves):
         """Per leaf: the indices of the outputs whose autograd graph reaches it."""
-        reached = [set() for _ in outputs]
-        for i, o in enumerate(outputs):
-            if o.grad_fn is None:
-                reached[i].add(id(o))
-                continue
-            stack, seen = [o.grad_fn], {}  # nodes held: a freed node's id could come back for another
-            while stack:
-                node = stack.pop()
-                if id(node) in seen:
-                    continue
-                seen[id(node)] = node
-                variable = getattr(node, "variable", None)
-                if variable is not None:
-                    reached[i].add(id(variable))
-                    continue
-                stack.extend(n for n, _ in node.next_functions if n is not None)
+        reached = [{id(o)} if o.grad_fn is None else _leaves_reached([o.grad_fn])[0].keys() for o in outputs]
         return [tuple(i for i, r in enumerate(reached) if id(t) in r) for t in leaves]
 
     def copy_detached(self, dst, src) -> None:
@@ -194,25 +201,8 @@ class TorchAutogradBridge:
         """(leaves, computed_outside): the leaves requiring grad that `outputs` depend on, other than
         `known` (inputs and parameters: {id: tensor}); and whether they depend on a tensor computed before
         the forward (a node older than `mark`)."""
-        stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-        # Holds each node seen: a node's Python object is made anew on each access, and an id freed with
-        # it could come back for another node
-        seen, found, outside = {}, {}, False
-        while stack:
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen[id(node)] = node
-            variable = getattr(node, "variable", None)
-            if variable is not None:  # AccumulateGrad: a leaf
-                if id(variable) not in known:
-                    found[id(variable)] = variable
-                continue
-            if node._sequence_nr() < mark:
-                outside = True
-                continue
-            stack.extend(n for n, _ in node.next_functions if n is not None)
-        return list(found.values()), outside
+        found, outside = _leaves_reached([o.grad_fn for o in outputs if o.grad_fn is not None], mark)
+        return [t for i, t in found.items() if i not in known], outside
 
     @staticmethod
     def addresses(tensors):

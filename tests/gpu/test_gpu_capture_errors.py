@@ -8,11 +8,11 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 import graph_opt  # noqa: E402
+from source_lines import line_of  # noqa: E402
 
 
 def _line_of(marker: str) -> int:
-    with open(__file__) as f:
-        return next(i for i, line in enumerate(f, 1) if marker in line and "_line_of" not in line)
+    return line_of(__file__, marker)
 
 
 def host_number(x):

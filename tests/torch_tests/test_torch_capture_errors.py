@@ -9,12 +9,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import graph_opt  # noqa: E402
+from source_lines import line_of  # noqa: E402
 from graph_opt.failures import describe, remedy_for  # noqa: E402
 
 
 def _line_of(marker: str) -> int:
-    with open(__file__) as f:
-        return next(i for i, line in enumerate(f, 1) if marker in line and "_line_of" not in line)
+    return line_of(__file__, marker)
 
 
 def scale_for(x):
