@@ -19,6 +19,8 @@ What a replay may rely on, and what this module guarantees instead of assuming:
   swapped) is detected at the next call: the graphs are dropped and captured again.
 - Gradients handed to leaves that have none yet are copies (autograd would otherwise keep the
   static buffer as `.grad`, and the next replay would overwrite it).
+- A loss that leaves some outputs out gets a backward graph of the used ones alone (captured at the
+  first such backward), never the full one with zeros: an unused output's backward may make NaN.
 - Capture touches no `.grad` and leaves the random generators as eager would (snapshot and restore).
 
 What it does not do: graph a block whose forward syncs with the host or changes shapes between calls
@@ -69,7 +71,7 @@ class TrainingStats:
 
     mode: str
     keys: int  # dispatch keys with captured graphs
-    graphs: int  # device graphs held: forward and backward
+    graphs: int  # device graphs held: forward, backward, and one per set of outputs a loss left out
     warmups: int
     captures: int
     replays: int  # forward replays
@@ -105,13 +107,31 @@ class StepGraphs:
     # Per apply() input: the differentiable outputs its gradient flows from (None: one output, or all).
     # A backward where none of them got a gradient gives it None, as eager leaves an unused head's .grad.
     reached_from: Optional[List[Tuple[int, ...]]] = None
+    grad_inputs: List[Any] = field(default_factory=list)  # what the captured backward differentiates for
+    flows: List[bool] = field(default_factory=list)  # per apply() input: is it one of grad_inputs
+    # A block with several differentiable outputs keeps the capture's outputs and their autograd graph
+    # (over the graphs' own memory): a loss that leaves some outputs out gets a backward graph of the used
+    # ones alone, captured at the first such backward. The full backward with zeros for the unused outputs
+    # would differ: 0 * inf is NaN (the gradient of a logged norm at zero).
+    kept_outs: Optional[List[Any]] = None
+    partial: Dict[Tuple[bool, ...], Optional["PartialBackward"]] = field(default_factory=dict)  # None: failed
 
     def release(self) -> None:
-        for graph in (self.forward, self.backward):
+        for graph in (self.forward, self.backward, *(p.graph for p in self.partial.values() if p is not None)):
             if graph is not None:
                 graph.reset()
-        self.forward = self.backward = None
+        self.forward = self.backward = self.kept_outs = None
+        self.partial = {}
         self.static_inputs = self.out_buffers = self.grad_out_buffers = self.grad_buffers = self.outside = []
+        self.grad_inputs = []
+
+
+@dataclass
+class PartialBackward:
+    """The backward graph of one set of used outputs and its gradient buffers (per apply() input)."""
+
+    graph: Any
+    grad_buffers: List[Any]
 
 
 @dataclass
@@ -307,22 +327,56 @@ class GraphedBlock:
                 "of this block")
         if self.lent:
             self._reclaim()
-        copy_, zero_ = self.adapter.copy_, self.bridge.zero_
-        for buf, g in zip(graphs.grad_out_buffers, grads):
-            if g is None:
-                zero_(buf)
-            else:
-                copy_(buf, g)
-        graphs.backward.replay()
+        copy_ = self.adapter.copy_
+        part = None
+        if graphs.reached_from is not None and None in grads:  # the loss left some outputs out
+            used = tuple(g is not None for g in grads)
+            part = graphs.partial[used] if used in graphs.partial else self._capture_partial(graphs, used)
+        if part is not None:
+            for buf, g in zip(graphs.grad_out_buffers, grads):
+                if g is not None:
+                    copy_(buf, g)
+            part.graph.replay()
+            buffers = part.grad_buffers
+        else:
+            zero_ = self.bridge.zero_
+            for buf, g in zip(graphs.grad_out_buffers, grads):
+                if g is None:
+                    zero_(buf)
+                else:
+                    copy_(buf, g)
+            graphs.backward.replay()
+            buffers = graphs.grad_buffers
+            if graphs.reached_from is not None and None in grads:  # that set's own capture failed
+                unused = [g is None for g in grads]
+                buffers = [None if b is None or all(unused[i] for i in outs) else b
+                           for b, outs in zip(buffers, graphs.reached_from)]
         self.counters.backward_replays += 1
         if not self.bridge.keeps_graph():  # retain_graph=True: a second backward may read the activations
             pending.release()
-        buffers = graphs.grad_buffers
-        if graphs.reached_from is not None and None in grads:
-            unused = [g is None for g in grads]
-            buffers = [None if b is None or all(unused[i] for i in outs) else b
-                       for b, outs in zip(buffers, graphs.reached_from)]
         return self.bridge.hand_out(buffers, pending.inputs, self.lent)
+
+    def _capture_partial(self, graphs: StepGraphs, used) -> Optional["PartialBackward"]:
+        """Capture, inside the first backward that leaves some outputs out, a backward graph of the used
+        outputs alone (the full one with zeros for the others would give NaN where their backward makes
+        0 * inf); the forward replay just ran, so nothing else is in flight."""
+        adapter = self.adapter
+        simulated = simulation_enabled() or not adapter.graphs_supported()
+        start = time.perf_counter()
+        part = None
+        try:
+            with guards.state_lock, frozen_gc(collect=False), adapter.capture_stream():
+                part = _record_partial(self, graphs, used, simulated)
+        except GraphOptError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the full graph serves that set, with a warning
+            adapter.after_failed_capture()
+            logger.warning("%s: capturing the backward of a loss that leaves some outputs out failed; such "
+                           "backwards replay the full graph with zero gradients for those outputs (NaN where "
+                           "their backward makes 0 * inf): %s", self.name, describe(exc))
+        graphs.partial[used] = part
+        self.counters.capture_seconds += time.perf_counter() - start
+        return part
 
     def _reclaim(self) -> None:
         """Give leaves still holding a lent gradient buffer as .grad a copy of their own, before a replay
@@ -525,7 +579,7 @@ class GraphedBlock:
                 "training graphs" + (" (simulated)" if self.adapter is not None and
                                      (simulation_enabled() or not self.adapter.graphs_supported()) else ""))
         return TrainingStats(
-            mode=mode, keys=len(held), graphs=sum(1 + (g.backward is not None) for g in held),
+            mode=mode, keys=len(held), graphs=sum(1 + (g.backward is not None) + sum(p is not None for p in g.partial.values()) for g in held),
             warmups=c.warmups, captures=c.captures, replays=c.replays, backward_replays=c.backward_replays,
             fallbacks=c.fallbacks, fallback_reasons=dict(c.fallback_reasons), capture_failures=c.capture_failures,
             recaptures=c.recaptures, capture_seconds=c.capture_seconds, graph_memory_bytes=self.memory_bytes,
@@ -565,7 +619,11 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
     grad_inputs = [t for t, f in zip(static_inputs, first) if f and bridge.requires_grad(t)] + list(params)
 
     def forward():
-        with (bridge.enable_grad() if needs_grad else adapter.no_grad()), bridge.amp_cache_disabled():
+        # Saved tensors kept as views without version checks: a later backward through the capture's
+        # autograd graph (of a loss that leaves some outputs out) reads them as the replays rewrite them,
+        # and the parameters as the optimizer left them
+        with (bridge.enable_grad() if needs_grad else adapter.no_grad()), bridge.amp_cache_disabled(), \
+                (bridge.saved_as_views() if needs_grad else contextlib.nullcontext()):
             return block.call(*args, **kwargs)
 
     if not simulated:
@@ -608,7 +666,7 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
     if simulated:
         fwd.keep(out_buffers, differentiable)
 
-    bwd, grad_out_buffers, grad_buffers, reached_from = None, [], [], None
+    bwd, grad_out_buffers, grad_buffers, reached_from, kept_outs, flows = None, [], [], None, None, []
     if needs_grad:
         grad_out_buffers = [bridge.zeros_like(o) for o in diff_outs]
         flows = [f and bridge.requires_grad(t) for t, f in zip(static_inputs, first)] + \
@@ -638,6 +696,8 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
         if len(diff_outs) > 1:
             it = iter(bridge.reached_from(diff_outs, grad_inputs))
             reached_from = [next(it) if f else () for f in flows]
+            if not simulated:  # simulated: the latest replay's outputs (fwd.live) serve
+                kept_outs = diff_outs
     del outs, diff_outs
     nbytes = adapter.nbytes
     buffer_bytes = sum(nbytes(t) for t in static_inputs + out_buffers + grad_out_buffers) + \
@@ -653,7 +713,36 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
     return StepGraphs(forward=fwd, backward=bwd, static_inputs=static_inputs, out_buffers=out_buffers,
                       out_spec=out_spec, differentiable=differentiable, grad_out_buffers=grad_out_buffers,
                       grad_buffers=grad_buffers, buffer_bytes=buffer_bytes, outside=outside,
-                      reached_from=reached_from)
+                      reached_from=reached_from, grad_inputs=grad_inputs if needs_grad else [], flows=flows,
+                      kept_outs=kept_outs)
+
+
+def _record_partial(block: GraphedBlock, graphs: StepGraphs, used, simulated: bool) -> "PartialBackward":
+    """The backward graph of the used outputs alone, recorded through the kept autograd graph of the
+    capture (simulated: of the latest replay; its dry run computes this backward's gradients) into
+    gradient buffers of its own."""
+    bridge = block.bridge
+    bridge.check_nested_grad()
+    outs = graphs.kept_outs if graphs.kept_outs is not None else graphs.forward.live
+    grad_outs = [b for b, u in zip(graphs.grad_out_buffers, used) if u]
+    bwd = _SimulatedBackward(bridge, graphs.forward, graphs.grad_inputs, graphs.grad_out_buffers, used) \
+        if simulated else block.adapter.new_graph(block.pool)
+    bwd.capture_begin()
+    try:
+        with bridge.leaf_hooks_off(graphs.grad_inputs):
+            grads = bridge.grad([o for o, u in zip(outs, used) if u], graphs.grad_inputs, grad_outs,
+                                retain_graph=True)
+        grads = bridge.unshared(grads, graphs.grad_out_buffers + graphs.static_inputs)
+    finally:
+        bwd.capture_end()
+    if simulated:
+        bwd.keep(grads)
+    it = iter(grads)
+    buffers = [next(it) if f else None for f in graphs.flows]
+    buffers = [None if g is None else bridge.detach(g) for g in buffers]
+    if not simulated:
+        buffers = [None if g is None else block.adapter.weak_alias(g) for g in buffers]
+    return PartialBackward(bwd, buffers)
 
 
 # -- simulated graphs: the host stand-in for a forward and its backward ----------------------------
@@ -695,11 +784,12 @@ class _SimulatedForward:
 class _SimulatedBackward:
     """replay() takes autograd.grad of the forward's latest outputs into the static gradient buffers."""
 
-    def __init__(self, bridge, forward: _SimulatedForward, inputs, grad_out_buffers):
+    def __init__(self, bridge, forward: _SimulatedForward, inputs, grad_out_buffers, used=None):
         self.bridge = bridge
         self.forward = forward
         self.inputs = inputs
         self.grad_out_buffers = grad_out_buffers
+        self.used = used  # the outputs it differentiates (None: all)
         self.grad_buffers: List[Any] = []
 
     def capture_begin(self) -> None:
@@ -712,9 +802,13 @@ class _SimulatedBackward:
         self.grad_buffers = grads
 
     def replay(self) -> None:
-        self.bridge.check_simulated_backward()
+        self.bridge.check_nested_grad()
+        outs, grad_outs = self.forward.live, self.grad_out_buffers
+        if self.used is not None:
+            outs = [o for o, u in zip(outs, self.used) if u]
+            grad_outs = [b for b, u in zip(grad_outs, self.used) if u]
         with self.bridge.leaf_hooks_off(self.inputs):
-            fresh = self.bridge.grad(self.forward.live, self.inputs, self.grad_out_buffers, retain_graph=True)
+            fresh = self.bridge.grad(outs, self.inputs, grad_outs, retain_graph=True)
         copy_ = self.bridge.copy_detached
         for dst, src in zip(self.grad_buffers, fresh):
             if dst is not None:

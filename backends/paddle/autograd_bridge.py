@@ -35,6 +35,14 @@ class _Partial(threading.local):
 _partial = _Partial()
 
 
+def _pack_view(t):
+    return t.detach()
+
+
+def _unpack_view(t):
+    return t
+
+
 def _accumulation_node(t):
     with paddle.enable_grad():
         return (t * 1).grad_fn.next_functions[0].node_ptr()
@@ -168,14 +176,20 @@ class PaddleAutogradBridge:
         return [t.data_ptr() for t in tensors]
 
     @staticmethod
-    def check_simulated_backward() -> None:
-        """A simulated backward replay runs paddle.grad, and Paddle's autograd is not reentrant: inside an
-        outer paddle.grad that segfaults. A real graph replays without autograd (not run here)."""
+    def check_nested_grad() -> None:
+        """A simulated backward replay, and a backward that leaves some outputs out before its graph is
+        captured, run paddle.grad, and Paddle's autograd is not reentrant: inside an outer paddle.grad that
+        segfaults. A graph replays without autograd."""
         if _partial.requested is not None:
             raise GraphOptError(
-                "paddle.grad through a graphed block cannot be simulated (the simulated backward would run "
-                "paddle.grad inside paddle.grad, which Paddle's autograd does not support); real CUDA graphs "
-                "replay it, and loss.backward() works simulated too")
+                "paddle.grad through a graphed block whose backward runs paddle.grad itself (a simulated replay, "
+                "or a first backward that leaves some of the block's outputs out) is not supported: Paddle's "
+                "autograd is not reentrant. Real CUDA graphs replay the others, and loss.backward() works")
+
+    @staticmethod
+    def saved_as_views():
+        """Autograd saves detached views and checks no versions when it reads them back."""
+        return paddle.autograd.saved_tensors_hooks(_pack_view, _unpack_view)
 
     @staticmethod
     def keeps_graph() -> bool:

@@ -19,6 +19,14 @@ _will_run = getattr(torch._C, "_will_engine_execute_node", None)
 _saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
+def _pack_view(t):
+    return t.detach()
+
+
+def _unpack_view(t):
+    return t
+
+
 def _accumulates(t) -> bool:
     """Inside a backward: whether autograd will add this leaf's gradient into its .grad (loss.backward()),
     rather than hand it to the caller (torch.autograd.grad)."""
@@ -175,8 +183,14 @@ class TorchAutogradBridge:
         return out
 
     @staticmethod
-    def check_simulated_backward() -> None:
+    def check_nested_grad() -> None:
         pass  # torch's autograd runs a nested torch.autograd.grad inside a backward
+
+    @staticmethod
+    def saved_as_views():
+        """Autograd saves detached views (no reference cycle through an output's grad_fn) and checks no
+        versions when it reads them back."""
+        return torch.autograd.graph.saved_tensors_hooks(_pack_view, _unpack_view)
 
     @staticmethod
     def keeps_graph() -> bool:
@@ -187,7 +201,10 @@ class TorchAutogradBridge:
     def saved_tensor_hooks_active() -> bool:
         """Whether saved-tensor hooks are on (torch.utils.checkpoint without reentrance, offloading): the
         block's activations are the hooks' to keep, and a replayed graph's would be overwritten."""
-        return _saved_tensor_hooks is not None and _saved_tensor_hooks(False) is not None
+        if _saved_tensor_hooks is None:
+            return False
+        top = _saved_tensor_hooks(False)
+        return top is not None and top[0] is not _pack_view  # graph_opt's own, around a capture: not the user's
 
     # -- what the block reads without receiving it -------------------------------------------------
     @staticmethod

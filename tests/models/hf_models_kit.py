@@ -69,6 +69,14 @@ class Loss(torch.nn.Module):
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
+class LossAndLogits(Loss):
+    """A training block that also returns the logits, for metrics: the loss alone is backpropagated."""
+
+    def forward(self, input_ids, labels):
+        out = self.model(input_ids=input_ids, labels=labels)
+        return out.loss, out.logits
+
+
 def same(env, a, b, rtol=0.0) -> bool:
     if env.tolerance == 0:
         return torch.equal(a, b)
@@ -126,12 +134,13 @@ def test_inference_replays_equal_eager(env, name, settings):
     assert s.translations == translated, "a call after capture translated again"
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
-def test_training_steps_with_autocudagraph_equal_eager(env, name, steps=3):
+@pytest.mark.parametrize("name,wrapper", [("bert", Loss), ("gpt2", Loss), ("llama", Loss), ("gpt2", LossAndLogits)])
+def test_training_steps_with_autocudagraph_equal_eager(env, name, wrapper, steps=3):
     """Dropout on (BERT's and GPT-2's 0.1), SGD steps: loss and parameters eager's with the same seeds
-    (bitwise, or within env.tolerance where attention kernels differ)."""
+    (bitwise, or within env.tolerance where attention kernels differ). With the logits returned beside
+    the loss and left out of it, the backward replays a graph of the loss alone."""
     torch.manual_seed(0)
-    ref = Loss(name).train().to(env.device)
+    ref = wrapper(name).train().to(env.device)
     block = copy.deepcopy(ref)
     with env.graphs():
         m = graph_opt.autocudagraph(block, warmup_steps=1)
@@ -144,6 +153,9 @@ def test_training_steps_with_autocudagraph_equal_eager(env, name, steps=3):
                 o.zero_grad(set_to_none=True)
                 torch.manual_seed(100 + step)
                 loss = model(x, x)
+                if wrapper is LossAndLogits:
+                    loss, logits = loss
+                    assert logits.requires_grad
                 loss.backward()
                 o.step()
                 losses.append(loss.detach())
@@ -152,3 +164,4 @@ def test_training_steps_with_autocudagraph_equal_eager(env, name, steps=3):
                 assert same(env, p, p_ref, rtol=1e-5), f"step {step}: {pname}"
     s = graph_opt.stats(m)
     assert s.captures == 1 and s.replays == steps - 1 and s.fallbacks == 0, s
+    assert s.graphs == 2 + (wrapper is LossAndLogits), s  # and a backward of the loss alone

@@ -71,6 +71,20 @@ class Heads(paddle.nn.Layer):
         return x, self.cls(h), self.aux(h)
 
 
+class Monitored(paddle.nn.Layer):
+    """A block that also returns, for logging, the RMS of each scaled input row (zero on a padding row,
+    where sqrt's derivative is infinite)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.gain = self.create_parameter([hidden], default_initializer=paddle.nn.initializer.Constant(1.0))
+        self.lin = paddle.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        scaled = x * self.gain
+        return self.lin(paddle.tanh(scaled)), scaled.pow(2).mean(-1).sqrt()
+
+
 class Embeddings(paddle.nn.Layer):
     """Position and segment tables added to one output: autograd may give both one gradient tensor."""
 
@@ -217,6 +231,18 @@ class PaddleShim:
         b = Heads(self.hidden)
         b._init_args = (self.hidden,)
         return b
+
+    def monitored_block(self, seed=0):
+        paddle.seed(seed)
+        b = Monitored(self.hidden)
+        b._init_args = (self.hidden,)
+        return b
+
+    @staticmethod
+    def zero_row(x, row):
+        x = x.clone()
+        x[row] = 0
+        return x
 
     def embeddings_block(self, rows, seed=0):
         paddle.seed(seed)

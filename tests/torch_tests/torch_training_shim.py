@@ -68,6 +68,20 @@ class Heads(torch.nn.Module):
         return x, self.cls(h), self.aux(h)
 
 
+class Monitored(torch.nn.Module):
+    """A block that also returns, for logging, the RMS of each scaled input row (zero on a padding row,
+    where sqrt's derivative is infinite)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(hidden))
+        self.lin = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        scaled = x * self.gain
+        return self.lin(torch.tanh(scaled)), scaled.pow(2).mean(-1).sqrt()
+
+
 class Embeddings(torch.nn.Module):
     """Position and segment tables added to one output: autograd gives both one gradient tensor."""
 
@@ -194,6 +208,16 @@ class TorchShim:
     def heads_block(self, seed=0):
         torch.manual_seed(seed)
         return Heads(self.hidden).to(self.device)
+
+    def monitored_block(self, seed=0):
+        torch.manual_seed(seed)
+        return Monitored(self.hidden).to(self.device)
+
+    @staticmethod
+    def zero_row(x, row):
+        x = x.clone()
+        x[row] = 0
+        return x
 
     def embeddings_block(self, rows, seed=0):
         torch.manual_seed(seed)
