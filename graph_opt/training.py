@@ -139,6 +139,7 @@ class KeyState:
     warmups: int = 0
     graphs: Optional[StepGraphs] = None
     failed: Optional[str] = None
+    run: Optional[Callable] = None  # the forward its calls and capture run: eager, or traced (levels 1, 2)
 
 
 class PendingBackward:
@@ -170,9 +171,11 @@ class GraphedBlock:
     """State of one autocudagraph target: its keys' graphs, one memory pool, counters."""
 
     def __init__(self, target, call: Callable, module, framework: Optional[str], warmup_steps: int,
-                 dispatch_key_fn: Optional[Callable], max_graphs: int):
+                 dispatch_key_fn: Optional[Callable], max_graphs: int, level: int = 0):
         self.target = target
         self.call = call  # the eager forward
+        self.level = level
+        self.traced: Optional[Callable] = None  # levels 1 and 2: the forward compiled, made at binding
         self.module = module  # the Layer / Module, or None for a function
         self.name = getattr(target, "__qualname__", None) or type(target).__name__
         self.warmup_steps = warmup_steps
@@ -219,7 +222,7 @@ class GraphedBlock:
             raise GraphOptError(f"{self.name}: copy the graphed {type(self.module).__name__} itself, not its forward")
         eager = type(twin).forward.__get__(twin)
         block = GraphedBlock(twin, eager, twin, self.framework, self.warmup_steps, self.dispatch_key_fn,
-                             self.max_graphs)
+                             self.max_graphs, self.level)
         memo[id(self)] = block
         return block
 
@@ -227,7 +230,7 @@ class GraphedBlock:
         """Pickling a graphed Layer / Module (torch.save): the copy is graphed, with no graphs yet."""
         if self.module is None:
             raise TypeError(f"{self.name}: a graphed function cannot be pickled; pickle the function it wraps")
-        return _rebuilt_block, (self.module, self.warmup_steps, self.dispatch_key_fn, self.max_graphs)
+        return _rebuilt_block, (self.module, self.warmup_steps, self.dispatch_key_fn, self.max_graphs, self.level)
 
     # -- the call ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -267,16 +270,36 @@ class GraphedBlock:
             return self._fallback("no_graphs", args, kwargs,
                                   f"{self.name}: CUDA graphs are unavailable here ({self.adapter.name} without "
                                   "a CUDA device); autocudagraph runs eagerly")
+        if state.run is None:
+            if self.traced is None:
+                state.run = self.call
+            else:
+                return self._first_call(state, key[1], args, kwargs)
         if state.warmups < self.warmup_steps:
             state.warmups += 1
             self.counters.warmups += 1
-            return self.call(*args, **kwargs)
+            return state.run(*args, **kwargs)
         if self.pending:
             return self._fallback("backward_pending", args, kwargs, _PENDING_WARNING.format(name=self.name))
         graphs = self._capture(state, leaves, spec, args, kwargs, needs_grad=key[1])
         if graphs is None:
             return self.call(*args, **kwargs)
         return self._replay(graphs, leaves, key[1])
+
+    def _first_call(self, state: KeyState, needs_grad: bool, args, kwargs):
+        """Levels 1 and 2: a key's first call runs eagerly and shows its outputs. A key with several
+        differentiable outputs is captured from the eager forward: a traced backward (AOTAutograd's) gives
+        an output the loss leaves out a zero gradient, not none, so a parameter only it reaches would get
+        zeros where eager gives None, and its backward could make NaN (0 * inf)."""
+        self.counters.warmups += 1
+        outs = self.call(*args, **kwargs)
+        diff = sum(map(self.bridge.requires_grad, flatten(outs, self.bridge.is_tensor)[0])) if needs_grad else 0
+        state.run = self.traced if diff <= 1 else self.call
+        if diff > 1 and "several_outputs" not in self._warned:
+            self._warned.add("several_outputs")
+            logger.info("%s: %d outputs carry gradients; calls with them are captured from the eager forward "
+                        "(level 0), since a traced backward cannot leave an unused output out", self.name, diff)
+        return outs
 
     def _replay(self, graphs: StepGraphs, leaves, needs_grad: bool):
         if needs_grad:
@@ -443,6 +466,8 @@ class GraphedBlock:
         self.framework = framework
         self.adapter = backend.ADAPTER
         self.bridge = backend.autograd_bridge()
+        if self.level:
+            self.traced = self.bridge.traced(self.call, self.level, self.name)
         if self.module is not None:
             self.mode_dicts = [d for _, d in self.adapter.module_dicts(self.module)]
             self.mode_root = self.mode_dicts[0]
@@ -517,7 +542,7 @@ class GraphedBlock:
             if self.pool is None and not simulated:
                 self.pool = adapter.new_pool()
             with guards.state_lock, frozen_gc(collect=False), guards.capture_custom_allreduce(), adapter.capture_stream():
-                graphs = _capture_key(self, leaves, spec, needs_grad, simulated, rng)
+                graphs = _capture_key(self, state.run, leaves, spec, needs_grad, simulated, rng)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the key eager, with one warning
             bridge.set_rng_state(rng)
             self._capture_failed(state, exc)
@@ -576,22 +601,27 @@ class GraphedBlock:
         c = self.counters
         held = [s.graphs for s in self.keys.values() if s.graphs is not None]
         mode = ("disabled (GRAPH_OPT_DISABLE)" if self.disabled else
-                "training graphs" + (" (simulated)" if self.adapter is not None and
-                                     (simulation_enabled() or not self.adapter.graphs_supported()) else ""))
+                "training graphs" + _LEVEL_NAMES[self.level] +
+                (" (simulated)" if self.adapter is not None and
+                 (simulation_enabled() or not self.adapter.graphs_supported()) else ""))
+        graphs = sum(1 + (g.backward is not None) + sum(p is not None for p in g.partial.values()) for g in held)
         return TrainingStats(
-            mode=mode, keys=len(held), graphs=sum(1 + (g.backward is not None) + sum(p is not None for p in g.partial.values()) for g in held),
+            mode=mode, keys=len(held), graphs=graphs,
             warmups=c.warmups, captures=c.captures, replays=c.replays, backward_replays=c.backward_replays,
             fallbacks=c.fallbacks, fallback_reasons=dict(c.fallback_reasons), capture_failures=c.capture_failures,
             recaptures=c.recaptures, capture_seconds=c.capture_seconds, graph_memory_bytes=self.memory_bytes,
             static_buffer_bytes=sum(g.buffer_bytes for g in held), disabled_reason=self.disabled_reason)
 
 
+_LEVEL_NAMES = {0: "", 1: ", level 1 (traced: Dynamo and AOTAutograd)", 2: ", level 2 (traced, Inductor)"}
+
 _PENDING_WARNING = ("{name}: called again while the previous graphed forward's backward has not run; the "
                     "replay would overwrite the activations it reads, so this call runs eagerly. Run backward "
                     "(or drop the outputs) before the next forward, or call under no_grad")
 
 
-def _capture_key(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool, rng) -> StepGraphs:
+def _capture_key(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, simulated: bool,
+                 rng) -> StepGraphs:
     """Record one key's graphs. On a device: one private warmup of forward and backward on the capture
     stream (libraries allocate workspaces on first use, which a capture must not do), then the forward
     graph, then the backward graph. Simulated: the same calls, kept as host closures."""
@@ -602,10 +632,11 @@ def _capture_key(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated:
     # (alive while that step's loss is) would make the captured backward wait on the caller's stream.
     real = not simulated and params
     with bridge.parameters_for_capture(block.module, params) if real else contextlib.nullcontext(params) as p:
-        return _record(block, leaves, spec, needs_grad, simulated, rng, p)
+        return _record(block, run, leaves, spec, needs_grad, simulated, rng, p)
 
 
-def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool, rng, params) -> StepGraphs:
+def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, simulated: bool, rng,
+            params) -> StepGraphs:
     bridge, adapter = block.bridge, block.adapter
     # One static copy per distinct tensor: code may test `query is key` (attention takes another path)
     copies, static_inputs, first = {}, [], []  # first: False for a repeat, which gets no gradient of its own
@@ -624,7 +655,7 @@ def _record(block: GraphedBlock, leaves, spec, needs_grad: bool, simulated: bool
         # and the parameters as the optimizer left them
         with (bridge.enable_grad() if needs_grad else adapter.no_grad()), bridge.amp_cache_disabled(), \
                 (bridge.saved_as_views() if needs_grad else contextlib.nullcontext()):
-            return block.call(*args, **kwargs)
+            return run(*args, **kwargs)
 
     if not simulated:
         mark = bridge.graph_mark() if needs_grad else None
@@ -819,10 +850,11 @@ class _SimulatedBackward:
         self.inputs = self.grad_out_buffers = self.grad_buffers = []
 
 
-def _rebuilt_block(module, warmup_steps, dispatch_key_fn, max_graphs) -> "GraphedBlock":
+def _rebuilt_block(module, warmup_steps, dispatch_key_fn, max_graphs, level=0) -> "GraphedBlock":
     """The block of an unpickled graphed module: its forward graphed again, nothing captured."""
     eager = type(module).forward.__get__(module)
-    return GraphedBlock(module, eager, module, _module_framework(module), warmup_steps, dispatch_key_fn, max_graphs)
+    return GraphedBlock(module, eager, module, _module_framework(module), warmup_steps, dispatch_key_fn, max_graphs,
+                        level)
 
 
 # -- the public entry point ------------------------------------------------------------------------
@@ -839,7 +871,7 @@ def _framework_of_call(args, kwargs, name: str) -> str:
         "torch tensors (nested in dicts, lists or tuples is fine)")
 
 
-def _check_arguments(target, warmup_steps, dispatch_key_fn, max_graphs) -> None:
+def _check_arguments(target, warmup_steps, dispatch_key_fn, max_graphs, level) -> None:
     if not callable(target):
         raise GraphOptInputError(
             f"autocudagraph(target): expected a function or a paddle.nn.Layer / torch.nn.Module instance, "
@@ -852,10 +884,18 @@ def _check_arguments(target, warmup_steps, dispatch_key_fn, max_graphs) -> None:
         raise GraphOptInputError(f"autocudagraph(warmup_steps={warmup_steps!r}): expected an int >= 0")
     if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
         raise GraphOptInputError(f"autocudagraph(max_graphs={max_graphs!r}): expected an int >= 1")
+    if isinstance(level, bool) or level not in (0, 1, 2):
+        raise GraphOptInputError(
+            f"autocudagraph(level={level!r}): expected 0 (capture the eager forward, bitwise eager), 1 (trace it "
+            "with Dynamo and AOTAutograd, eager kernels) or 2 (trace it and compile with Inductor)")
     if dispatch_key_fn is not None and not callable(dispatch_key_fn):
         raise GraphOptInputError(
             f"autocudagraph(dispatch_key_fn=...): expected a callable (*args, **kwargs) -> hashable or None, "
             f"got {type(dispatch_key_fn).__name__}")
+
+
+_PADDLE_LEVEL = ("autocudagraph(level={level}): traced training graphs are torch's (Dynamo and AOTAutograd); "
+                 "a Paddle block is captured from its eager forward: use level=0")
 
 
 def _module_framework(obj) -> Optional[str]:
@@ -866,7 +906,7 @@ def _module_framework(obj) -> Optional[str]:
 
 
 def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Optional[Callable] = None,
-                  max_graphs: int = 8):
+                  max_graphs: int = 8, level: int = 0):
     """Capture the forward and the backward of `target` as CUDA graphs and replay them every step.
 
     target: a function of tensors, or a paddle.nn.Layer / torch.nn.Module instance (that instance is
@@ -877,28 +917,36 @@ def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Option
     leaves' shapes, dtypes and requires-grad flags plus the non-tensor values. No padding: shapes are
     replayed exactly.
     max_graphs: dispatch keys captured at most; calls with further keys run eagerly (one warning).
+    level: what is captured (torch; Paddle captures level 0). 0: the eager forward and its autograd
+    backward, bitwise eager. 1: the forward traced by Dynamo and AOTAutograd into forward and backward
+    graphs of eager kernels (constants a forward makes from Python numbers are folded in, so a forward
+    that copies them to the device captures). 2: those graphs compiled by Inductor (fused kernels;
+    gradients within rounding of eager's). At levels 1 and 2 a key's first call runs eagerly, then
+    `warmup_steps` traced calls (the first compiles), then the capture.
 
     GRAPH_OPT_DISABLE=1 makes every call plain eager. See graph_opt.training for the guarantees.
     """
     if target is None:
         return lambda t: autocudagraph(t, warmup_steps=warmup_steps, dispatch_key_fn=dispatch_key_fn,
-                                       max_graphs=max_graphs)
-    _check_arguments(target, warmup_steps, dispatch_key_fn, max_graphs)
+                                       max_graphs=max_graphs, level=level)
+    _check_arguments(target, warmup_steps, dispatch_key_fn, max_graphs, level)
     framework = _module_framework(target)
+    if framework == "paddle" and level:
+        raise GraphOptInputError(_PADDLE_LEVEL.format(level=level))
     if framework is not None:
         if _STATE_ATTR in target.__dict__:
             raise GraphOptInputError(
                 f"autocudagraph(target): this {type(target).__name__} instance is already graphed; "
                 "wrap it once (graph_opt.clear_graphs drops its graphs)")
         eager = type(target).forward.__get__(target)
-        block = GraphedBlock(target, eager, target, framework, warmup_steps, dispatch_key_fn, max_graphs)
+        block = GraphedBlock(target, eager, target, framework, warmup_steps, dispatch_key_fn, max_graphs, level)
         object.__setattr__(target, _STATE_ATTR, block)
         if not block.disabled:
             object.__setattr__(target, "forward", block)  # Layer/Module __call__ reaches it through self.forward
         return target
     if state_of_training(target) is not None:
         raise GraphOptInputError("autocudagraph(target): this function is already graphed; wrap the original once")
-    block = GraphedBlock(target, target, None, None, warmup_steps, dispatch_key_fn, max_graphs)
+    block = GraphedBlock(target, target, None, None, warmup_steps, dispatch_key_fn, max_graphs, level)
 
     @functools.wraps(target)
     def graphed(*args, **kwargs):

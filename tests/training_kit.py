@@ -326,6 +326,8 @@ def test_dispatch_key_fn_picks_the_graph(F):
     ({"warmup_steps": -1}, "warmup_steps=-1"),
     ({"warmup_steps": True}, "warmup_steps=True"),
     ({"dispatch_key_fn": "shape"}, "dispatch_key_fn"),
+    ({"level": 3}, "level=3"),
+    ({"level": True}, "level=True"),
 ])
 def test_bad_arguments_name_the_argument(F, kwargs, names):
     with pytest.raises(graph_opt.GraphOptInputError, match=names.replace(".", r"\.")):

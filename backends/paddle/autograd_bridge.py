@@ -12,7 +12,7 @@ import threading
 
 import paddle
 
-from ...errors import GraphOptError
+from ...errors import GraphOptError, GraphOptInputError
 
 
 class _ReplayStep(paddle.autograd.PyLayer):
@@ -174,6 +174,12 @@ class PaddleAutogradBridge:
     @staticmethod
     def addresses(tensors):
         return [t.data_ptr() for t in tensors]
+
+    @staticmethod
+    def traced(fn, level: int, name: str):
+        from ...training import _PADDLE_LEVEL
+
+        raise GraphOptInputError(f"{name}: " + _PADDLE_LEVEL.format(level=level))
 
     @staticmethod
     def check_nested_grad() -> None:

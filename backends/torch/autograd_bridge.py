@@ -183,6 +183,19 @@ class TorchAutogradBridge:
         return out
 
     @staticmethod
+    def traced(fn, level: int, name: str):
+        """fn traced by Dynamo and AOTAutograd into forward and backward graphs: run by eager kernels
+        (level 1) or compiled by Inductor (level 2). No CUDA graphs of torch.compile's own: the block
+        captures the compiled forward and backward itself. Shapes are static: a key is one shape."""
+        # No donated buffers (a backward reusing the forward's saved tensors for its own): the backward is
+        # captured retaining them, for a second backward through one forward. AOTAutograd reads the flag
+        # when it compiles a forward and again at each backward, so it is turned off process-wide.
+        import torch._functorch.config as functorch_config
+
+        functorch_config.donated_buffer = False
+        return torch.compile(fn, backend="aot_eager" if level == 1 else "inductor", dynamic=False)
+
+    @staticmethod
     def check_nested_grad() -> None:
         pass  # torch's autograd runs a nested torch.autograd.grad inside a backward
 

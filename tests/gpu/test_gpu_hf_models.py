@@ -17,7 +17,7 @@ from hf_models_kit import *  # noqa: E402,F401,F403  the shared tests, collected
 
 @pytest.fixture
 def env():
-    yield SimpleNamespace(device="cuda", graphs=contextlib.nullcontext, tolerance=1e-6)
+    yield SimpleNamespace(device="cuda", graphs=contextlib.nullcontext, tolerance=1e-6, levels=[1, 2])
     torch.cuda.synchronize()
 
 

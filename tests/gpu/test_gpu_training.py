@@ -85,3 +85,27 @@ def test_a_broadcast_incoming_gradient_is_within_the_stated_tolerance(shape):
 from test_torch_training import (  # noqa: E402,F401
     test_a_parameter_s_tensor_hook_runs_once_per_backward, test_channels_last_inputs_keep_their_layout_and_eager_s_gradients,
     test_one_tensor_passed_as_several_arguments_stays_one_tensor)
+from test_torch_training_levels import (  # noqa: E402,F401
+    test_a_forward_that_makes_device_constants_from_python_numbers_is_traced,
+    test_a_traced_block_with_several_outputs_is_captured_from_its_eager_forward, test_traced_levels_train_as_eager_does)
+
+
+def test_the_eager_capture_of_a_device_constant_fails_and_the_traced_one_replays():
+    """The same forward at level 0: its capture is refused (a pageable host-to-device copy) and the key
+    runs eagerly, saying where; at level 1 it is graphed (the test above checks the gradients)."""
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h + torch.where(h > 0, torch.tensor(0.0, device=h.device), -1.0)
+
+    for level, captured in ((0, 0), (1, 1)):
+        m = graph_opt.autocudagraph(Masked().cuda(), level=level)
+        for step in range(4):
+            m(torch.randn(4, 64, device="cuda")).sum().backward()
+        s = graph_opt.stats(m)
+        assert s.captures == captured and s.capture_failures == 1 - captured, s

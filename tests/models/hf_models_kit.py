@@ -56,13 +56,15 @@ class Logits(torch.nn.Module):
 class Loss(torch.nn.Module):
     """A user's training block: token ids and labels in, the model's loss out."""
 
-    def __init__(self, name):
+    def __init__(self, name, attention=None):
         super().__init__()
         cls, config = _configs()[name]
         if name == "bert":
             # Dropout inside SDPA on a GPU drew other masks in a replay than in eager (the loss differed at
             # the first replay, far beyond rounding): not comparable. Hidden dropout stays.
             config.attention_probs_dropout_prob = 0.0
+        if attention is not None:
+            config._attn_implementation = attention
         self.model = cls(config)
 
     def forward(self, input_ids, labels):
@@ -165,3 +167,41 @@ def test_training_steps_with_autocudagraph_equal_eager(env, name, wrapper, steps
     s = graph_opt.stats(m)
     assert s.captures == 1 and s.replays == steps - 1 and s.fallbacks == 0, s
     assert s.graphs == 2 + (wrapper is LossAndLogits), s  # and a backward of the loss alone
+
+
+def test_traced_training_of_bert_with_eager_attention(env, steps=4):
+    """BERT with attn_implementation="eager": its mask code makes a device tensor from a Python number
+    (`torch.tensor(0.0, device=...)`), which a capture of the eager forward refuses on a device. Traced
+    (autocudagraph level 1, and level 2 where env.levels has it) it is graphed; loss and parameters
+    after SGD steps are eager's: at level 1 within env.tolerance, hidden dropout on; at level 2 within
+    Inductor's rounding (1e-4 relative, 1e-6 absolute), dropout off (Inductor draws its own masks)."""
+    for level in env.levels:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        ref = Loss("bert", attention="eager").train().to(env.device)
+        if level == 2:
+            for mod in ref.modules():
+                if isinstance(mod, torch.nn.Dropout):
+                    mod.p = 0.0
+        block = copy.deepcopy(ref)
+        with env.graphs():
+            m = graph_opt.autocudagraph(block, level=level)
+            opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            for step in range(steps):
+                x = tokens(env, 2, step)
+                losses = []
+                for model, o in ((ref, opt_ref), (m, opt)):
+                    o.zero_grad(set_to_none=True)
+                    torch.manual_seed(100 + step)
+                    loss = model(x, x)
+                    loss.backward()
+                    o.step()
+                    losses.append(loss.detach())
+                for (pname, p_ref), (_, p) in [(("loss", losses[0]), ("loss", losses[1]))] + \
+                        list(zip(ref.named_parameters(), m.named_parameters())):
+                    ok = same(env, p, p_ref, rtol=1e-5) if level == 1 else \
+                        torch.allclose(p, p_ref, rtol=1e-4, atol=1e-6)
+                    assert ok, f"level {level} step {step}: {pname} differs by {(p - p_ref).abs().max().item()}"
+        s = graph_opt.stats(m)
+        assert s.captures == 1 and s.replays == steps - 2 and s.fallbacks == 0, s

@@ -337,3 +337,12 @@ def test_paddle_grad_accumulation_after_clear_grad_without_zeroing(F):
         kept = [p.grad.clone() for p in m.parameters()]
         assert_same_step(F, ref, m, F.randn([4, 6, F.hidden], seed=9), seed=step)  # accumulates
         assert not all(F.equal(k, p.grad) for k, p in zip(kept, m.parameters()))
+
+
+def test_traced_levels_are_torch_s_and_say_so(F):
+    """level=1 or 2 traces with Dynamo and AOTAutograd: a Paddle block is refused at once, naming the level."""
+    with pytest.raises(graph_opt.GraphOptInputError, match=r"level=1.*use level=0"):
+        graph_opt.autocudagraph(F.block(), level=1)
+    f = graph_opt.autocudagraph(lambda x: paddle.tanh(x) * 2, level=2)
+    with pytest.raises(graph_opt.GraphOptInputError, match=r"level=2.*use level=0"):
+        f(F.randn([2, 4], seed=0))

@@ -1,0 +1,103 @@
+"""graph_opt.autocudagraph(level=1 | 2) on torch, with simulated graphs (tests/gpu/test_gpu_training.py
+runs these on real graphs): the forward traced by Dynamo and AOTAutograd, captured with its backward."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import graph_opt  # noqa: E402
+from torch_training_shim import TorchShim  # noqa: E402
+
+# Level 1 runs eager's kernels: bitwise. Level 2 fuses them (Inductor): float32 rounding, relative.
+TOLERANCE = {1: 0.0, 2: 1e-5}
+
+
+@pytest.fixture
+def F():
+    with graph_opt.testing.simulate_cuda_graphs():
+        yield TorchShim()
+
+
+def _close(a, b, level) -> bool:
+    if TOLERANCE[level] == 0.0:
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=TOLERANCE[level], atol=TOLERANCE[level] * b.abs().max().item())
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_traced_levels_train_as_eager_does(F, level, steps=5):
+    """SGD steps through a graphed block at level 1 (dropout on: the traced graph draws eager's masks)
+    and level 2: outputs, input and parameter gradients, parameters after each step."""
+    ref = F.block(dropout=0.1 if level == 1 else 0.0)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level)
+    opts = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (ref, m)]
+    for step in range(steps):
+        x = F.randn([4, 6, F.hidden], seed=step)
+        got = []
+        for model, opt in zip((ref, m), opts):
+            opt.zero_grad(set_to_none=True)
+            xin = x.clone().requires_grad_(True)
+            torch.manual_seed(step)
+            y = model(xin)
+            F.loss(y).backward()
+            opt.step()
+            got.append((y, xin.grad))
+        (y_ref, gx_ref), (y, gx) = got
+        assert _close(y, y_ref, level) and _close(gx, gx_ref, level), f"step {step}: output or input grad"
+        for (name, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
+            assert _close(p, p_ref, level), f"step {step}: {name} differs by {(p - p_ref).abs().max().item()}"
+    s = graph_opt.stats(m)
+    assert f"level {level}" in s.mode
+    # the first call eager, one traced warmup (it compiles), then the capture and replays
+    assert (s.warmups, s.captures, s.replays, s.fallbacks) == (2, 1, steps - 2, 0), s
+
+
+def test_a_traced_block_with_several_outputs_is_captured_from_its_eager_forward(F, caplog):
+    """A traced backward gives an output the loss leaves out a zero gradient (a head's parameters would
+    get zeros, not None, and a logged norm's backward NaN): such a key is captured at level 0."""
+    ref = F.monitored_block()
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), level=1, warmup_steps=0)
+    caplog.set_level("INFO", logger="graph_opt")
+    for step in range(4):
+        x = F.zero_row(F.randn([4, F.hidden], seed=step), 2)
+        got = []
+        for model in (ref, m):
+            model.zero_grad(set_to_none=True)
+            xin = x.clone().requires_grad_(True)
+            y, rms = model(xin)
+            F.loss(y).backward()
+            got.append([xin.grad] + [p.grad for p in model.parameters()])
+        for a, b in zip(*got):
+            assert torch.equal(a, b) and not a.isnan().any(), f"step {step}"
+    assert graph_opt.stats(m).captures == 1
+    assert any("captured from the eager forward" in r.getMessage() for r in caplog.records)
+
+
+def test_a_forward_that_makes_device_constants_from_python_numbers_is_traced(F):
+    """`torch.where(mask, torch.tensor(0.0, device=...), min)` (Hugging Face's eager attention mask): a
+    host-to-device copy inside the forward, which a capture of the eager forward refuses on a device.
+    Traced, the constant is part of the graph; the gradients are eager's."""
+
+    class Masked(torch.nn.Module):
+        def __init__(self, hidden):
+            super().__init__()
+            self.lin = torch.nn.Linear(hidden, hidden)
+
+        def forward(self, x):
+            h = self.lin(x)
+            bias = torch.where(h > 0, torch.tensor(0.0, device=h.device, dtype=h.dtype), torch.finfo(h.dtype).min)
+            return torch.softmax(h + bias, -1)
+
+    torch.manual_seed(0)
+    ref = Masked(F.hidden).to(F.device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), level=1)
+    for step in range(4):
+        x = F.randn([4, F.hidden], seed=step)
+        for model in (ref, m):
+            model.zero_grad(set_to_none=True)
+            F.loss(model(x)).backward()
+        for (name, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
+            assert torch.equal(p.grad, p_ref.grad), f"step {step}: grad of {name}"
+    s = graph_opt.stats(m)
+    assert s.captures == 1 and s.replays == 2 and s.capture_failures == 0, s
