@@ -568,6 +568,10 @@ class GraphedBlock:
 
     def _capture_failed(self, state: KeyState, exc: BaseException) -> None:
         self.adapter.after_failed_capture()  # the CUDA generators must leave capture mode
+        # The failed graph gave its hold on the pool back: with no graph of another key holding it, torch
+        # has retired the pool, and a capture into it would fail an internal assert. The next one takes a
+        # pool of its own.
+        self.pool = None
         why = describe(exc)
         state.failed = why
         self.disabled_reason = why

@@ -92,7 +92,8 @@ from test_torch_training_levels import (  # noqa: E402,F401
 
 def test_the_eager_capture_of_a_device_constant_fails_and_the_traced_one_replays():
     """The same forward at level 0: its capture is refused (a pageable host-to-device copy) and the key
-    runs eagerly, saying where; at level 1 it is graphed (the test above checks the gradients)."""
+    runs eagerly, saying why, and so is a second key's (the failed capture's memory pool is not reused);
+    at level 1 both keys are graphed (the test above checks the gradients)."""
 
     class Masked(torch.nn.Module):
         def __init__(self):
@@ -103,9 +104,11 @@ def test_the_eager_capture_of_a_device_constant_fails_and_the_traced_one_replays
             h = self.lin(x)
             return h + torch.where(h > 0, torch.tensor(0.0, device=h.device), -1.0)
 
-    for level, captured in ((0, 0), (1, 1)):
+    for level, captured in ((0, 0), (1, 2)):
         m = graph_opt.autocudagraph(Masked().cuda(), level=level)
-        for step in range(4):
-            m(torch.randn(4, 64, device="cuda")).sum().backward()
+        for rows in (4, 4, 4, 8, 8, 8):  # two keys: a second capture after a failed one fails the same way
+            m(torch.randn(rows, 64, device="cuda")).sum().backward()
         s = graph_opt.stats(m)
-        assert s.captures == captured and s.capture_failures == 1 - captured, s
+        assert s.captures == captured and s.capture_failures == 2 - captured, s
+        if level == 0:
+            assert "Cannot copy between CPU and CUDA" in s.disabled_reason and "pin" in s.disabled_reason, s
