@@ -28,9 +28,10 @@ def main(argv=None) -> int:
     demo.add_argument("--layers", type=int, default=4)
 
     bench = sub.add_parser("bench", help="benchmarks: the hook's overhead per call or program passes (CPU), "
-                                         "graphed training steps, a decode loop's host reads, the checks before a replay (GPU, "
-                                         "torch) or a tensor-parallel decode step (two GPUs, torch)")
-    bench.add_argument("what", nargs="?", choices=["overhead", "passes", "training", "decode", "tp", "guards"],
+                                         "graphed training steps, a decode loop's host reads, the checks before a replay, "
+                                         "Hugging Face models' inference and training steps (GPU, torch) or a "
+                                         "tensor-parallel decode step (two GPUs, torch)")
+    bench.add_argument("what", nargs="?", choices=["overhead", "passes", "training", "decode", "tp", "guards", "models"],
                        default="overhead")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
 
@@ -66,6 +67,10 @@ def main(argv=None) -> int:
         from .benchmarks import torch_guards
 
         return torch_guards.main(args.rest, prog="python -m graph_opt bench guards")
+    if args.what == "models":
+        from .benchmarks import torch_models
+
+        return torch_models.main(args.rest, prog="python -m graph_opt bench models")
     if args.what == "tp":
         from .benchmarks import torch_tp
 

@@ -1,0 +1,35 @@
+"""`python -m graph_opt bench models --smoke`: the Hugging Face models benchmark runs end to end on CPU with
+simulated graphs and tiny models (in-process; about 15 s), writes every row, and the plugin's outputs
+match eager's."""
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from graph_opt.benchmarks import torch_models  # noqa: E402
+
+
+def test_models_bench_smoke(tmp_path):
+    assert torch_models.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "models_bench.json").read_text())
+    assert data["problems"] == []
+    batches = [str(bs) for bs in torch_models.SMOKE_BATCHES]
+    assert set(data["inference"]) == set(torch_models.MODELS)
+    for name, row in data["inference"].items():
+        assert set(row["ms"]) == {"eager", "plugin L0", "plugin L1"}, name
+        for col in ("plugin L0", "plugin L1"):
+            assert sorted(row["ms"][col]) == batches, (name, col)
+            # simulated replays run eager's own kernels on CPU: bitwise
+            assert all(d == 0 for d in row["rel_diff"][col].values()), (name, col, row["rel_diff"][col])
+            stats = row["plugin_stats"][col]
+            assert stats["fallbacks"] == 0 and stats["replays"] > 0, (name, col, stats)
+    assert set(data["training"]) == set(torch_models.TRAINING_CASES)
+    mbs = [str(mb) for mb in torch_models.SMOKE_MICRO_BATCHES]
+    for case, variants in data["training"].items():
+        assert {"eager", "autocudagraph"} <= set(variants), case
+        for name, res in variants.items():
+            assert res["failed"] is None, (case, name, res["failed"])
+            assert sorted(res["ms"]) == mbs, (case, name)
+        stats = variants["autocudagraph"]["stats"]
+        assert stats["fallbacks"] == 0 and stats["replays"] > 0 and stats["backward_replays"] > 0, (case, stats)
