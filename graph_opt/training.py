@@ -44,6 +44,7 @@ from .errors import CaptureError, GraphOptError, GraphOptInputError
 from .failures import describe
 from .host_outputs import _pending as _pending_host_copies, land_pending_copies
 from .pytree import flatten, unflatten
+from .replay_guards import state_key
 from .testing import simulation_enabled
 
 logger = logging.getLogger("graph_opt")
@@ -200,6 +201,12 @@ class GraphedBlock:
         self.registered: List[int] = [0]  # the adapter's count of parameter, buffer and submodule registrations
         self.registrations = 0
         self.tensor_ids: tuple = ()  # the module's submodules, parameters and buffers at capture
+        self.attr_names: tuple = ()  # the module's own plain attributes (numbers, strings ...) at capture
+        self.attr_get: Callable = lambda d: ()
+        self.attr_values: tuple = ()
+        self.attr_keys: tuple = ()
+        self.attr_count = 0
+        self.attr_written: set = set()  # plain attributes the forward itself writes: not watched
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
         self.all_params: List[Any] = []  # every parameter, and whether each was trainable at capture
         self.trainable: List[bool] = []
@@ -278,12 +285,12 @@ class GraphedBlock:
         if state.warmups < self.warmup_steps:
             state.warmups += 1
             self.counters.warmups += 1
-            return state.run(*args, **kwargs)
+            return self._eager(state.run, args, kwargs)
         if self.pending:
             return self._fallback("backward_pending", args, kwargs, _PENDING_WARNING.format(name=self.name))
         graphs = self._capture(state, leaves, spec, args, kwargs, needs_grad=key[1])
         if graphs is None:
-            return self.call(*args, **kwargs)
+            return self._eager(self.call, args, kwargs)
         return self._replay(graphs, leaves, key[1])
 
     def _first_call(self, state: KeyState, needs_grad: bool, args, kwargs):
@@ -292,7 +299,7 @@ class GraphedBlock:
         an output the loss leaves out a zero gradient, not none, so a parameter only it reaches would get
         zeros where eager gives None, and its backward could make NaN (0 * inf)."""
         self.counters.warmups += 1
-        outs = self.call(*args, **kwargs)
+        outs = self._eager(self.call, args, kwargs)
         diff = sum(map(self.bridge.requires_grad, flatten(outs, self.bridge.is_tensor)[0])) if needs_grad else 0
         state.run = self.traced if diff <= 1 else self.call
         if diff > 1 and "several_outputs" not in self._warned:
@@ -454,7 +461,7 @@ class GraphedBlock:
         if warning is not None and reason not in self._warned:
             self._warned.add(reason)
             logger.warning(warning)
-        return self.call(*args, **kwargs)
+        return self._eager(self.call, args, kwargs)
 
     def _graphs_available(self) -> bool:
         return simulation_enabled() or self.adapter.graphs_supported()
@@ -490,6 +497,59 @@ class GraphedBlock:
         self.registered = self.adapter.registration_counter()
         self.registrations = self.registered[0]
         self.tensor_ids = self.adapter.module_tensor_ids(self.module)
+        self._arm_attributes()
+
+    def _plain_attributes(self) -> Dict[str, Any]:
+        return {k: state_key(v) for k, v in self.module.__dict__.items()
+                if k != "training" and state_key(v)[0] != "id"}
+
+    def _arm_attributes(self) -> None:
+        """Watch the module's own plain attributes (numbers, strings, bools, None) as they are now, but
+        those its forward writes itself (`self.calls += 1`): a replay runs no Python, so they are not
+        inputs a user sets."""
+        d = self.module.__dict__
+        names = tuple(k for k in self._plain_attributes() if k not in self.attr_written)
+        self.attr_names = names
+        self.attr_get = operator.itemgetter(*names) if len(names) > 1 else \
+            (lambda _d, n=names: tuple(_d[k] for k in n))
+        self.attr_values = self.attr_get(d)
+        self.attr_keys = tuple(map(state_key, self.attr_values))
+        self.attr_count = len(d)
+
+    def _eager(self, run: Callable, args, kwargs):
+        """An eager (or traced, not replayed) call of the block: attributes it writes are the forward's
+        own, and stop being watched."""
+        if self.module is None or self.bridge is None:
+            return run(*args, **kwargs)
+        before = self._plain_attributes()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            after = self._plain_attributes()
+            written = {k for k, v in after.items() if before.get(k, _UNSET) != v}
+            if written - self.attr_written:
+                self.attr_written |= written
+                self._arm_attributes()
+
+    def _attributes_changed(self) -> bool:
+        """A plain value (number, string, bool, None) of the module's own attributes set to another since
+        capture (`self.temperature = 2.0`), or one set on the instance over a class default: the graphs
+        bake what the forward read. Same objects: nothing to compare (the common case, a few hundred ns)."""
+        d = self.module.__dict__
+        if len(d) != self.attr_count:  # added (over a class default) or deleted
+            if set(self._plain_attributes()) - self.attr_written != set(self.attr_names):
+                return True
+            self.attr_count = len(d)
+        try:
+            values = self.attr_get(d)
+        except KeyError:
+            return True  # deleted
+        if all(map(operator.is_, values, self.attr_values)):
+            return False
+        if tuple(map(state_key, values)) != self.attr_keys:
+            return True
+        self.attr_values = values  # equal values in new objects
+        return False
 
     def _params_moved(self) -> bool:
         """A parameter or buffer replaced (a new object, or its data swapped), one added or a submodule
@@ -498,7 +558,8 @@ class GraphedBlock:
         tensors = self.watched_tensors
         if (any(map(operator.is_not, map(dict.get, self.watched_owners, self.watched_names), tensors))
                 or self.bridge.addresses(tensors) != self.watched_ptrs
-                or self.bridge.trainable_flags(self.all_params) != self.trainable):
+                or self.bridge.trainable_flags(self.all_params) != self.trainable
+                or self._attributes_changed()):
             return True
         if self.registered[0] != self.registrations:  # a registration somewhere: is it in this module?
             if self.adapter.module_tensor_ids(self.module) != self.tensor_ids:
@@ -510,8 +571,8 @@ class GraphedBlock:
         if "recapture" not in self._warned:
             self._warned.add("recapture")
             logger.warning("%s: a parameter, buffer or submodule was replaced or added after capture (a new "
-                           "tensor, its data swapped, a new submodule), or a parameter frozen or unfrozen; its "
-                           "graphs are dropped and captured again",
+                           "tensor, its data swapped, a new submodule), a parameter frozen or unfrozen, or a plain "
+                           "attribute of the module set to another value; its graphs are dropped and captured again",
                            self.name)
         self.counters.recaptures += 1
         self.release(keep_warmups=True)
@@ -527,12 +588,15 @@ class GraphedBlock:
         buffers = None
         if self.module is not None and self.watched_tensors and self._params_moved():
             # Changed since the graphs of other keys were captured: theirs are as stale as a replay would be
+            run = state.run
             self._recapture()
+            state.run = run  # this key's outputs were counted at its first call, after the change
         if self.module is not None:  # what the graphs will read: parameters as they are now
             self.lazy = False
             self.params = bridge.trainable_parameters(self.module)
             self._watch()
             buffers = bridge.snapshot_buffers(self.module)
+        attrs_before = self._plain_attributes() if self.module is not None else None
         targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
         grads_before = bridge.snapshot_grads(targets)
         rng = bridge.rng_state()
@@ -561,6 +625,10 @@ class GraphedBlock:
             after = adapter.memory_in_use()
             if mem_before is not None and after is not None:
                 self.memory_bytes = (self.memory_bytes or 0) + max(0, after - mem_before)
+        if attrs_before is not None:  # what the capture's forward wrote is the forward's own
+            written = {k for k, v in self._plain_attributes().items() if attrs_before.get(k, _UNSET) != v}
+            self.attr_written |= written
+            self._arm_attributes()
         state.graphs = graphs
         self.counters.captures += 1
         self.counters.capture_seconds += time.perf_counter() - start
@@ -590,6 +658,7 @@ class GraphedBlock:
                 state.graphs.release()
             state.graphs = None
             state.failed = None
+            state.run = None  # a traced level counts the outputs again (an unfrozen head may add one)
         if not keep_warmups:
             self.keys.clear()
         self.generation += 1  # a pending backward of a released graph must not replay
@@ -618,6 +687,8 @@ class GraphedBlock:
 
 
 _LEVEL_NAMES = {0: "", 1: ", level 1 (traced: Dynamo and AOTAutograd)", 2: ", level 2 (traced, Inductor)"}
+
+_UNSET = object()
 
 _PENDING_WARNING = ("{name}: called again while the previous graphed forward's backward has not run; the "
                     "replay would overwrite the activations it reads, so this call runs eagerly. Run backward "
@@ -685,6 +756,10 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
     out_leaves, out_spec = flatten(outs, bridge.is_tensor)
     differentiable = [needs_grad and bridge.requires_grad(o) for o in out_leaves]
     diff_outs = [o for o, d in zip(out_leaves, differentiable) if d]
+    if run is not block.call and len(diff_outs) > 1:
+        raise CaptureError(f"{block.name}: the traced forward now has {len(diff_outs)} outputs that carry gradients; "
+                           "a traced backward would give one the loss leaves out a zero gradient (graph_opt.clear_graphs "
+                           "counts them again and captures such a key from the eager forward)")
     outside = []
     if needs_grad and diff_outs:
         # Tensors the block reads without receiving them (a closure's, a global's, another module's

@@ -575,6 +575,29 @@ def test_an_output_the_loss_leaves_out_adds_no_nan_to_the_gradients(F):
     assert s.graphs == 3  # forward, backward of both outputs, backward of the first alone
 
 
+def test_a_plain_attribute_set_after_capture_is_captured_again(F, caplog):
+    """`block.temperature = 2.0` between steps (a schedule): the graphs baked the value the forward read,
+    so they are captured again (one warning, recaptures); setting an equal value changes nothing."""
+    ref = F.monitored_block()
+    m = graph_opt.autocudagraph(F.copy_block(ref), warmup_steps=0)
+    for step, temperature in enumerate((1.0, 1.0, 2.0, 2.0, 0.5, 0.5)):
+        for model in (ref, m):
+            model.temperature = float(temperature)  # a new float object each time
+        x = F.randn([4, F.hidden], seed=step)
+        got = []
+        for model in (ref, m):
+            F.zero_grads(model)
+            xin = F.leaf(x, True)
+            y, rms = model(xin)
+            (F.loss(y) + F.loss(rms)).backward()
+            got.append([y, F.grad(xin)] + [F.grad(p) for _, p in F.named_params(model)])
+        for a, b in zip(*got):
+            assert F.equal(a, b), f"step {step} (temperature {temperature}): differs by {F.max_diff(a, b)}"
+    s = graph_opt.stats(m)
+    assert (s.recaptures, s.captures, s.replays) == (2, 3, 6), s
+    assert any("plain attribute" in r.getMessage() for r in graph_warnings(caplog))
+
+
 def test_a_graphed_function_trains_the_module_it_calls_on_data_without_grad(F, caplog):
     """`autocudagraph(lambda x: tanh(lin(x)))` on a data batch: the function receives no tensor that
     requires grad, yet lin's parameters get eager's gradients (or, where the graph cannot hand them

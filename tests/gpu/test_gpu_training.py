@@ -87,6 +87,7 @@ from test_torch_training import (  # noqa: E402,F401
     test_one_tensor_passed_as_several_arguments_stays_one_tensor)
 from test_torch_training_levels import (  # noqa: E402,F401
     test_a_forward_that_makes_device_constants_from_python_numbers_is_traced,
+    test_a_plain_attribute_set_after_capture_is_traced_and_captured_again,
     test_a_traced_block_with_several_outputs_is_captured_from_its_eager_forward, test_traced_levels_train_as_eager_does)
 
 

@@ -79,10 +79,11 @@ class Monitored(paddle.nn.Layer):
         super().__init__()
         self.gain = self.create_parameter([hidden], default_initializer=paddle.nn.initializer.Constant(1.0))
         self.lin = paddle.nn.Linear(hidden, hidden)
+        self.temperature = 1.0
 
     def forward(self, x):
         scaled = x * self.gain
-        return self.lin(paddle.tanh(scaled)), scaled.pow(2).mean(-1).sqrt()
+        return self.lin(paddle.tanh(scaled)) / self.temperature, scaled.pow(2).mean(-1).sqrt()
 
 
 class Embeddings(paddle.nn.Layer):

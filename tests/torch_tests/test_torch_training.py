@@ -1,6 +1,8 @@
 """graph_opt.autocudagraph on torch, with simulated graphs: tests/training_kit.py's specification, run
 with the torch shim below (tests/gpu/test_gpu_training.py runs it on real graphs), and torch's own cases.
 """
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -262,3 +264,38 @@ def test_sparse_gradients_run_eagerly_and_say_so(F):
     m(ids).sum().backward()
     assert emb.weight.grad.is_sparse
     assert "sparse gradient" in graph_opt.stats(m).disabled_reason
+
+
+class _Bookkeeping(torch.nn.Module):
+    temperature = 1.0  # a class default, set on the instance later
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # the forward's own bookkeeping: not an input a user sets
+        self.last_rows = x.shape[0]
+        return torch.tanh(self.lin(x)) / self.temperature
+
+
+def test_attributes_the_forward_writes_are_not_watched_and_a_class_default_shadowed_is(F):
+    """Two shapes alternating through a forward that counts its calls: captured once per shape, never
+    again. Then `block.temperature = 2.0` over the class default: captured again, eager's values."""
+    torch.manual_seed(0)
+    ref = _Bookkeeping(F.hidden)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
+    for step in range(10):
+        if step == 6:
+            ref.temperature = m.temperature = 2.0
+        x = F.randn([2 + step % 2, F.hidden], seed=step)
+        got = []
+        for model in (ref, m):
+            model.zero_grad(set_to_none=True)
+            y = model(x)
+            F.loss(y).backward()
+            got.append((y, model.lin.weight.grad))
+        assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
+    s = graph_opt.stats(m)
+    assert (s.captures, s.recaptures) == (4, 1), s

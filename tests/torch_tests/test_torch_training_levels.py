@@ -101,3 +101,72 @@ def test_a_forward_that_makes_device_constants_from_python_numbers_is_traced(F):
             assert torch.equal(p.grad, p_ref.grad), f"step {step}: grad of {name}"
     s = graph_opt.stats(m)
     assert s.captures == 1 and s.replays == 2 and s.capture_failures == 0, s
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_plain_attribute_set_after_capture_is_traced_and_captured_again(F, level):
+    """`block.temperature = 2.0` between steps at a traced level: the captured graph baked the value
+    (replays skip Dynamo's guards), so it is captured again; the trace follows Dynamo's own guards."""
+
+    class Tempered(torch.nn.Module):
+        def __init__(self, hidden):
+            super().__init__()
+            self.lin = torch.nn.Linear(hidden, hidden)
+            self.temperature = 1.0
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x)) / self.temperature
+
+    torch.manual_seed(0)
+    ref = Tempered(F.hidden).to(F.device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level, warmup_steps=0)
+    for step, temperature in enumerate((1.0, 1.0, 1.0, 2.0, 2.0, 3.0)):
+        ref.temperature = m.temperature = temperature
+        x = F.randn([4, F.hidden], seed=step)
+        got = []
+        for model in (ref, m):
+            model.zero_grad(set_to_none=True)
+            xin = x.clone().requires_grad_(True)
+            y = model(xin)
+            F.loss(y).backward()
+            got.append([y, xin.grad, model.lin.weight.grad])
+        for a, b in zip(*got):
+            assert _close(a, b, level), f"step {step} (temperature {temperature})"
+    s = graph_opt.stats(m)
+    assert s.recaptures == 2 and s.replays == 3, s  # after a recapture a traced key counts its outputs again (eager)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_second_output_that_starts_carrying_gradients_is_not_traced(F, level):
+    """A traced block whose auxiliary head is frozen at first (one output carries gradients), then
+    unfrozen while the loss leaves its output out: eager leaves the head's .grad None and makes no NaN
+    (its output is a norm at an all-zero row); the traced backward would give zeros and NaN."""
+
+    class Aux(torch.nn.Module):
+        def __init__(self, hidden):
+            super().__init__()
+            self.lin = torch.nn.Linear(hidden, hidden)
+            self.aux = torch.nn.Linear(hidden, hidden, bias=False)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x)), self.aux(x).pow(2).sum(-1).sqrt()
+
+    torch.manual_seed(0)
+    ref = Aux(F.hidden).to(F.device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level, warmup_steps=0)
+    for model in (ref, m):
+        model.aux.weight.requires_grad_(False)
+    for step in range(6):
+        if step == 3:
+            for model in (ref, m):
+                model.aux.weight.requires_grad_(True)
+        x = F.zero_row(F.randn([4, F.hidden], seed=step), 1)
+        got = []
+        for model in (ref, m):
+            model.zero_grad(set_to_none=True)
+            y, _ = model(x)
+            F.loss(y).backward()
+            got.append([model.lin.weight.grad, model.aux.weight.grad])
+        (lin_ref, aux_ref), (lin, aux) = got
+        assert aux is None and aux_ref is None, f"step {step}: the unused head got a gradient"
+        assert _close(lin, lin_ref, level), f"step {step}"

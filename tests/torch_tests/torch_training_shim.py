@@ -76,10 +76,11 @@ class Monitored(torch.nn.Module):
         super().__init__()
         self.gain = torch.nn.Parameter(torch.ones(hidden))
         self.lin = torch.nn.Linear(hidden, hidden)
+        self.temperature = 1.0
 
     def forward(self, x):
         scaled = x * self.gain
-        return self.lin(torch.tanh(scaled)), scaled.pow(2).mean(-1).sqrt()
+        return self.lin(torch.tanh(scaled)) / self.temperature, scaled.pow(2).mean(-1).sqrt()
 
 
 class Embeddings(torch.nn.Module):
