@@ -20,6 +20,7 @@ Writes <out>/torch_gpu_bench.md and <out>/torch_gpu_bench.png; prints the table 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import statistics
@@ -176,30 +177,37 @@ def host_us(fns: Dict[str, Callable], x, calls: int = 40, rounds: int = 31) -> D
 
 
 class HandGraphs:
-    """One torch.cuda.CUDAGraph of the whole forward per batch size: static input, one pool, largest first."""
+    """One torch.cuda.CUDAGraph of `forward` per batch size, each on a static copy of its example input
+    (xs: batch -> input tensor): one pool, largest first; a call copies the input in and replays."""
 
-    def __init__(self, model, batches, dtype):
+    def __init__(self, forward: Callable, xs):
         self.graphs, self.inputs, self.outputs = {}, {}, {}
-        forward = type(model).forward
         pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        with torch.no_grad():
-            for bs in sorted(batches, reverse=True):
-                x = torch.zeros(bs, model.norm.normalized_shape[0], device="cuda", dtype=dtype)
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    forward(model, x)
-                torch.cuda.current_stream().wait_stream(stream)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    out = forward(model, x)
-                self.graphs[bs], self.inputs[bs], self.outputs[bs] = g, x, out
+        for bs in sorted(xs, reverse=True):
+            x = xs[bs].clone()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                forward(x)
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=stream):
+                out = forward(x)
+            self.graphs[bs], self.inputs[bs], self.outputs[bs] = g, x, out
 
     def __call__(self, x):
         bs = x.shape[0]
         self.inputs[bs].copy_(x)
         self.graphs[bs].replay()
         return self.outputs[bs]
+
+
+def model_hand_graphs(model, batches, dtype) -> HandGraphs:
+    """HandGraphs of the whole forward of the bench decoder, no_grad, on zero inputs per batch size."""
+    width = model.norm.normalized_shape[0]
+    with torch.no_grad():
+        return HandGraphs(functools.partial(type(model).forward, model),
+                          {bs: torch.zeros(bs, width, device="cuda", dtype=dtype) for bs in batches})
 
 
 def raw_pieces(m, bs: int) -> Callable:
@@ -273,7 +281,7 @@ def run(out_dir: str, quick: bool) -> int:
     base = build(None, kv, dtype)
     measure("eager", base)
     t0 = time.perf_counter()
-    hand = HandGraphs(base, batches, dtype)
+    hand = model_hand_graphs(base, batches, dtype)
     notes["hand graphs"] = f"{len(batches)} sizes captured in {time.perf_counter() - t0:.2f} s"
     measure("hand-written graph", hand)
 
@@ -415,7 +423,7 @@ def capture_report(kv, dtype) -> Dict[str, dict]:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         t0 = time.perf_counter()
-        hand = HandGraphs(base, sizes, dtype)
+        hand = model_hand_graphs(base, sizes, dtype)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         out.setdefault("hand-written (full)", {})[label] = {"seconds": seconds, "pool_mib": pool_bytes(hand.pool) / 2**20}

@@ -66,7 +66,7 @@ import torch
 import graph_opt
 
 from .report import grouped_bars, new_figure, save_figure, write_json
-from .torch_gpu import device_us, host_us
+from .torch_gpu import HandGraphs, device_us, host_us
 from .torch_training import failure
 
 MODELS = ["llama", "gpt2", "bert"]
@@ -204,32 +204,6 @@ def ms_per_call(setup: Setup, fn: Callable, x) -> float:
 
 
 # -- inference --------------------------------------------------------------------------------------
-class HandGraphs:
-    """One torch.cuda.CUDAGraph of `forward` per batch, on static input ids: one pool, largest first
-    (torch_gpu.HandGraphs for any forward of one tensor)."""
-
-    def __init__(self, forward: Callable, xs: Dict[int, torch.Tensor]):
-        self.graphs, self.inputs, self.outputs = {}, {}, {}
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        for bs in sorted(xs, reverse=True):
-            x = xs[bs].clone()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                forward(x)
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=stream):
-                out = forward(x)
-            self.graphs[bs], self.inputs[bs], self.outputs[bs] = g, x, out
-
-    def __call__(self, x):
-        bs = x.shape[0]
-        self.inputs[bs].copy_(x)
-        self.graphs[bs].replay()
-        return self.outputs[bs]
-
-
 def relative_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-30)
 

@@ -500,8 +500,15 @@ class GraphedBlock:
         self._arm_attributes()
 
     def _plain_attributes(self) -> Dict[str, Any]:
-        return {k: state_key(v) for k, v in self.module.__dict__.items()
-                if k != "training" and state_key(v)[0] != "id"}
+        keys = ((k, state_key(v)) for k, v in self.module.__dict__.items() if k != "training")
+        return {k: key for k, key in keys if key[0] != "id"}
+
+    def _note_writes(self, before: Dict[str, Any]) -> None:
+        """Attributes changed since `before` by a run of the forward are its own: no longer watched."""
+        written = {k for k, v in self._plain_attributes().items() if before.get(k, _UNSET) != v}
+        if written - self.attr_written:
+            self.attr_written |= written
+            self._arm_attributes()
 
     def _arm_attributes(self) -> None:
         """Watch the module's own plain attributes (numbers, strings, bools, None) as they are now, but
@@ -525,11 +532,7 @@ class GraphedBlock:
         try:
             return run(*args, **kwargs)
         finally:
-            after = self._plain_attributes()
-            written = {k for k, v in after.items() if before.get(k, _UNSET) != v}
-            if written - self.attr_written:
-                self.attr_written |= written
-                self._arm_attributes()
+            self._note_writes(before)
 
     def _attributes_changed(self) -> bool:
         """A plain value (number, string, bool, None) of the module's own attributes set to another since
@@ -626,9 +629,7 @@ class GraphedBlock:
             if mem_before is not None and after is not None:
                 self.memory_bytes = (self.memory_bytes or 0) + max(0, after - mem_before)
         if attrs_before is not None:  # what the capture's forward wrote is the forward's own
-            written = {k for k, v in self._plain_attributes().items() if attrs_before.get(k, _UNSET) != v}
-            self.attr_written |= written
-            self._arm_attributes()
+            self._note_writes(attrs_before)
         state.graphs = graphs
         self.counters.captures += 1
         self.counters.capture_seconds += time.perf_counter() - start

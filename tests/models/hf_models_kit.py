@@ -136,6 +136,26 @@ def test_inference_replays_equal_eager(env, name, settings):
     assert s.translations == translated, "a call after capture translated again"
 
 
+def _sgd_steps(env, ref, m, steps, check):
+    """SGD steps of the eager twin and the graphed block on the same tokens and seeds; check(step,
+    losses) after each. A (loss, logits) output backpropagates the loss alone."""
+    opts = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (ref, m)]
+    for step in range(steps):
+        x = tokens(env, 2, step)
+        losses = []
+        for model, o in zip((ref, m), opts):
+            o.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + step)
+            loss = model(x, x)
+            if isinstance(loss, tuple):
+                loss, logits = loss
+                assert logits.requires_grad
+            loss.backward()
+            o.step()
+            losses.append(loss.detach())
+        check(step, losses)
+
+
 @pytest.mark.parametrize("name,wrapper", [("bert", Loss), ("gpt2", Loss), ("llama", Loss), ("gpt2", LossAndLogits)])
 def test_training_steps_with_autocudagraph_equal_eager(env, name, wrapper, steps=3):
     """Dropout on (BERT's and GPT-2's 0.1), SGD steps: loss and parameters eager's with the same seeds
@@ -144,26 +164,15 @@ def test_training_steps_with_autocudagraph_equal_eager(env, name, wrapper, steps
     torch.manual_seed(0)
     ref = wrapper(name).train().to(env.device)
     block = copy.deepcopy(ref)
+
+    def check(step, losses):
+        assert same(env, losses[0], losses[1], rtol=1e-5), f"step {step}: loss"
+        for (pname, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
+            assert same(env, p, p_ref, rtol=1e-5), f"step {step}: {pname}"
+
     with env.graphs():
         m = graph_opt.autocudagraph(block, warmup_steps=1)
-        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        for step in range(steps):
-            x = tokens(env, 2, step)
-            losses = []
-            for model, o in ((ref, opt_ref), (m, opt)):
-                o.zero_grad(set_to_none=True)
-                torch.manual_seed(100 + step)
-                loss = model(x, x)
-                if wrapper is LossAndLogits:
-                    loss, logits = loss
-                    assert logits.requires_grad
-                loss.backward()
-                o.step()
-                losses.append(loss.detach())
-            assert same(env, losses[0], losses[1], rtol=1e-5), f"step {step}: loss"
-            for (pname, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
-                assert same(env, p, p_ref, rtol=1e-5), f"step {step}: {pname}"
+        _sgd_steps(env, ref, m, steps, check)
     s = graph_opt.stats(m)
     assert s.captures == 1 and s.replays == steps - 1 and s.fallbacks == 0, s
     assert s.graphs == 2 + (wrapper is LossAndLogits), s  # and a backward of the loss alone
@@ -184,24 +193,15 @@ def test_traced_training_of_bert_with_eager_attention(env, steps=4):
                 if isinstance(mod, torch.nn.Dropout):
                     mod.p = 0.0
         block = copy.deepcopy(ref)
+
+        def check(step, losses, level=level):
+            for (pname, p_ref), (_, p) in [(("loss", losses[0]), ("loss", losses[1]))] + \
+                    list(zip(ref.named_parameters(), m.named_parameters())):
+                ok = same(env, p, p_ref, rtol=1e-5) if level == 1 else torch.allclose(p, p_ref, rtol=1e-4, atol=1e-6)
+                assert ok, f"level {level} step {step}: {pname} differs by {(p - p_ref).abs().max().item()}"
+
         with env.graphs():
             m = graph_opt.autocudagraph(block, level=level)
-            opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-            opt = torch.optim.SGD(m.parameters(), lr=0.1)
-            for step in range(steps):
-                x = tokens(env, 2, step)
-                losses = []
-                for model, o in ((ref, opt_ref), (m, opt)):
-                    o.zero_grad(set_to_none=True)
-                    torch.manual_seed(100 + step)
-                    loss = model(x, x)
-                    loss.backward()
-                    o.step()
-                    losses.append(loss.detach())
-                for (pname, p_ref), (_, p) in [(("loss", losses[0]), ("loss", losses[1]))] + \
-                        list(zip(ref.named_parameters(), m.named_parameters())):
-                    ok = same(env, p, p_ref, rtol=1e-5) if level == 1 else \
-                        torch.allclose(p, p_ref, rtol=1e-4, atol=1e-6)
-                    assert ok, f"level {level} step {step}: {pname} differs by {(p - p_ref).abs().max().item()}"
+            _sgd_steps(env, ref, m, steps, check)
         s = graph_opt.stats(m)
         assert s.captures == 1 and s.replays == steps - 2 and s.fallbacks == 0, s
