@@ -4,11 +4,14 @@
 
 Every replay checks the model's state (training flags, autocast; at level 0 the decorated model's
 attributes) and, at level >= 1, the framework's guards (Dynamo's guard manager). This measures the
-host time per call at batch 8 with and without them, on two models:
+host time per call at batch 8 with and without them, on four models, each full graph:
 
-- the benchmark decoder of torch_gpu.py (hidden 1024, 24 layers, bf16), full graph;
-- a Hugging Face GPT-2 LM head model (4 layers, hidden 256, random weights, input ids [8, 16]),
-  wrapped in a thin user module, full graph.
+- the benchmark decoder of torch_gpu.py (hidden 1024, 24 layers, bf16; its caches are buffers);
+- a decoder whose KV caches come in as arguments, one 5-D tensor per K and V indexed per layer
+  (12 layers, hidden 512); the hand-written graph copies only x in, the plugin copies the caches too
+  (cudagraph_copy_inputs) and writes them back;
+- Hugging Face GPT-2 and Llama LM head models (4 layers, hidden 256, random weights, input ids [8, 16]),
+  each wrapped in a thin user module.
 
 Columns: a hand-written CUDA graph's replay() alone and copy_ + replay(); the plugin at levels 0, 1
 and 2 with guarded_replays true (the default) and false; at level 0 also with the model-state check
@@ -54,11 +57,31 @@ class GPT2Serve(torch.nn.Module):
 GPT2Graphed = graph_opt.support_graph_optimization(type("GPT2Graphed", (GPT2Serve,), {}))
 
 
+class LlamaServe(torch.nn.Module):
+    """A user's thin module around a Hugging Face Llama (GQA): input ids in, logits out."""
+
+    def __init__(self, layers=4, hidden=256, heads=4, kv_heads=2, vocab=1000):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.lm = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                                               num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                               vocab_size=vocab, max_position_embeddings=64))
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids, use_cache=False).logits
+
+
+LlamaGraphed = graph_opt.support_graph_optimization(type("LlamaGraphed", (LlamaServe,), {}))
+
+
 class _HandGraph:
     """One hand-written CUDA graph of a model's forward at one batch, from a static input (torch.cuda.graph)."""
 
     def __init__(self, forward: Callable, x):
-        self.static = x.clone()
+        # A tuple: the first tensor is copied in per call, the rest (KV caches) are the caller's own buffers.
+        self.static = (x[0].clone(), *x[1:]) if isinstance(x, tuple) else x.clone()
+        self.first = self.static[0] if isinstance(x, tuple) else self.static
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(stream):
@@ -99,24 +122,30 @@ def _variants(make: Callable[[Optional[graph_opt.GraphOptConfig]], torch.nn.Modu
     return models
 
 
+def _spread(fn: Callable, x) -> Callable:
+    """fn taking the inputs as make_inputs gives them: one tensor, or a tuple of arguments."""
+    return (lambda t: fn(*t)) if isinstance(x, tuple) else fn
+
+
 def measure(name: str, make, make_inputs, smoke: bool) -> Dict[str, float]:
     x = make_inputs(BATCH)
     eager = make(graph_opt.GraphOptConfig(use_cudagraph=False))
-    forward = type(eager).forward
+    forward = _spread(lambda *t: type(eager).forward(eager, *t), x)
     fns: Dict[str, Callable] = {}
     if not smoke:
-        hand = _HandGraph(lambda t: forward(eager, t), x)
+        hand = _HandGraph(forward, x)
+        first = (lambda t: t[0]) if isinstance(x, tuple) else (lambda t: t)
         fns["raw replay()"] = lambda t: hand.graph.replay()
-        fns["copy_ + replay()"] = lambda t: (hand.static.copy_(t), hand.graph.replay())
+        fns["copy_ + replay()"] = lambda t: (hand.first.copy_(first(t)), hand.graph.replay())
         with torch.no_grad():
             hand.graph.replay()
             reference = hand.out.clone()
     else:
         with torch.no_grad():
-            reference = forward(eager, x)
+            reference = forward(x)
     for label, m in _variants(make, make_inputs, smoke).items():
         with torch.no_grad():
-            out = m(x)
+            out = _spread(m, x)(x)
         level = state_of(m).config.graph_opt_level
         # Level 2's kernels are Inductor's: within 5% of the largest output value (bf16, fused kernels).
         scale = reference.float().abs().max().item()
@@ -125,7 +154,7 @@ def measure(name: str, make, make_inputs, smoke: bool) -> Dict[str, float]:
             raise AssertionError(f"{name} {label}: output differs from the hand-written graph's")
         if graph_opt.stats(m).replays != 1:
             raise AssertionError(f"{name} {label}: the call did not replay: {graph_opt.stats(m)}")
-        fns[label] = m
+        fns[label] = _spread(m, x)
     with torch.no_grad():
         if smoke:
             return {k: 0.0 for k in fns}
@@ -166,6 +195,72 @@ def gpt2(smoke: bool):
     return make, lambda n: torch.randint(0, 1000, (n, 16), generator=g).to(device)
 
 
+def llama(smoke: bool):
+    device = "cpu" if smoke else "cuda"
+
+    def make(cfg):
+        torch.manual_seed(0)
+        cls = LlamaGraphed if cfg.use_cudagraph else LlamaServe
+        m = cls(graph_opt_config=cfg) if cls is LlamaGraphed else cls()
+        return m.to(device=device, dtype=torch.bfloat16).eval()
+
+    g = torch.Generator().manual_seed(0)
+    return make, lambda n: torch.randint(0, 1000, (n, 16), generator=g).to(device)
+
+
+class CacheLayer(torch.nn.Module):
+    """A decoder layer that reads and writes its slice of the caches the forward was given."""
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.out = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x, k_cache, v_cache, position: int):
+        bs, hidden = x.shape
+        q, k, v = self.qkv(self.norm(x)).reshape(bs, 3, self.heads, hidden // self.heads).unbind(1)
+        k_cache[:bs, :, position] = k
+        v_cache[:bs, :, position] = v
+        scores = torch.einsum("bhd,bhtd->bht", q, k_cache[:bs]) * (hidden // self.heads) ** -0.5
+        a = torch.einsum("bht,bhtd->bhd", scores.softmax(-1), v_cache[:bs])
+        return x + self.out(a.reshape(bs, hidden))
+
+
+class CacheDecoder(torch.nn.Module):
+    """Its KV caches come in as arguments: one 5-D tensor per K and V, [layers, max batch, heads, cache
+    length, head dim], indexed per layer."""
+
+    def __init__(self, layers=12, hidden=512, heads=8, graph_opt_config=None):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(CacheLayer(hidden, heads) for _ in range(layers))
+
+    def forward(self, x, k_cache, v_cache):
+        for i, layer in enumerate(self.layers):
+            x = layer(x, k_cache[i], v_cache[i], 7)
+        return x
+
+
+CacheDecoderGraphed = graph_opt.support_graph_optimization(type("CacheDecoderGraphed", (CacheDecoder,), {}),
+                                                           dynamic_arg_dims={"x": 0})
+
+
+def cache_decoder(smoke: bool):
+    device = "cpu" if smoke else "cuda"
+    layers, hidden, heads, length = (2, 32, 4, 8) if smoke else (12, 512, 8, 64)
+    caches = tuple(torch.zeros(layers, max(SIZES), heads, length, hidden // heads, device=device,
+                               dtype=torch.bfloat16) for _ in range(2))
+
+    def make(cfg):
+        torch.manual_seed(0)
+        cls = CacheDecoderGraphed if cfg.use_cudagraph else CacheDecoder
+        return cls(layers, hidden, heads, graph_opt_config=cfg).to(device=device, dtype=torch.bfloat16).eval()
+
+    g = torch.Generator().manual_seed(0)
+    return make, lambda n: (torch.randn(n, hidden, generator=g).to(device=device, dtype=torch.bfloat16), *caches)
+
+
 def main(argv: Optional[List[str]] = None, prog: str = "python -m graph_opt bench guards") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results")
@@ -175,11 +270,12 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m graph_opt benc
         print("bench guards needs a CUDA device (or --smoke on CPU)", file=sys.stderr)
         return 2
     results = {}
-    models = {"decoder": decoder}
+    models = {"decoder": decoder, "cache-decoder": cache_decoder}
     try:
         import transformers  # noqa: F401
 
         models["hf-gpt2"] = gpt2
+        models["hf-llama"] = llama
     except ImportError:
         print("transformers is not installed: the GPT-2 rows are skipped", file=sys.stderr)
     for name, builder in models.items():

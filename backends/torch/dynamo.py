@@ -35,7 +35,7 @@ import itertools
 import logging
 import types
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch._dynamo
@@ -109,6 +109,7 @@ class DynamoStrategy:
         self.forwards: List[CompiledForward] = []
         self._pending: List[CompiledForward] = []  # compiled by the backend, bytecode not seen yet
         self._code_of: Dict[int, types.CodeType] = {}  # id(CompiledForward) -> its transformed code
+        self._stores_of: Dict[int, Optional[tuple]] = {}  # id(CompiledForward) -> constant_stores() at its trace
         self._split_at = fx_split.splitting_op_matcher(selection)
         self._trace_hook = None  # routes selected splitting ops to one FX node while Dynamo traces
         self._graph_fn = None  # the forward for the graph path, its own code object
@@ -163,7 +164,9 @@ class DynamoStrategy:
         one_graph = len(forward.split.pieces) == 1 and len(forward.pieces) == 1 and graphs == 1
         graph_args = forward.captured_args.pop(key, None)
         replay = _in_replay_mode(self.state, key, functools.partial(direct, self.model, *args, **kwargs))
-        if stable and _tensors_only(outputs, self.adapter.is_tensor) and pure_replay_code(code):
+        stores = self._stores_of.get(id(forward))
+        if stable and _tensors_only(outputs, self.adapter.is_tensor) and stores is not None \
+                and pure_replay_code(code, *stores_names(stores)):
             # The transformed code would only read the same inputs and return these very tensors: run
             # the one graph, or the split module's pieces on the inputs it gathered at capture.
             self.direct_replays += 1
@@ -178,7 +181,7 @@ class DynamoStrategy:
                 self.planned_replays += 1
             else:
                 work = _in_replay_mode(self.state, key, functools.partial(forward.split.module.forward, *graph_args))
-            replay = self._tensors.direct(work, replay, outputs)
+            replay = self._tensors.direct(work, replay, outputs, replay_stores(code, stores))
         check = _guard_check(self._graph_code, code, graph_fn, self.model, args, kwargs, self._trace_hook) \
             if self.config.guarded_replays else None
         return Captured(outputs, replay, stable, graphs, graphs, keepalive=keepalive, check=check)
@@ -247,6 +250,7 @@ class DynamoStrategy:
             else:
                 module.__dict__[piece.name] = EagerPiece(sub.forward, self.state)  # skips nn.Module.__call__
         forward = CompiledForward(graph, runners, self.state)
+        self._stores_of[id(forward)] = constant_stores()
         self.forwards.append(forward)
         self._pending.append(forward)
         logger.debug("graph_opt: Dynamo graph of %d ops split into %d pieces (%d capturable)",
@@ -389,20 +393,31 @@ class _ModuleTensors:
     def current(self):
         return module_fingerprint(self.model)
 
-    def direct(self, graph_replay, bytecode_replay, outputs):
+    def direct(self, graph_replay, bytecode_replay, outputs, stores=()):
         _install_registration_hooks()
         if self.snapshot is None:
             self.snapshot = self.current()
             self.seen = _registrations[0]
         count = _registrations
 
-        def replay():
+        if not stores:
+            def replay():
+                if count[0] != self.seen and not self._unchanged():
+                    return bytecode_replay()
+                graph_replay()
+                return outputs
+
+            return replay
+
+        def replay_and_store():
             if count[0] != self.seen and not self._unchanged():
                 return bytecode_replay()
             graph_replay()
+            for store, obj, name, value in stores:  # what the transformed code stores after its graph
+                store(obj, name, value)
             return outputs
 
-        return replay
+        return replay_and_store
 
     def _unchanged(self) -> bool:
         if not self.moved and self.current() == self.snapshot:
@@ -428,21 +443,97 @@ _PURE_ATTRS = frozenset({"_modules", "_parameters", "_buffers", "call_size", "re
                          "record_pregraph_bytecode_exit"})
 
 
+_STORE_HELPER = "object_setattr_ignore_descriptor"  # torch._dynamo.utils': how Dynamo replays an attribute store
+
+
 @functools.lru_cache(maxsize=256)  # one code object serves every size: disassembling it took 15 ms a size
-def pure_replay_code(code: types.CodeType) -> bool:
+def pure_replay_code(code: types.CodeType, store_names: frozenset = frozenset(),
+                     stored: frozenset = frozenset()) -> bool:
     """Whether Dynamo's transformed code only gathers the compiled graph's inputs from the module tree
     and the arguments and returns its outputs: no store outside its locals, no call but the graph's
-    and Dynamo's own helpers. Then skipping it changes nothing but the time it took."""
+    and Dynamo's own helpers. Then skipping it changes nothing but the time it took.
+
+    store_names, stored: the globals and attributes that lead to the objects of constant_stores(), and
+    the attributes stored into them; with them, the code may also load those objects and store those
+    attributes (STORE_ATTR, or Dynamo's store helper): the replay makes those stores (replay_stores)."""
     import dis
 
+    attrs = _PURE_ATTRS | store_names | {_STORE_HELPER} if store_names else _PURE_ATTRS
     for ins in dis.get_instructions(code):
+        if ins.opname == "STORE_ATTR" and ins.argval in stored:
+            continue
         if ins.opname not in _PURE_OPS:
             return False
-        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval not in _PURE_ATTRS:
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval not in attrs:
             return False
-        if ins.opname == "LOAD_GLOBAL" and not str(ins.argval).startswith(("__compiled_fn", "__import_torch")):
+        if ins.opname == "LOAD_GLOBAL" and not (str(ins.argval).startswith(("__compiled_fn", "__import_torch"))
+                                                or ins.argval in store_names):
             return False
     return True
+
+
+def replay_stores(code: types.CodeType, stores: tuple) -> tuple:
+    """constant_stores() as the replay makes them: ((setter, object, attribute, value), ...), the setter
+    being the one the transformed code uses for that attribute (setattr for its STORE_ATTR, else
+    Dynamo's helper, which skips descriptors)."""
+    import dis
+
+    plain = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "STORE_ATTR"}
+    helper = torch._dynamo.utils.object_setattr_ignore_descriptor
+    return tuple((setattr if name in plain else helper, obj, name, value) for obj, name, value, _ in stores)
+
+
+def constant_stores() -> Optional[tuple]:
+    """What Dynamo's transformed code of the frame being compiled does after its graph, when that is only
+    storing constants into attributes of objects that existed before the call, found from globals
+    (transformers' output collector: `global_var = None`, `compiling = False` after every forward):
+    ((object, attribute, value, names of the globals and attributes leading to the object), ...).
+    None when it does anything else (a list or dict mutated, an object made, a tensor hook): those
+    replays run the transformed code. Called from the backend, when Dynamo's side effects are final."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables.base import AttributeMutationExisting, AttributeMutationNew
+        from torch._dynamo.variables.constant import ConstantVariable
+        from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+
+        effects = InstructionTranslator.current_tx().output.side_effects
+        if effects.tensor_hooks or getattr(effects, "save_for_backward", None):
+            return None
+        stores = []
+        for var in effects._get_modified_vars():
+            attrs = effects.store_attr_mutations.get(var)
+            if not attrs and isinstance(var.mutation_type, AttributeMutationNew):
+                continue  # made during the call (a tensor the graph returns), no attribute set on it
+            names = _source_names(var.source)
+            if (not attrs or names is None or not isinstance(var, UserDefinedObjectVariable)
+                    or not isinstance(var.mutation_type, AttributeMutationExisting)):
+                return None
+            for name, value in attrs.items():
+                if type(value) is not ConstantVariable or not isinstance(value.value, (type(None), bool, int, float, str)):
+                    return None
+                stores.append((var.value, name, value.value, names))
+        return tuple(stores)
+    except Exception:  # another torch's internals: pure_replay_code alone decides, as without stores
+        return ()
+
+
+def _source_names(source) -> Optional[frozenset]:
+    """The names a Dynamo source reads: a global and a chain of attributes of it; None for any other source."""
+    names = set()
+    while type(source).__name__ == "AttrSource":
+        names.add(source.member)
+        source = source.base
+    if type(source).__name__ not in ("GlobalSource", "GlobalWeakRefSource"):
+        return None
+    names.add(source.global_name)
+    return frozenset(names)
+
+
+def stores_names(stores: tuple) -> Tuple[frozenset, frozenset]:
+    """The names leading to the stores' objects, and the attributes stored (pure_replay_code's arguments)."""
+    if not stores:
+        return frozenset(), frozenset()
+    return frozenset().union(*(s[3] for s in stores)), frozenset(s[1] for s in stores)
 
 
 def _tensors_only(tree, is_tensor) -> bool:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import graph_opt
-from graph_opt.backends.torch.dynamo import pure_replay_code
+from graph_opt.backends.torch.dynamo import pure_replay_code, replay_stores
 from graph_opt.decorator import state_of
 from torch_models import SIZES, HIDDEN, Stack, make_x, mix
 
@@ -261,3 +261,85 @@ def test_a_splitting_op_writing_into_the_models_buffer_lands_nothing():
             x = make_x(real, seed=real)
             with torch.no_grad():
                 torch.testing.assert_close(m(x), _eager(m, x), **TOL)
+
+
+class _Collector:
+    """A module-level object a forward sets and resets, as transformers' output collector does."""
+
+    def __init__(self):
+        self.active = False
+        self.rows = None
+
+
+COLLECTOR = _Collector()
+
+
+@graph_opt.support_graph_optimization
+class Collecting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        COLLECTOR.active = True
+        y = self.proj(x)
+        COLLECTOR.active = False  # what is left after the call: Dynamo stores it after the graph
+        COLLECTOR.rows = None
+        return y
+
+
+def test_constants_stored_into_a_global_object_are_stored_by_every_direct_replay():
+    """The transformed code's only side effect is storing constants into attributes of an object that
+    existed before the call: the replay is still the graph's replay(), followed by those stores."""
+    torch.manual_seed(0)
+    m = Collecting(graph_opt_config=_cfg(1))
+    strategy = _captured(m)
+    assert strategy.direct_replays == len(SIZES)
+    for real in (1, 3, 8):
+        COLLECTOR.active, COLLECTOR.rows = "stale", 5
+        x = make_x(real, seed=real)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), _eager(m, x), **TOL)
+        assert COLLECTOR.active is False and COLLECTOR.rows is None
+    assert graph_opt.stats(m).replays == 3
+
+
+@graph_opt.support_graph_optimization
+class Appending(torch.nn.Module):
+    """Its forward mutates a list it does not own: not a constant store."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.seen = seen
+
+    def forward(self, x):
+        self.seen.append(1)
+        return self.proj(x)
+
+
+def test_a_list_mutated_by_the_forward_keeps_the_transformed_code():
+    seen = []
+    m = Appending(seen, graph_opt_config=_cfg(1))
+    assert _captured(m).direct_replays == 0
+    before = len(seen)
+    with torch.no_grad():
+        m(make_x(3))
+        m(make_x(5))
+    assert len(seen) == before + 2  # each call appended, as eager does
+    s = graph_opt.stats(m)
+    assert s.replays + s.fallbacks == 2  # Dynamo guards the list's length: these calls run without graphs
+
+
+def test_pure_replay_code_accepts_only_the_constant_stores_it_is_told_of():
+    """Dynamo writes such a store as STORE_ATTR (torch 2.11) or through its helper (2.13): both pass."""
+    def resets(self, x):
+        COLLECTOR.active = False
+        return x
+
+    names = frozenset({"COLLECTOR"})
+    assert not pure_replay_code(resets.__code__)
+    assert pure_replay_code(resets.__code__, names, frozenset({"active"}))
+    assert not pure_replay_code(resets.__code__, names, frozenset({"rows"}))
+    (setter, obj, name, value), = replay_stores(resets.__code__, ((COLLECTOR, "active", False, names),))
+    assert setter is setattr and obj is COLLECTOR and name == "active" and value is False
