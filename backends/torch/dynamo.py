@@ -165,7 +165,8 @@ class DynamoStrategy:
         graph_args = forward.captured_args.pop(key, None)
         replay = _in_replay_mode(self.state, key, functools.partial(direct, self.model, *args, **kwargs))
         stores = self._stores_of.get(id(forward))
-        if stable and _tensors_only(outputs, self.adapter.is_tensor) and stores is not None \
+        made = None if stores is None else replay_stores(code, stores)
+        if stable and _tensors_only(outputs, self.adapter.is_tensor) and made is not None \
                 and pure_replay_code(code, *stores_names(stores)):
             # The transformed code would only read the same inputs and return these very tensors: run
             # the one graph, or the split module's pieces on the inputs it gathered at capture.
@@ -181,7 +182,7 @@ class DynamoStrategy:
                 self.planned_replays += 1
             else:
                 work = _in_replay_mode(self.state, key, functools.partial(forward.split.module.forward, *graph_args))
-            replay = self._tensors.direct(work, replay, outputs, replay_stores(code, stores))
+            replay = self._tensors.direct(work, replay, outputs, made, graph_fn.__globals__)
         check = _guard_check(self._graph_code, code, graph_fn, self.model, args, kwargs, self._trace_hook) \
             if self.config.guarded_replays else None
         return Captured(outputs, replay, stable, graphs, graphs, keepalive=keepalive, check=check)
@@ -393,7 +394,7 @@ class _ModuleTensors:
     def current(self):
         return module_fingerprint(self.model)
 
-    def direct(self, graph_replay, bytecode_replay, outputs, stores=()):
+    def direct(self, graph_replay, bytecode_replay, outputs, stores=(), f_globals=None):
         _install_registration_hooks()
         if self.snapshot is None:
             self.snapshot = self.current()
@@ -413,7 +414,12 @@ class _ModuleTensors:
             if count[0] != self.seen and not self._unchanged():
                 return bytecode_replay()
             graph_replay()
-            for store, obj, name, value in stores:  # what the transformed code stores after its graph
+            # What the transformed code stores after its graph, into the objects its globals name now
+            # (a global rebound since capture gets the stores, as in the transformed code).
+            for store, root, path, name, value in stores:
+                obj = f_globals[root]
+                for attr in path:
+                    obj = getattr(obj, attr)
                 store(obj, name, value)
             return outputs
 
@@ -447,49 +453,69 @@ _STORE_HELPER = "object_setattr_ignore_descriptor"  # torch._dynamo.utils': how 
 
 
 @functools.lru_cache(maxsize=256)  # one code object serves every size: disassembling it took 15 ms a size
-def pure_replay_code(code: types.CodeType, store_names: frozenset = frozenset(),
-                     stored: frozenset = frozenset()) -> bool:
+def pure_replay_code(code: types.CodeType, chains: frozenset = frozenset(), stored: frozenset = frozenset()) -> bool:
     """Whether Dynamo's transformed code only gathers the compiled graph's inputs from the module tree
     and the arguments and returns its outputs: no store outside its locals, no call but the graph's
     and Dynamo's own helpers. Then skipping it changes nothing but the time it took.
 
-    store_names, stored: the globals and attributes that lead to the objects of constant_stores(), and
-    the attributes stored into them; with them, the code may also load those objects and store those
-    attributes (STORE_ATTR, or Dynamo's store helper): the replay makes those stores (replay_stores)."""
+    chains, stored: the paths (global, attribute, ...) to the objects of constant_stores(), and the
+    attributes stored into them. With them the code may also walk exactly those paths (a global, then
+    its attributes in order: an attribute of that name read from anything else is refused) and store
+    those attributes (STORE_ATTR, or Dynamo's store helper): the replay makes those stores."""
     import dis
 
-    attrs = _PURE_ATTRS | store_names | {_STORE_HELPER} if store_names else _PURE_ATTRS
+    prefixes = {chain[:i] for chain in chains for i in range(1, len(chain) + 1)}
+    attrs = _PURE_ATTRS | {_STORE_HELPER} if chains else _PURE_ATTRS
+    walking = None  # the path so far while the top of the stack is an object on a store's path
     for ins in dis.get_instructions(code):
-        if ins.opname == "STORE_ATTR" and ins.argval in stored:
+        op = ins.opname
+        if op in ("COPY", "STORE_FAST") and walking is not None:
+            continue  # Dynamo keeps each step of the path in a temporary: the top of the stack is the same
+        path, walking = walking, None
+        if op == "STORE_ATTR" and ins.argval in stored:
             continue
-        if ins.opname not in _PURE_OPS:
+        if op not in _PURE_OPS:
             return False
-        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval not in attrs:
-            return False
-        if ins.opname == "LOAD_GLOBAL" and not (str(ins.argval).startswith(("__compiled_fn", "__import_torch"))
-                                                or ins.argval in store_names):
-            return False
+        if op in ("LOAD_ATTR", "LOAD_METHOD"):
+            if path is not None and path + (ins.argval,) in prefixes:
+                walking = path + (ins.argval,)
+            elif ins.argval not in attrs:
+                return False
+        elif op == "LOAD_GLOBAL":
+            if (ins.argval,) in prefixes:
+                walking = (ins.argval,)
+            elif not str(ins.argval).startswith(("__compiled_fn", "__import_torch")):
+                return False
     return True
 
 
-def replay_stores(code: types.CodeType, stores: tuple) -> tuple:
-    """constant_stores() as the replay makes them: ((setter, object, attribute, value), ...), the setter
-    being the one the transformed code uses for that attribute (setattr for its STORE_ATTR, else
-    Dynamo's helper, which skips descriptors)."""
+def replay_stores(code: types.CodeType, stores: tuple) -> Optional[tuple]:
+    """constant_stores() as the replay makes them: ((setter, global, attribute path, attribute, value), ...),
+    the setter being the one the transformed code uses: setattr where it has STORE_ATTR (torch 2.11),
+    Dynamo's helper, which skips descriptors, where it loads that (2.13). None when it mixes the two or
+    uses neither (not a code this replay understands)."""
     import dis
 
-    plain = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "STORE_ATTR"}
-    helper = torch._dynamo.utils.object_setattr_ignore_descriptor
-    return tuple((setattr if name in plain else helper, obj, name, value) for obj, name, value, _ in stores)
+    if not stores:
+        return ()
+    stored = {s[1] for s in stores}
+    instructions = list(dis.get_instructions(code))
+    plain = any(ins.opname == "STORE_ATTR" and ins.argval in stored for ins in instructions)
+    helper = any(ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == _STORE_HELPER for ins in instructions)
+    if plain == helper:
+        return None
+    setter = setattr if plain else torch._dynamo.utils.object_setattr_ignore_descriptor
+    return tuple((setter, chain[0], chain[1:], name, value) for chain, name, value in stores)
 
 
 def constant_stores() -> Optional[tuple]:
     """What Dynamo's transformed code of the frame being compiled does after its graph, when that is only
     storing constants into attributes of objects that existed before the call, found from globals
     (transformers' output collector: `global_var = None`, `compiling = False` after every forward):
-    ((object, attribute, value, names of the globals and attributes leading to the object), ...).
-    None when it does anything else (a list or dict mutated, an object made, a tensor hook): those
-    replays run the transformed code. Called from the backend, when Dynamo's side effects are final."""
+    ((path, attribute, value), ...), path being (global, attribute, ...) to the object, looked up again
+    at each replay as the transformed code does. None when it does anything else (a list or dict
+    mutated, an object made, a tensor hook): those replays run the transformed code. Called from the
+    backend, when Dynamo's side effects are final."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
         from torch._dynamo.variables.base import AttributeMutationExisting, AttributeMutationNew
@@ -504,36 +530,33 @@ def constant_stores() -> Optional[tuple]:
             attrs = effects.store_attr_mutations.get(var)
             if not attrs and isinstance(var.mutation_type, AttributeMutationNew):
                 continue  # made during the call (a tensor the graph returns), no attribute set on it
-            names = _source_names(var.source)
-            if (not attrs or names is None or not isinstance(var, UserDefinedObjectVariable)
+            path = _source_path(var.source)
+            if (not attrs or path is None or not isinstance(var, UserDefinedObjectVariable)
                     or not isinstance(var.mutation_type, AttributeMutationExisting)):
                 return None
             for name, value in attrs.items():
                 if type(value) is not ConstantVariable or not isinstance(value.value, (type(None), bool, int, float, str)):
                     return None
-                stores.append((var.value, name, value.value, names))
+                stores.append((path, name, value.value))
         return tuple(stores)
     except Exception:  # another torch's internals: pure_replay_code alone decides, as without stores
         return ()
 
 
-def _source_names(source) -> Optional[frozenset]:
-    """The names a Dynamo source reads: a global and a chain of attributes of it; None for any other source."""
-    names = set()
+def _source_path(source) -> Optional[tuple]:
+    """(global, attribute, ...) a Dynamo source reads; None for any other kind of source."""
+    members = []
     while type(source).__name__ == "AttrSource":
-        names.add(source.member)
+        members.append(source.member)
         source = source.base
-    if type(source).__name__ not in ("GlobalSource", "GlobalWeakRefSource"):
+    if type(source).__name__ != "GlobalSource":
         return None
-    names.add(source.global_name)
-    return frozenset(names)
+    return (source.global_name, *reversed(members))
 
 
 def stores_names(stores: tuple) -> Tuple[frozenset, frozenset]:
-    """The names leading to the stores' objects, and the attributes stored (pure_replay_code's arguments)."""
-    if not stores:
-        return frozenset(), frozenset()
-    return frozenset().union(*(s[3] for s in stores)), frozenset(s[1] for s in stores)
+    """pure_replay_code's arguments for these stores: their paths, and the attributes stored."""
+    return frozenset(s[0] for s in stores), frozenset(s[1] for s in stores)
 
 
 def _tensors_only(tree, is_tensor) -> bool:

@@ -337,9 +337,96 @@ def test_pure_replay_code_accepts_only_the_constant_stores_it_is_told_of():
         COLLECTOR.active = False
         return x
 
-    names = frozenset({"COLLECTOR"})
+    path = frozenset({("COLLECTOR",)})
     assert not pure_replay_code(resets.__code__)
-    assert pure_replay_code(resets.__code__, names, frozenset({"active"}))
-    assert not pure_replay_code(resets.__code__, names, frozenset({"rows"}))
-    (setter, obj, name, value), = replay_stores(resets.__code__, ((COLLECTOR, "active", False, names),))
-    assert setter is setattr and obj is COLLECTOR and name == "active" and value is False
+    assert pure_replay_code(resets.__code__, path, frozenset({"active"}))
+    assert not pure_replay_code(resets.__code__, path, frozenset({"rows"}))
+    (setter, root, attrs, name, value), = replay_stores(resets.__code__, ((("COLLECTOR",), "active", False),))
+    assert setter is setattr and root == "COLLECTOR" and attrs == () and name == "active" and value is False
+
+
+def test_an_attribute_named_like_a_store_path_is_refused_off_that_path():
+    """`CTX.cache.dirty = False` allows reading `CTX.cache`, not `self.cache` (a tensor the graph reads)."""
+    def gathers(self, x):
+        CTX.cache.dirty = False
+        return self.cache + x
+
+    def walks(self, x):
+        CTX.cache.dirty = False
+        return x
+
+    path, stored = frozenset({("CTX", "cache")}), frozenset({"dirty"})
+    assert not pure_replay_code(gathers.__code__, path, stored)
+    assert pure_replay_code(walks.__code__, path, stored)
+
+
+class _Request:
+    def __init__(self):
+        self.ran = False
+        self.phase = "queued"
+        self.payload = torch.zeros(1024)
+
+
+REQUEST = _Request()
+CTX = None  # named in the tests above
+
+
+@graph_opt.support_graph_optimization
+class Serving(torch.nn.Module):
+    """Marks the request being served, a module-level object the server replaces per request."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        REQUEST.ran = True
+        REQUEST.phase = "decoded"
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_stores_reach_the_object_a_rebound_global_names_now(guarded):
+    global REQUEST
+    torch.manual_seed(0)
+    m = Serving(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=1, cudagraph_capture_sizes=SIZES,
+                                                          guarded_replays=guarded))
+    assert _captured(m).direct_replays == len(SIZES)
+    first = weakref.ref(REQUEST)
+    for real in (1, 3):
+        REQUEST = _Request()  # the next request
+        with torch.no_grad():
+            torch.testing.assert_close(m(make_x(real, seed=real)), _eager(m, make_x(real, seed=real)), **TOL)
+        assert (REQUEST.ran, REQUEST.phase) == (True, "decoded")
+    assert graph_opt.stats(m).replays == 2
+    import gc
+
+    gc.collect()
+    assert first() is None, "the replay keeps the capture's object alive"
+
+
+@graph_opt.support_graph_optimization
+class ReadsItsCache(torch.nn.Module):
+    """Reads a plain tensor attribute named like an attribute on a store's path."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.cache = torch.ones(HIDDEN)
+
+    def forward(self, x):
+        REQUEST.phase = "decoded"
+        return self.proj(x) + self.cache
+
+
+def test_a_plain_tensor_attribute_changed_after_capture_reaches_the_replay():
+    torch.manual_seed(0)
+    m = ReadsItsCache(graph_opt_config=_cfg(1))
+    _captured(m)
+    m.cache = torch.full((HIDDEN,), 10.0)
+    x = make_x(3)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), _eager(m, x), **TOL)
+    m.cache.fill_(3.0)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), _eager(m, x), **TOL)
