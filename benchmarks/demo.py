@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from graph_opt import stats as stats_of
 from graph_opt.config import GraphOptConfig
-from graph_opt.decorator import capture_model
+from graph_opt.lifecycle import capture_model
 from graph_opt.testing import simulate_cuda_graphs
 
 MODES = [

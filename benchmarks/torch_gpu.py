@@ -215,7 +215,7 @@ def raw_pieces(m, bs: int) -> Callable:
     and each splitting op's own function on the tensors it read at capture, in order (what the plugin's
     host time per call is compared with; the landing copies of the split results are the plugin's own
     work)."""
-    from graph_opt.cudagraph import _SplitStep
+    from graph_opt.level0 import _SplitStep
 
     entry = next(sig.entries[bs] for sig in state_of(m).runner.signatures.values() if bs in sig.entries)
     (static,) = entry.inputs

@@ -17,7 +17,7 @@ mount_checkout_folders()  # graph_opt.backends / graph_opt.benchmarks from a pla
 
 from . import testing  # noqa: E402
 from .config import GraphOptConfig, load_config
-from .decorator import capture_model, clear_graphs, stats, support_graph_optimization
+from .decorator import support_graph_optimization
 from .errors import CaptureError, GraphOptConfigError, GraphOptError, GraphOptInputError, GuardFailed, ReplayDivergence
 from .guards import (
     capture_custom_allreduce,
@@ -28,10 +28,11 @@ from .guards import (
     unregister_custom_allreduce,
 )
 from .host_outputs import HostFuture, to_host_async
+from .lifecycle import capture_model, clear_graphs, stats
 from .passes import optimize_program
 from .split import splitting_op
-from .stats import CaptureReport, Stats
-from .training import TrainingStats, autocudagraph
+from .stats import CaptureReport, Stats, TrainingStats
+from .training import autocudagraph
 
 # No handler is added: without one, warnings reach stderr through logging's last resort, so
 # "CUDA graphs unavailable" and "capture failed" are seen even when the app configures no logging.

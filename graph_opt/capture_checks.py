@@ -23,6 +23,7 @@ import logging
 from typing import List
 
 from . import output_layout
+from .captured_size import _MISMATCH
 from .pytree import TENSOR, flatten, leaf_paths, unflatten
 
 logger = logging.getLogger("graph_opt")
@@ -67,8 +68,6 @@ def expect(runner, sig, static: List, leaves: List, padded: int, warm=None):
 def validate(runner, sig, entry, leaves: List, expected) -> None:
     """After the capture phase: the replay of `entry` for the smallest call it serves, compared with
     `expected` (see expect). Blocks calls of sizes that are not captured where they differ."""
-    from .cudagraph import _MISMATCH
-
     if expected is None or not sig.layout.known or sig.layout.exact_only:
         return
     adapter = runner.adapter

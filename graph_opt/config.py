@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
 from . import env
+from .cudagraph_modes import CUDAGRAPH_MODES
 from .errors import GraphOptConfigError
 from .passes import KNOWN_PASSES
 from .sizes import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
 
 NESTED_KEY = "graph_opt_config"
-CUDAGRAPH_MODES = ("full", "piecewise", "full_and_piecewise")
 
 
 @dataclass

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from .cudagraph_modes import CUDAGRAPH_MODES
 from .errors import GraphOptConfigError
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -55,8 +56,6 @@ def parse_str_list(name: str, raw: str) -> list:
 
 
 def parse_mode(name: str, raw: str) -> str:
-    from .config import CUDAGRAPH_MODES
-
     value = raw.strip().lower()
     if value not in CUDAGRAPH_MODES:
         raise GraphOptConfigError(f"{name}={raw!r}: expected one of {', '.join(CUDAGRAPH_MODES)}")

@@ -68,7 +68,7 @@ class SharedOutputs:
 
 
 def for_size(adapter, sig, padded: int) -> Optional[SharedOutputs]:
-    """The sharing for a new size `padded` of a signature (cudagraph.Signature): into the largest size
+    """The sharing for a new size `padded` of a signature (signature.Signature): into the largest size
     captured above it, or None where there is none. Only outputs whose batch dimension is dim 0
     (output_layout) share: a [8, 8] weight returned at batch 8 is not batch-major."""
     larger = sig.largest_above(padded)

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence
 
 # Names accepted by the config's program_passes, in the order they run by default; the
-# implementations live in backends/paddle/passes.py. The safety pass comes first.
+# implementations are registered in backends/paddle/passes.py (PROGRAM_PASSES). The safety
+# pass comes first.
 KNOWN_PASSES = ("protect_inplace_writes", "remove_loop_carried_copies")
 SEMANTICS = ("static", "eager")
 

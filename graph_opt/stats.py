@@ -1,4 +1,5 @@
-"""Counters that tests assert on, and the report capture_model returns."""
+"""Counters that tests assert on, and the report capture_model returns; the same for autocudagraph
+blocks (TrainingCounters, TrainingStats)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -104,3 +105,40 @@ def _human_bytes(n: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{n} B"
+
+
+@dataclass
+class TrainingCounters:
+    warmups: int = 0  # eager calls spent warming a key up
+    captures: int = 0  # keys captured (a forward graph, plus a backward graph when grads are needed)
+    replays: int = 0  # forward replays
+    backward_replays: int = 0
+    fallbacks: int = 0  # calls that ran eagerly with graphs enabled; why: fallback_reasons
+    capture_failures: int = 0
+    recaptures: int = 0  # graphs dropped because a parameter or buffer was replaced
+    capture_seconds: float = 0.0
+    fallback_reasons: Dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainingStats:
+    """graph_opt.stats(block) for a block made by autocudagraph."""
+
+    mode: str
+    keys: int  # dispatch keys with captured graphs
+    graphs: int  # device graphs held: forward, backward, and one per set of outputs a loss left out
+    warmups: int
+    captures: int
+    replays: int  # forward replays
+    backward_replays: int
+    fallbacks: int
+    fallback_reasons: Dict[str, int]  # max_graphs, backward_pending, capture_failed, no_graphs
+    capture_failures: int
+    recaptures: int
+    capture_seconds: float
+    graph_memory_bytes: Optional[int]  # device memory the pool grew by; None where not measurable
+    static_buffer_bytes: int  # inputs, outputs and gradient buffers the graphs read and write
+    disabled_reason: Optional[str]  # the last capture failure
+
+    def as_dict(self) -> dict:
+        return asdict(self)

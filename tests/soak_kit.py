@@ -23,7 +23,7 @@ import pytest
 
 import graph_opt
 from graph_opt import split, testing
-from graph_opt.cudagraph import EagerStrategy
+from graph_opt.level0 import EagerStrategy
 
 HIDDEN = 16
 SIZES = [1, 2, 4, 8]

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from graph_opt import GraphOptConfig, split
-from graph_opt.cudagraph import REQUIRED, EagerStrategy, GraphRunner
+from graph_opt.level0 import EagerStrategy
+from graph_opt.runner import GraphRunner
+from graph_opt.signature import REQUIRED
 
 _capturing = []  # the FakeGraph being captured, if any
 

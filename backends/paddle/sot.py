@@ -13,184 +13,45 @@ How one padded size goes:
   re-translate and run the non-capture branch. The plugin guards what it skips instead: the padded
   size and the non-tensor arguments are the dispatch key, and any frame that differs from the
   recording aborts the replay (ReplayDivergence) and the call runs without graphs.
+
+The pieces, each in its own file: the hooks around a SOT call and the splitting helpers SOT reads
+(sot_scope.py), the run_program hook and its records (run_program_hook.py), the checks of frames
+at replay (sot_guards.py).
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import paddle
-from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer
 from paddle.jit.dy2static.program_translator import ProgramTranslator, StaticFunction
 from paddle.jit.dy2static.utils import CUDAGraphState
-from paddle.jit.sot import psdb, symbolic_translate
+from paddle.jit.sot import symbolic_translate
 from paddle.jit.sot.opcode_translator import eval_frame_callback
 from paddle.jit.sot.opcode_translator.custom_code import CustomCode
 from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
 from paddle.jit.sot.utils import StepInfoManager
-from paddle.jit.sot.utils.envs import ENV_MIN_GRAPH_SIZE
 
-from ... import guards, split
+from ... import split
 from .. import private_copy
-from ...cudagraph import Captured
+from ...captured_size import Captured
 from ...errors import CaptureError, GuardFailed, ReplayDivergence
 from ...guards import as_captured
-from ...pytree import flatten, value_key
-from ...testing import HostGraph, simulation_enabled
+from ...pytree import flatten
+from ...testing import simulation_enabled
+from .run_program_hook import ProgramHook, SizeRecord
+from .sot_guards import _argument_key, _failed_guard, _FrameView, _guard_of
+from .sot_scope import _Scope
 
 logger = logging.getLogger("graph_opt")
-_STATE_LOCK = guards.state_lock
 
 _BLACKLIST_FLAG = "FLAGS_cuda_graph_blacklist"
 
 
 def translate_count() -> int:
     return OpcodeExecutorCache().translate_count
-
-
-class _Scope:
-    """The plugin's hooks around one SOT call: the run_impl hook, the splitting ops and, where SOT
-    may translate, MIN_GRAPH_SIZE=0 (so small subgraphs reach run_program and its passes).
-    A plain class, not a generator context manager: replays and static calls pass through it.
-    What it sets is process-wide (a class attribute, module globals, an env flag) and it saves the
-    previous values on itself: it holds guards.state_lock from __enter__ to __exit__, so two threads
-    cannot restore each other's hooks."""
-
-    __slots__ = ("hook", "names", "min_graph_size", "saved", "saved_env")
-
-    def __init__(self, hook, names, min_graph_size: bool):
-        self.hook = hook
-        self.names = names
-        self.min_graph_size = min_graph_size
-
-    def __enter__(self):
-        global _sot_split_names
-        _STATE_LOCK.acquire()
-        try:
-            self.saved = (PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names, split._split_hook)
-            PartialProgramLayer.HOOKED_RUN_IMPL = self.hook
-            _sot_split_names = self.names
-            split._split_hook = _sot_split_hook if self.names else None
-            if self.min_graph_size:
-                self.saved_env = ENV_MIN_GRAPH_SIZE.get()
-                ENV_MIN_GRAPH_SIZE.set(0)
-        except BaseException:
-            _STATE_LOCK.release()
-            raise
-
-    def __exit__(self, *exc):
-        global _sot_split_names
-        try:
-            PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names, split._split_hook = self.saved
-            if self.min_graph_size:
-                ENV_MIN_GRAPH_SIZE.set(self.saved_env)  # as Paddle's own EnvironmentVariableGuard restores
-        finally:
-            _STATE_LOCK.release()
-
-
-@dataclass
-class SubgraphRecord:
-    """One run_program call captured for one padded size."""
-
-    layer: Any  # the PartialProgramLayer
-    inputs: List[Any]  # the tensors the graph reads; replays copy new inputs into them
-    outputs: List[Any]  # the tensors the graph writes; replays return these very objects
-    graph: Optional[HostGraph] = None  # the host stand-in, when simulating
-
-
-@dataclass
-class SizeRecord:
-    key: int
-    subgraphs: List[SubgraphRecord] = field(default_factory=list)
-    # (code, CustomCode, argument key) in the order SOT was asked; see _argument_key
-    frames: List[Any] = field(default_factory=list)
-
-
-class ProgramHook:
-    """The run_impl hook: sets cuda_graph_state / cuda_graph_dispatch_key on every run_program call."""
-
-    def __init__(self, adapter, pass_names: List[str], on_new_program):
-        self.adapter = adapter
-        self.pass_names = pass_names
-        self.on_new_program = on_new_program
-        self.state = CUDAGraphState.DISABLE
-        self.record: Optional[SizeRecord] = None
-        self.simulate = False
-        self.call_index = 0
-        self.seen_layers: Dict[int, Any] = {}
-
-    def begin(self, state, record: Optional[SizeRecord], simulate: bool = False) -> None:
-        self.state = state
-        self.record = record
-        self.simulate = simulate
-        self.call_index = 0
-
-    def end(self) -> None:
-        self.state = CUDAGraphState.DISABLE
-        self.record = None
-
-    def _first_sight(self, layer) -> None:
-        # Passes rewrite the program before run_program builds an executor for it: after that the
-        # executor is cached per program and a rewrite would not be seen.
-        self.seen_layers[id(layer)] = layer
-        counts = {}
-        if self.pass_names:
-            from .passes import run_passes
-
-            # SOT traced this program from dygraph code: in-place writes are seen by later reads
-            # of the same tensor, in program order, as run_program traces it.
-            counts = run_passes(layer.program.forward_program, self.pass_names, semantics="eager").as_dict()
-        self.on_new_program(layer, counts)
-
-    def __call__(self, run_impl, inputs, params, attrs):
-        layer = run_impl.__self__
-        if id(layer) not in self.seen_layers:
-            self._first_sight(layer)
-        prog_attrs, cg_attrs = attrs
-        state = self.state
-        if state == CUDAGraphState.DISABLE:
-            return run_impl(inputs, params, attrs)
-        index = self.call_index
-        self.call_index = index + 1
-        record = self.record
-        if state == CUDAGraphState.REPLAY:
-            try:
-                sub = record.subgraphs[index]
-            except IndexError:
-                raise ReplayDivergence(f"replay reached run_program call #{index}, only "
-                                       f"{len(record.subgraphs)} were captured") from None
-            if sub.layer is not layer:
-                raise ReplayDivergence(f"run_program call #{index} runs another program than at capture")
-            copy_ = self.adapter.copy_
-            for dst, src in zip(sub.inputs, inputs):
-                if src is not dst:
-                    if src.shape != dst.shape:
-                        raise ReplayDivergence(f"run_program call #{index}: input shape {src.shape} "
-                                               f"differs from the captured {dst.shape}")
-                    copy_(dst, src)
-            if sub.graph is not None:
-                sub.graph.replay()
-            else:
-                run_impl(sub.inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, record.key, index)))
-            return sub.outputs
-        if state == CUDAGraphState.WARMUP:
-            key = record.key if record is not None else 0
-            return run_impl(inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, key, index)))
-        # CAPTURE
-        captured_inputs = list(inputs)
-        if self.simulate:
-            disabled = (prog_attrs, _cg_attrs(cg_attrs, CUDAGraphState.DISABLE, 0, 0))
-            outputs = run_impl(captured_inputs, params, disabled)
-            out_leaves = list(outputs)
-            graph = HostGraph(self.adapter, lambda: run_impl(captured_inputs, params, disabled), out_leaves)
-            record.subgraphs.append(SubgraphRecord(layer, captured_inputs, outputs, graph))
-            return outputs
-        outputs = run_impl(captured_inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, record.key, index)))
-        record.subgraphs.append(SubgraphRecord(layer, captured_inputs, outputs))
-        return outputs
 
 
 _RUN_AS_IS = CustomCode(None, False)
@@ -224,84 +85,6 @@ def _undo_static_forwards(model, before: Dict[int, Any]) -> int:
     if undone:
         logger.debug("undid paddle.jit.to_static left by a failed SOT call on %d sublayer(s)", undone)
     return undone
-
-
-class _FrameView:
-    """What SOT's guard functions read of a frame (f_locals, f_globals), for a check before a replay."""
-
-    __slots__ = ("f_locals", "f_globals", "f_code", "f_builtins")
-
-    def __init__(self, f_locals, f_globals, f_code):
-        self.f_locals = f_locals
-        self.f_globals = f_globals
-        self.f_code = f_code
-        self.f_builtins = f_globals.get("__builtins__", {})
-
-
-def _guard_of(code, custom):
-    """SOT's guard function of the translation it handed back for `code` (None if not found)."""
-    entry = OpcodeExecutorCache().cache.get(code)
-    if entry is None:
-        return None
-    return next((guard for translated, guard in entry[0] if translated is custom), None)
-
-
-def _failed_guard(guard, frame) -> str:
-    """The first failing term of a SOT guard, as SOT's own cache miss analysis finds it."""
-    text = getattr(guard, "inlined_expr", None) or getattr(guard, "expr", "")
-    head = "lambda frame: "
-    failing = "a guard of SOT's translation"
-    for term in text.replace(head, "", 1).split(" and "):
-        try:
-            ok = as_captured(eval(head + term, guard.__globals__), frame)
-        except Exception:  # noqa: BLE001 - a term that needs an earlier one: keep looking
-            continue
-        if ok is False:
-            failing = f"`{term.strip()}`"
-            break
-    return f"Python state the forward read changed since capture: SOT's guard {failing} fails"
-
-
-_VALUE_TYPES = (bool, int, float, str, bytes, type(None))
-# Made afresh at every call, and wholly described by their value: by identity they never match a
-# capture (paddle.finfo(dtype).min and outputs[1:] on the stack at a graph break, in PaddleFormers).
-_INFO_TYPES = (type(paddle.finfo(paddle.float32)), type(paddle.iinfo(paddle.int32)))
-
-
-def _argument_key(frame):
-    """The non-tensor arguments of a frame: plain values by value, other objects by identity,
-    containers walked, tensors skipped (their shapes are checked where the graph reads them)."""
-    code = frame.f_code
-    count = code.co_argcount + code.co_kwonlyargcount
-    count += bool(code.co_flags & 0x04) + bool(code.co_flags & 0x08)  # *args, **kwargs
-    local_values = frame.f_locals
-    return tuple(_value_key(local_values.get(name)) for name in code.co_varnames[:count])
-
-
-def _value_key(value, depth=0):
-    if isinstance(value, paddle.Tensor):
-        return None
-    if isinstance(value, _VALUE_TYPES):
-        return value_key(value)  # 1, 1.0 and True differ; so do 0.0 and -0.0
-    if depth < 4 and isinstance(value, (tuple, list)):
-        return (type(value).__name__,) + tuple(_value_key(v, depth + 1) for v in value)
-    if depth < 4 and isinstance(value, dict):
-        return ("dict",) + tuple((k, _value_key(v, depth + 1)) for k, v in value.items())
-    if isinstance(value, slice):
-        return ("slice", _value_key(value.start, depth + 1), _value_key(value.stop, depth + 1),
-                _value_key(value.step, depth + 1))
-    if isinstance(value, _INFO_TYPES):
-        return (type(value).__name__, str(value))  # dtype, bits, min, max...
-    return ("id", id(value))
-
-
-def _cg_attrs(cg_attrs, state, key, index):
-    attrs = dict(cg_attrs)
-    attrs["cuda_graph_state"] = state
-    # One dispatch key per run_program call site and size: two calls of one program in a forward
-    # must not share an executor, and so a graph.
-    attrs["cuda_graph_dispatch_key"] = key * 1024 + index if state != CUDAGraphState.DISABLE else 0
-    return attrs
 
 
 class SotStrategy:
@@ -549,33 +332,6 @@ class SotStrategy:
             yield
         finally:
             paddle.set_flags({_BLACKLIST_FLAG: old})
-
-
-# SOT reads these helpers while translating: no imports inside them (SOT cannot simulate an import).
-# The splitting ops SOT must break at, for the strategy now running. A module global on purpose:
-# SOT guards the globals a translation read by value, so a model with other splitting ops (or none)
-# gets its own translation instead of reusing one that breaks elsewhere.
-_sot_split_names: frozenset = frozenset()
-
-
-def _run_eagerly(op, args, kwargs):
-    psdb.fallback(True)
-    return op.fn(*args, **kwargs)
-
-
-def _split_at(op, args, kwargs):
-    """psdb.breakgraph() ends the subgraph at the call; psdb.fallback(True) then keeps the function
-    out of SOT entirely, so it runs eagerly between captured subgraphs (and outside any graph).
-    SOT cannot break inside a Python loop of the frame it is translating: a splitting op called
-    directly in such a loop makes SOT run that whole frame eagerly (capture then reports it)."""
-    psdb.breakgraph()
-    return _run_eagerly(op, args, kwargs)
-
-
-def _sot_split_hook(op, args, kwargs):
-    if op.name in _sot_split_names:
-        return _split_at(op, args, kwargs)
-    return op.fn(*args, **kwargs)
 
 
 _warned_no_cinn = False

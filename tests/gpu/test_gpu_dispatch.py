@@ -19,7 +19,7 @@ def H():
 @pytest.mark.parametrize("level", [1, 2])
 def test_a_level_1_full_graph_replays_without_the_transformed_code(level):
     """Level >= 1 full graph on the device: the replay is the graph's replay() alone (see
-    backends/torch/dynamo.py, pure_replay_code), and it equals the eager forward on the same inputs."""
+    backends/torch/direct_replay.py, pure_replay_code), and it equals the eager forward on the same inputs."""
     import graph_opt
     from graph_opt.decorator import state_of
 

@@ -121,7 +121,7 @@ def test_inference_replays_equal_eager(env, name, settings):
     assert report.failed is None, report.failed
     if settings["graph_opt_level"] >= 1 and settings["full_cuda_graph"]:
         # transformers' forwards store constants into its output collector after the graph: the replay
-        # makes those stores itself and is the graph's replay() alone (dynamo.constant_stores)
+        # makes those stores itself and is the graph's replay() alone (direct_replay.constant_stores)
         assert state_of(m).runner.strategy.direct_replays == len(SIZES)
     translated = graph_opt.stats(m).translations
     exact = settings["graph_opt_level"] < 2

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import graph_opt
-from graph_opt.backends.torch.dynamo import pure_replay_code, replay_stores
+from graph_opt.backends.torch.direct_replay import pure_replay_code, replay_stores
 from graph_opt.decorator import state_of
 from torch_models import SIZES, HIDDEN, Stack, make_x, mix
 

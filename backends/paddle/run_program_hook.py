@@ -1,0 +1,124 @@
+"""The run_impl hook on Paddle's run_program (ProgramHook): sets cuda_graph_state and
+cuda_graph_dispatch_key on every call, records the subgraphs a capture runs (SizeRecord), and
+replays them in order; under simulate_cuda_graphs() a host stand-in graph captures each one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from paddle.jit.dy2static.utils import CUDAGraphState
+
+from ...errors import ReplayDivergence
+from ...testing import HostGraph
+
+
+@dataclass
+class SubgraphRecord:
+    """One run_program call captured for one padded size."""
+
+    layer: Any  # the PartialProgramLayer
+    inputs: List[Any]  # the tensors the graph reads; replays copy new inputs into them
+    outputs: List[Any]  # the tensors the graph writes; replays return these very objects
+    graph: Optional[HostGraph] = None  # the host stand-in, when simulating
+
+
+@dataclass
+class SizeRecord:
+    key: int
+    subgraphs: List[SubgraphRecord] = field(default_factory=list)
+    # (code, CustomCode, argument key) in the order SOT was asked; see sot_guards._argument_key
+    frames: List[Any] = field(default_factory=list)
+
+
+class ProgramHook:
+    """The run_impl hook: sets cuda_graph_state / cuda_graph_dispatch_key on every run_program call."""
+
+    def __init__(self, adapter, pass_names: List[str], on_new_program):
+        self.adapter = adapter
+        self.pass_names = pass_names
+        self.on_new_program = on_new_program
+        self.state = CUDAGraphState.DISABLE
+        self.record: Optional[SizeRecord] = None
+        self.simulate = False
+        self.call_index = 0
+        self.seen_layers: Dict[int, Any] = {}
+
+    def begin(self, state, record: Optional[SizeRecord], simulate: bool = False) -> None:
+        self.state = state
+        self.record = record
+        self.simulate = simulate
+        self.call_index = 0
+
+    def end(self) -> None:
+        self.state = CUDAGraphState.DISABLE
+        self.record = None
+
+    def _first_sight(self, layer) -> None:
+        # Passes rewrite the program before run_program builds an executor for it: after that the
+        # executor is cached per program and a rewrite would not be seen.
+        self.seen_layers[id(layer)] = layer
+        counts = {}
+        if self.pass_names:
+            from .passes import run_passes
+
+            # SOT traced this program from dygraph code: in-place writes are seen by later reads
+            # of the same tensor, in program order, as run_program traces it.
+            counts = run_passes(layer.program.forward_program, self.pass_names, semantics="eager").as_dict()
+        self.on_new_program(layer, counts)
+
+    def __call__(self, run_impl, inputs, params, attrs):
+        layer = run_impl.__self__
+        if id(layer) not in self.seen_layers:
+            self._first_sight(layer)
+        prog_attrs, cg_attrs = attrs
+        state = self.state
+        if state == CUDAGraphState.DISABLE:
+            return run_impl(inputs, params, attrs)
+        index = self.call_index
+        self.call_index = index + 1
+        record = self.record
+        if state == CUDAGraphState.REPLAY:
+            try:
+                sub = record.subgraphs[index]
+            except IndexError:
+                raise ReplayDivergence(f"replay reached run_program call #{index}, only "
+                                       f"{len(record.subgraphs)} were captured") from None
+            if sub.layer is not layer:
+                raise ReplayDivergence(f"run_program call #{index} runs another program than at capture")
+            copy_ = self.adapter.copy_
+            for dst, src in zip(sub.inputs, inputs):
+                if src is not dst:
+                    if src.shape != dst.shape:
+                        raise ReplayDivergence(f"run_program call #{index}: input shape {src.shape} "
+                                               f"differs from the captured {dst.shape}")
+                    copy_(dst, src)
+            if sub.graph is not None:
+                sub.graph.replay()
+            else:
+                run_impl(sub.inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, record.key, index)))
+            return sub.outputs
+        if state == CUDAGraphState.WARMUP:
+            key = record.key if record is not None else 0
+            return run_impl(inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, key, index)))
+        # CAPTURE
+        captured_inputs = list(inputs)
+        if self.simulate:
+            disabled = (prog_attrs, _cg_attrs(cg_attrs, CUDAGraphState.DISABLE, 0, 0))
+            outputs = run_impl(captured_inputs, params, disabled)
+            out_leaves = list(outputs)
+            graph = HostGraph(self.adapter, lambda: run_impl(captured_inputs, params, disabled), out_leaves)
+            record.subgraphs.append(SubgraphRecord(layer, captured_inputs, outputs, graph))
+            return outputs
+        outputs = run_impl(captured_inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, record.key, index)))
+        record.subgraphs.append(SubgraphRecord(layer, captured_inputs, outputs))
+        return outputs
+
+
+def _cg_attrs(cg_attrs, state, key, index):
+    attrs = dict(cg_attrs)
+    attrs["cuda_graph_state"] = state
+    # One dispatch key per run_program call site and size: two calls of one program in a forward
+    # must not share an executor, and so a graph.
+    attrs["cuda_graph_dispatch_key"] = key * 1024 + index if state != CUDAGraphState.DISABLE else 0
+    return attrs

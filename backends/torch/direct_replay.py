@@ -1,0 +1,214 @@
+"""The direct replay at level >= 1 on torch: when a replay may skip Dynamo's transformed code.
+
+Dynamo's transformed code of the captured frame gathers the graph's inputs from the module tree and the
+arguments, calls the compiled graph and returns its outputs, then replays the frame's side effects. Where
+it provably does nothing else (pure_replay_code), a replay is the graph's replay() alone; where its only
+side effects are constants stored into attributes of objects reached from globals (transformers' output
+collector), the replay makes those stores itself (constant_stores, replay_stores). _ModuleTensors sends
+the replays back through the transformed code once a parameter or buffer was replaced.
+"""
+from __future__ import annotations
+
+import functools
+import types
+from typing import Optional, Tuple
+
+import torch
+import torch._dynamo
+
+from .module_counters import _install_registration_hooks, _registrations, module_fingerprint
+
+
+class _ModuleTensors:
+    """Whether the model still holds the parameter and buffer objects its graphs read.
+
+    A direct replay skips the transformed code that would have read them anew; a parameter replaced by
+    a new object must still reach the graph (the bytecode path copies it in). Replacing one goes through
+    torch's registration hooks, which bump a process-wide count: a replay compares one integer, and
+    only after a registration anywhere looks at the model's tensors again. Once one was replaced, the
+    replays go through the transformed code for good (until clear_graphs)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.snapshot = None  # ids of the model's parameters and buffers when the first graph was captured
+        self.seen = -1
+        self.moved = False
+
+    def current(self):
+        return module_fingerprint(self.model)
+
+    def direct(self, graph_replay, bytecode_replay, outputs, stores=(), f_globals=None):
+        _install_registration_hooks()
+        if self.snapshot is None:
+            self.snapshot = self.current()
+            self.seen = _registrations[0]
+        count = _registrations
+
+        if not stores:
+            def replay():
+                if count[0] != self.seen and not self._unchanged():
+                    return bytecode_replay()
+                graph_replay()
+                return outputs
+
+            return replay
+
+        def replay_and_store():
+            if count[0] != self.seen and not self._unchanged():
+                return bytecode_replay()
+            graph_replay()
+            # What the transformed code stores after its graph, into the objects its globals name now
+            # (a global rebound since capture gets the stores, as in the transformed code).
+            for store, root, path, name, value in stores:
+                obj = f_globals[root]
+                for attr in path:
+                    obj = getattr(obj, attr)
+                store(obj, name, value)
+            return outputs
+
+        return replay_and_store
+
+    def _unchanged(self) -> bool:
+        if not self.moved and self.current() == self.snapshot:
+            self.seen = _registrations[0]
+            return True
+        self.moved = True
+        return False
+
+
+# What Dynamo's transformed code for a graph without side effects is made of: reads of the module tree,
+# the call of the compiled graph, building the returned containers. Anything else (an attribute or
+# item store, a call of anything but these) may be a side effect the replay would have to repeat.
+_PURE_OPS = frozenset({
+    "RESUME", "NOP", "CACHE", "EXTENDED_ARG", "PRECALL", "CALL", "CALL_FUNCTION", "CALL_FUNCTION_KW",
+    "CALL_METHOD", "CALL_KW", "KW_NAMES", "PUSH_NULL", "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST",
+    "LOAD_FAST_AND_CLEAR", "STORE_FAST", "STORE_FAST_LOAD_FAST", "STORE_FAST_STORE_FAST", "DELETE_FAST",
+    "LOAD_CONST", "RETURN_CONST", "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "BINARY_SUBSCR", "BUILD_LIST",
+    "BUILD_TUPLE", "BUILD_MAP", "BUILD_CONST_KEY_MAP", "LIST_EXTEND", "LIST_TO_TUPLE", "UNPACK_SEQUENCE",
+    "COPY", "SWAP", "DUP_TOP", "ROT_TWO", "ROT_THREE", "ROT_FOUR", "POP_TOP", "RETURN_VALUE",
+    "COPY_FREE_VARS", "LOAD_DEREF", "MAKE_CELL",
+})
+_PURE_ATTRS = frozenset({"_modules", "_parameters", "_buffers", "call_size", "record_pregraph_bytecode_enter",
+                         "record_pregraph_bytecode_exit"})
+
+
+_STORE_HELPER = "object_setattr_ignore_descriptor"  # torch._dynamo.utils': how Dynamo replays an attribute store
+
+
+@functools.lru_cache(maxsize=256)  # one code object serves every size: disassembling it took 15 ms a size
+def pure_replay_code(code: types.CodeType, chains: frozenset = frozenset(), stored: frozenset = frozenset()) -> bool:
+    """Whether Dynamo's transformed code only gathers the compiled graph's inputs from the module tree
+    and the arguments and returns its outputs: no store outside its locals, no call but the graph's
+    and Dynamo's own helpers. Then skipping it changes nothing but the time it took.
+
+    chains, stored: the paths (global, attribute, ...) to the objects of constant_stores(), and the
+    attributes stored into them. With them the code may also walk exactly those paths (a global, then
+    its attributes in order: an attribute of that name read from anything else is refused) and store
+    those attributes (STORE_ATTR, or Dynamo's store helper): the replay makes those stores."""
+    import dis
+
+    prefixes = {chain[:i] for chain in chains for i in range(1, len(chain) + 1)}
+    attrs = _PURE_ATTRS | {_STORE_HELPER} if chains else _PURE_ATTRS
+    walking = None  # the path so far while the top of the stack is an object on a store's path
+    for ins in dis.get_instructions(code):
+        op = ins.opname
+        if op in ("COPY", "STORE_FAST") and walking is not None:
+            continue  # Dynamo keeps each step of the path in a temporary: the top of the stack is the same
+        path, walking = walking, None
+        if op == "STORE_ATTR" and ins.argval in stored:
+            continue
+        if op not in _PURE_OPS:
+            return False
+        if op in ("LOAD_ATTR", "LOAD_METHOD"):
+            if path is not None and path + (ins.argval,) in prefixes:
+                walking = path + (ins.argval,)
+            elif ins.argval not in attrs:
+                return False
+        elif op == "LOAD_GLOBAL":
+            if (ins.argval,) in prefixes:
+                walking = (ins.argval,)
+            elif not str(ins.argval).startswith(("__compiled_fn", "__import_torch")):
+                return False
+    return True
+
+
+def replay_stores(code: types.CodeType, stores: tuple) -> Optional[tuple]:
+    """constant_stores() as the replay makes them: ((setter, global, attribute path, attribute, value), ...),
+    the setter being the one the transformed code uses: setattr where it has STORE_ATTR (torch 2.11),
+    Dynamo's helper, which skips descriptors, where it loads that (2.13). None when it mixes the two or
+    uses neither (not a code this replay understands)."""
+    import dis
+
+    if not stores:
+        return ()
+    stored = {s[1] for s in stores}
+    instructions = list(dis.get_instructions(code))
+    plain = any(ins.opname == "STORE_ATTR" and ins.argval in stored for ins in instructions)
+    helper = any(ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == _STORE_HELPER for ins in instructions)
+    if plain == helper:
+        return None
+    setter = setattr if plain else torch._dynamo.utils.object_setattr_ignore_descriptor
+    return tuple((setter, chain[0], chain[1:], name, value) for chain, name, value in stores)
+
+
+def constant_stores() -> Optional[tuple]:
+    """What Dynamo's transformed code of the frame being compiled does after its graph, when that is only
+    storing constants into attributes of objects that existed before the call, found from globals
+    (transformers' output collector: `global_var = None`, `compiling = False` after every forward):
+    ((path, attribute, value), ...), path being (global, attribute, ...) to the object, looked up again
+    at each replay as the transformed code does. None when it does anything else (a list or dict
+    mutated, an object made, a tensor hook): those replays run the transformed code. Called from the
+    backend, when Dynamo's side effects are final."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables.base import AttributeMutationExisting, AttributeMutationNew
+        from torch._dynamo.variables.constant import ConstantVariable
+        from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+
+        effects = InstructionTranslator.current_tx().output.side_effects
+        if effects.tensor_hooks or getattr(effects, "save_for_backward", None):
+            return None
+        stores = []
+        for var in effects._get_modified_vars():
+            attrs = effects.store_attr_mutations.get(var)
+            if not attrs and isinstance(var.mutation_type, AttributeMutationNew):
+                continue  # made during the call (a tensor the graph returns), no attribute set on it
+            path = _source_path(var.source)
+            if (not attrs or path is None or not isinstance(var, UserDefinedObjectVariable)
+                    or not isinstance(var.mutation_type, AttributeMutationExisting)):
+                return None
+            for name, value in attrs.items():
+                if type(value) is not ConstantVariable or not isinstance(value.value, (type(None), bool, int, float, str)):
+                    return None
+                stores.append((path, name, value.value))
+        return tuple(stores)
+    except Exception:  # another torch's internals: pure_replay_code alone decides, as without stores
+        return ()
+
+
+def _source_path(source) -> Optional[tuple]:
+    """(global, attribute, ...) a Dynamo source reads; None for any other kind of source."""
+    members = []
+    while type(source).__name__ == "AttrSource":
+        members.append(source.member)
+        source = source.base
+    if type(source).__name__ != "GlobalSource":
+        return None
+    return (source.global_name, *reversed(members))
+
+
+def stores_names(stores: tuple) -> Tuple[frozenset, frozenset]:
+    """pure_replay_code's arguments for these stores: their paths, and the attributes stored."""
+    return frozenset(s[0] for s in stores), frozenset(s[1] for s in stores)
+
+
+def _tensors_only(tree, is_tensor) -> bool:
+    """Tensors (or None) in plain tuples, lists and dicts: no value the skipped code might compute
+    afresh per call."""
+    if tree is None or is_tensor(tree):
+        return True
+    if type(tree) in (tuple, list):
+        return all(_tensors_only(x, is_tensor) for x in tree)
+    if type(tree) is dict:
+        return all(_tensors_only(x, is_tensor) for x in tree.values())
+    return False

@@ -1,0 +1,118 @@
+"""Process-wide counters of changes to torch modules, each installed once by patching nn.Module (or
+RemovableHandle): parameter, buffer and submodule registrations, train()/eval(), hook handles made or
+removed, and _apply conversions. A replay compares one integer and looks at the model only after a
+bump (graph_opt.replay_guards, through the adapter; dynamo.py for the registrations).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.nn.modules import module as _module_mod
+
+_registrations = [0]  # parameter, buffer or submodule registrations in this process
+_hooks_installed = False
+
+
+def _install_registration_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+
+    compiling = torch.compiler.is_compiling
+
+    # Not counted while Dynamo traces: a forward that registers a module (Hugging Face Llama slices
+    # `self.layers[:n]`, a new ModuleList each call) would make the count a guard of its graph, failing
+    # at every replay. Such a registration is the forward's own, not a change of the model.
+    def bump(*args):
+        if not compiling():
+            _registrations[0] += 1
+
+    _module_mod.register_module_parameter_registration_hook(bump)
+    _module_mod.register_module_buffer_registration_hook(bump)
+    _module_mod.register_module_module_registration_hook(bump)
+    # torch calls those hooks for tensors and modules only: `lin.bias = None` (register_parameter(name,
+    # None)), register_buffer(name, None) and `del m.attr` change what a forward reads without them.
+    Module = torch.nn.Module
+    for name in ("register_parameter", "register_buffer", "__delattr__"):
+        Module_method = getattr(Module, name)
+
+        def counted(self, *args, __method=Module_method, **kwargs):
+            if not compiling():
+                _registrations[0] += 1
+            return __method(self, *args, **kwargs)
+
+        functools.update_wrapper(counted, Module_method)
+        setattr(Module, name, counted)
+    _hooks_installed = True
+
+
+def module_fingerprint(model) -> tuple:
+    """(path, id) of every submodule, parameter slot and buffer slot; a slot holding None has id 0."""
+    out = []
+    for path, m in model.named_modules(remove_duplicate=False):
+        prefix = path + "." if path else ""
+        if path:
+            out.append((path, id(m)))
+        out.extend((prefix + k, 0 if t is None else id(t)) for k, t in m._parameters.items())
+        out.extend((prefix + k, 0 if t is None else id(t)) for k, t in m._buffers.items())
+    return tuple(out)
+
+
+_mode_changes = [0]  # calls of nn.Module.train / eval in this process
+_mode_counter_installed = False
+
+
+def _install_mode_counter() -> None:
+    global _mode_counter_installed
+    if _mode_counter_installed:
+        return
+    train = torch.nn.Module.train
+
+    @functools.wraps(train)
+    def counted_train(self, mode=True):
+        _mode_changes[0] += 1
+        return train(self, mode)
+
+    torch.nn.Module.train = counted_train
+    _mode_counter_installed = True
+
+
+_hook_changes = [0]  # hook handles made or removed in this process
+_hook_counter_installed = False
+
+
+def _install_hook_counter() -> None:
+    global _hook_counter_installed
+    if _hook_counter_installed:
+        return
+    from torch.utils.hooks import RemovableHandle
+
+    for name in ("__init__", "remove"):
+        method = getattr(RemovableHandle, name)
+
+        def counted(self, *args, _method=method, **kwargs):
+            _hook_changes[0] += 1
+            return _method(self, *args, **kwargs)
+
+        setattr(RemovableHandle, name, functools.wraps(method)(counted))
+    _hook_counter_installed = True
+
+
+_conversions = [0]  # calls of nn.Module._apply in this process
+_conversion_counter_installed = False
+
+
+def _install_conversion_counter() -> None:
+    global _conversion_counter_installed
+    if _conversion_counter_installed:
+        return
+    apply = torch.nn.Module._apply
+
+    @functools.wraps(apply)
+    def counted_apply(self, *args, **kwargs):
+        _conversions[0] += 1
+        return apply(self, *args, **kwargs)
+
+    torch.nn.Module._apply = counted_apply
+    _conversion_counter_installed = True

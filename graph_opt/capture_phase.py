@@ -1,0 +1,308 @@
+"""The capture phase: warmups, capture and checks of one padded size, and what a failed capture does.
+
+CapturePhase, mixed into GraphRunner (runner.py), copies a size's inputs into the static buffers, runs
+the strategy's warmups and capture inside _capture_phase (SOT/Dynamo translate there, on the capture
+branch of is_capturing()), records what the forward writes in place, and hands the size to
+capture_checks. A capture that fails drops every graph: the model runs without them from then on.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from typing import Any, List, Optional
+
+from . import capture_checks, guards, output_layout, output_sharing, ranks
+from .captured_size import Captured, CapturedSize
+from .errors import CaptureError, GraphOptInputError
+from .failures import describe
+from .host_outputs import SizeCopies
+from .padding import Padding
+from .pytree import flatten, tensor_leaf_owners, unflatten
+from .signature import Signature, _opaque_message
+from .testing import simulation_enabled
+
+logger = logging.getLogger("graph_opt")
+
+
+@contextlib.contextmanager
+def frozen_gc(collect: bool = True):
+    """Collect once, then keep the collector out of the capture phase.
+
+    A collection during capture is slow (it walks every object) and could free tensors whose memory a
+    graph being captured still uses; freezing moves today's objects out of the collector's reach.
+    collect=False skips the first collection (a capture in the middle of training, where one costs
+    about 0.1 s of a large heap and frees little).
+    """
+    was_enabled = gc.isenabled()
+    if collect:
+        gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _capture_phase(adapter):
+    """Warmups and capture of one size: SOT/Dynamo translate here, on the capture branch of is_capturing().
+    One size at a time in the process (guards.state_lock): the flags it sets are process-wide."""
+    with guards.state_lock, guards.sot_warmup_guard(True), guards.capture_custom_allreduce(), adapter.no_grad(), \
+            adapter.capture_stream():
+        yield
+
+
+class CapturePhase:
+    """Mixed into GraphRunner: capture a size, on demand (lazily) or for capture_model."""
+
+    def capture(self, args, kwargs, size: int) -> CapturedSize:
+        """Capture `size` for the call structure of (args, kwargs); inputs must have `size` rows."""
+        sig, leaves = self.check_capture_inputs(args, kwargs, size)
+        entry = self.capture_checked(sig, leaves, size)
+        self.finish_captures()
+        return entry
+
+    def check_capture_inputs(self, args, kwargs, size: int):
+        """(signature, tensor leaves) for capturing `size` from these inputs; GraphOptInputError (or
+        GraphOptConfigError for dynamic_arg_dims) when they cannot be captured. Changes nothing then."""
+        args, kwargs = self.canonical(args, kwargs)
+        leaves, spec = flatten((args, kwargs), self._is_tensor)
+        sig = self.signatures.get(spec)
+        new = sig is None
+        if new:
+            opaque = self._opaque_arguments(spec)
+            if opaque:
+                raise GraphOptInputError(f"{self.name}: make_inputs({size}) returned {_opaque_message(opaque)}")
+            sig = self._new_signature(spec, leaves, args, kwargs)
+        if sig is None:
+            raise GraphOptInputError(
+                f"{self.name}: make_inputs({size}) returned no tensor with a batch dimension; it must return the "
+                f"forward's tensors with {size} rows (dim 0 of every tensor argument, or the dims named by "
+                "dynamic_arg_dims={'arg': dim} on @support_graph_optimization)"
+            )
+        reason = None
+        misfit = self._misfit(sig, leaves, f"make_inputs({size}): argument", size)
+        if misfit is not None:
+            reason = misfit[1]
+            if misfit[0] in ("rank", "dtype", "shape") and sig.entries:
+                reason += ", as make_inputs gave it for the sizes captured before (every size must agree)"
+        elif sig.batch_size(self.adapter, leaves) != size:
+            reason = f"make_inputs({size}) returned inputs where {self._disagreement(sig, leaves)}"
+        if reason is not None:
+            if new:
+                del self.signatures[spec]
+            raise GraphOptInputError(f"{self.name}: {reason}")
+        return sig, leaves
+
+    def capture_checked(self, sig: Signature, leaves, size: int) -> CapturedSize:
+        return sig.entries.get(size) or self._capture_size(sig, size, leaves)
+
+    def _capture_lazily(self, sig: Signature, padded: int, real: int, leaves) -> Optional[CapturedSize]:
+        if not self.config.cudagraph_copy_inputs and real != padded:
+            return None  # the caller's buffers must hold the padded rows; nothing can be captured from them
+        logger.info("%s: capturing padded size %d lazily (first seen at call time)", self.name, padded)
+        error = None
+        try:
+            with frozen_gc():
+                entry = self._capture_size(sig, padded, leaves)
+        except Exception as exc:  # the model must keep working: run without graphs from now on
+            error = exc
+        self.group = ranks.group_for(self.adapter)
+        across_ranks = ranks.agree_on_capture(self.group, padded, error)
+        if error is not None or across_ranks is not None:
+            self.capture_failed(error, padded, across_ranks)
+            return None
+        self.finish_captures()
+        self.counters.lazy_captures += 1
+        return entry
+
+    def capture_failed(self, exc: Optional[BaseException], size: int, across_ranks: Optional[str] = None) -> None:
+        """Drop every graph and run without them. across_ranks: why, when the ranks agreed on it
+        (graph_opt.ranks); exc is then this rank's own error, or None where only a peer failed."""
+        self.counters.capture_failures += 1
+        self.adapter.after_failed_capture()
+        self.release()
+        self.disabled_reason = across_ranks or f"capture of size {size} failed: {describe(exc)}"
+        logger.warning("%s: %s; running without graphs", self.name, self.disabled_reason)
+
+    def _static_inputs(self, sig: Signature, padded: int, leaves) -> List[Any]:
+        """The tensors a graph of size `padded` reads, holding `leaves` (their padding rows the pad values)."""
+        adapter = self.adapter
+        if not self.config.cudagraph_copy_inputs:
+            return list(leaves)
+        if sig.buffers is None:
+            # Allocated once at the max size; every size reads a view of them, so the addresses a
+            # graph captured stay valid for as long as the runner lives.
+            sig.buffers = [
+                adapter.zeros_like(t, d, self.max_size) if d is not None else adapter.zeros_like(t, None, 0)
+                for t, d in zip(leaves, sig.dims)
+            ]
+            owners = tensor_leaf_owners(sig.spec)
+            values = [self.pad_values.get(self.arg_names[o] if isinstance(o, int) and o < len(self.arg_names) else o, 0)
+                      for o in owners]
+            sig.padding = Padding(adapter, sig.buffers, sig.dims, values)
+        views = [b if d is None else adapter.narrow(b, d, padded) for b, d in zip(sig.buffers, sig.dims)]
+        self._copy_in(sig, views, leaves, padded)
+        return views
+
+    def _copy_in(self, sig: Signature, views, leaves, padded: int) -> None:
+        adapter = self.adapter
+        real = padded
+        for dst, src, d in zip(views, leaves, sig.dims):
+            if d is None:
+                adapter.copy_(dst, src)
+            else:
+                real = adapter.shape(src)[d]
+                adapter.copy_(adapter.narrow(dst, d, real), src)
+        if sig.padding is not None:
+            sig.padding.wrote(real)
+
+    def _capture_size(self, sig: Signature, padded: int, leaves) -> CapturedSize:
+        adapter = self.adapter
+        static = self._static_inputs(sig, padded, leaves)
+        if not self.config.cudagraph_copy_inputs:
+            for t, d in zip(static, sig.dims):
+                if d is not None and adapter.shape(t)[d] != padded:
+                    raise CaptureError(
+                        f"{self.name}: with cudagraph_copy_inputs=false the inputs used to capture size {padded} "
+                        f"must have {padded} rows, got {adapter.shape(t)[d]}"
+                    )
+        args, kwargs = unflatten(sig.spec, static, template=sig.template)
+        if self.pool is None and self.config.use_unique_memory_pool:
+            self.pool = adapter.new_pool() if not simulation_enabled() else None
+        if not self.model_state.captured:
+            self.model_state.snapshot()  # training flags and autocast, as every replay must find them
+        mem_before = None if simulation_enabled() else adapter.memory_in_use()
+        start = time.perf_counter()
+        host = self.host_outputs
+        copies = None
+        self.model_state.paused = True
+        try:
+            with _capture_phase(adapter):
+                versions = [adapter.version(t) for t in static]
+                buffers = self.model_state.buffer_versions()
+                warm = None
+                for _ in range(self.config.cudagraph_num_of_warmups):
+                    warm = self.strategy.warmup(args, kwargs, padded, sig)
+                mutated = {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
+                sig.static_buffer_writes |= capture_checks.written(buffers, self.model_state.buffer_versions())
+                # Before the capture, so that the first size already knows its outputs' batch dims
+                # (output sharing and host_outputs rings use them), and on the capture's branch.
+                expected = capture_checks.expect(self, sig, static, leaves, padded, warm)
+                self._copy_in(sig, static, leaves, padded)
+                versions = [adapter.version(t) for t in static]
+                buffers = self.model_state.buffer_versions()
+                folds = getattr(self.strategy, "folds_tail", False)
+                if folds:
+                    # The output copies into a larger size's storage and the host copies become the last
+                    # nodes of the forward's own graph: one launch per step.
+                    if host is not None and warm is not None:
+                        copies = host.copies_for_size(adapter, warm, padded, self._batch_dims(sig, warm, padded))
+                    captured = self.strategy.capture(args, kwargs, padded, sig, self.pool,
+                                                     tail=copies.tail if copies is not None else None,
+                                                     share=output_sharing.for_size(adapter, sig, padded))
+                else:
+                    captured = self.strategy.capture(args, kwargs, padded, sig, self.pool)
+                    if host is not None and captured.stable_outputs:
+                        copies = host.copies_for_size(adapter, captured.outputs, padded,
+                                                      self._batch_dims(sig, captured.outputs, padded))
+                        if copies is not None:
+                            self._capture_tail(captured, copies)
+                mutated |= {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
+                sig.static_buffer_writes |= capture_checks.written(buffers, self.model_state.buffer_versions())
+                adapter.synchronize()
+                sig.observe(output_layout.observe(adapter, captured.outputs, padded))
+        finally:
+            self.model_state.paused = False
+        if mutated:
+            sig.mutated = sorted(set(sig.mutated) | mutated)
+        self._check_writes_kept(sig)
+        if sig.padding is not None:
+            sig.padding.touched(padded)
+        capture_ms = (time.perf_counter() - start) * 1e3
+        mem_after = None if mem_before is None else adapter.memory_in_use()
+        memory = None if mem_before is None or mem_after is None else max(0, mem_after - mem_before)
+        entry = CapturedSize(
+            padded_size=padded,
+            sig=sig,
+            inputs=static,
+            dims=sig.dims,
+            copy_inputs=self.config.cudagraph_copy_inputs,
+            input_ptrs=[adapter.data_ptr(t) for t in static],
+            captured=captured,
+            capture_ms=capture_ms,
+            memory_bytes=memory,
+            copies=copies,
+        )
+        if self.config.graph_opt_level == 0 and not simulation_enabled():
+            entry.host_values = [(i, adapter.clone(t)) for i, (t, d) in enumerate(zip(static, sig.dims))
+                                 if d is None and adapter.on_host(t)]
+        sig.entries[padded] = entry
+        # Checked by finish_captures(), once the ranks agreed that every one captured this size: the
+        # check replays, and with several ranks a replay's collectives need every rank.
+        entry.pending_check = (leaves, expected)
+        self.counters.captures += 1
+        self.capture_seconds += capture_ms / 1e3
+        if memory is not None:
+            self.memory_bytes = (self.memory_bytes or 0) + memory
+        return entry
+
+    def finish_captures(self) -> None:
+        """Check each size captured since the last call against eager (capture_checks.validate)."""
+        for sig in list(self.signatures.values()):
+            for entry in list(sig.entries.values()):
+                pending, entry.pending_check = entry.pending_check, None
+                if pending is not None:
+                    capture_checks.validate(self, sig, entry, *pending)
+
+    def _batch_dims(self, sig: Signature, outputs, padded: int) -> list:
+        """Each output leaf's batch dimension: learned (output_layout), or before that, dim 0 where it
+        has the padded size (the first size of a forward the probes could not run)."""
+        if sig.layout.known:
+            return sig.layout.dims
+        leaves = flatten(outputs, self.adapter.is_tensor)[0]
+        return [0 if len(self.adapter.shape(t)) and self.adapter.shape(t)[0] == padded else None for t in leaves]
+
+    def _check_writes_kept(self, sig: Signature) -> None:
+        """CaptureError where the plain forward writes an argument or a buffer in place and the captured
+        path does not (Paddle's SOT drops writes into its programs' inputs): replays would differ."""
+        dropped = sig.eager_writes - set(sig.mutated)
+        dropped_buffers = sig.eager_buffer_writes - sig.static_buffer_writes
+        if not dropped and not dropped_buffers:
+            return
+        what = [f"its argument {self._leaf_names(sig.spec)[i]}" for i in sorted(dropped)]
+        what += [f"the model's buffer {name!r}" for name in sorted(dropped_buffers)]
+        path = getattr(self.strategy, "describe", "the captured path")
+        raise CaptureError(
+            f"forward writes {' and '.join(what)} in place, and at graph_opt_level={self.config.graph_opt_level} "
+            f"{path} does not write it back: a replay (and this level without graphs) would differ from eager. "
+            "Use graph_opt_level=0 for this model, or return the new value instead of writing in place")
+
+    def _capture_tail(self, captured: Captured, copies: SizeCopies) -> None:
+        """A strategy that cannot end its graph with the host copies: a small graph of them after it."""
+        outputs = captured.outputs
+        main = captured.replay
+        if simulation_enabled():
+            def replay():
+                main()
+                copies.tail(outputs)
+        else:
+            graph = self.adapter.new_graph(self.pool)
+            graph.capture_begin()
+            try:
+                copies.tail(outputs)
+            finally:
+                graph.capture_end()
+            tail = graph.replay
+            captured.keepalive.append(graph)
+            captured.graphs += 1
+
+            def replay():
+                main()
+                tail()
+        captured.replay = replay

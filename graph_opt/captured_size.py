@@ -1,0 +1,136 @@
+"""One captured padded size: what a strategy hands back (Captured) and what a replay needs (CapturedSize).
+
+CapturedSize.run is the end of a call's path (runner.py): copy the real rows into the static buffers,
+replay, return views of the captured outputs. Nothing on that path logs or allocates device memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .host_outputs import SizeCopies, _pending as _pending_host_copies, land_pending_copies
+
+if TYPE_CHECKING:
+    from .signature import Signature
+
+_MISMATCH = object()  # CapturedSize.run could not use its graph for these inputs
+_ALIASED = object()  # two arguments share memory and the forward writes one: separate static buffers differ
+_HOST_VALUE = object()  # a host tensor argument holds another value than the level-0 graph baked
+
+
+@dataclass
+class Captured:
+    """What a strategy hands back after capturing one size."""
+
+    outputs: Any  # the forward's output at capture
+    replay: Callable[[], Any]  # runs the captured work; returns the outputs when they are not stable
+    stable_outputs: bool  # replay writes the captured output tensors in place
+    pieces: int
+    graphs: int
+    keepalive: List[Any] = field(default_factory=list)  # graphs and tensors the replay reads
+    # The framework's guards (level >= 1): None when a replay may run, else (key, what changed).
+    check: Optional[Callable[[], Optional[Tuple[str, str]]]] = None
+
+
+@dataclass
+class CapturedSize:
+    """Everything one padded size needs at replay."""
+
+    padded_size: int
+    sig: "Signature"  # its call structure: static buffers, padding, output layout, mutated inputs
+    inputs: List[Any]  # the tensors the graph reads, one per tensor leaf, at the padded size
+    dims: List[Optional[int]]  # dynamic dim of each leaf, None for static leaves
+    copy_inputs: bool
+    input_ptrs: List[int]
+    captured: Captured
+    capture_ms: float
+    memory_bytes: Optional[int]
+    copies: Optional[SizeCopies] = None  # host_outputs copied by the graph itself
+    views: Dict[int, tuple] = field(default_factory=dict)
+    pending_check: Optional[tuple] = None  # (capture inputs, eager's outputs) until finish_captures()
+    # Level 0 on a device: (index, value at capture) of each host tensor argument. A kernel takes a host
+    # scalar (x / t, t a CPU tensor) by value when it is launched, so the graph holds the capture's.
+    host_values: List[tuple] = field(default_factory=list)
+
+    def run(self, adapter, leaves: Sequence[Any], real: int):
+        copies = self.copies
+        if copies is not None:
+            copies.owner.check_slot()  # before anything is written: the ring slot must be free
+        views = self.views.get(real)
+        if views is None:
+            views = self._views_for(adapter, real)
+        dsts, shapes, dtypes, strides, output = views
+        if _pending_host_copies:  # simulated slow copies (tests) still reading outputs land first
+            land_pending_copies()
+        sig = self.sig
+        if self.copy_inputs:
+            # The dtype check matters: copy_ would cast silently (torch) or fail inside the framework (Paddle).
+            for dst, shape, dtype, src in zip(dsts, shapes, dtypes, leaves):
+                if src is not dst:
+                    if adapter.shape(src) != shape or adapter.dtype(src) != dtype:
+                        return _MISMATCH
+                    adapter.copy_(dst, src)
+            padding = sig.padding
+            if padding.dirty > real:  # an earlier call left real rows where this one pads
+                padding.wrote(real)
+            else:
+                padding.dirty = real
+        else:
+            # The caller's own buffers: the very memory, shape and strides the graph read at capture
+            # (buf.t() has buf's address and another meaning).
+            for ptr, shape, dtype, stride, src in zip(self.input_ptrs, shapes, dtypes, strides, leaves):
+                if adapter.data_ptr(src) != ptr or adapter.shape(src) != shape or adapter.dtype(src) != dtype \
+                        or adapter.stride(src) != stride:
+                    return _MISMATCH
+        if sig.mutated and _aliased(adapter, leaves):
+            return _ALIASED
+        if self.host_values:
+            for i, value in self.host_values:
+                if not adapter.same_values(leaves[i], value):
+                    return _HOST_VALUE
+        fresh = self.captured.replay()
+        if sig.mutated:
+            self._write_back(adapter, sig, dsts, leaves)
+        if self.captured.stable_outputs:
+            if copies is not None:
+                return copies.after_replay(output, real)
+            return output
+        return self._cut_outputs(adapter, fresh, real)
+
+    def _write_back(self, adapter, sig, dsts, leaves) -> None:
+        """The forward writes some inputs in place: eager would have written the caller's tensors."""
+        for i in sig.mutated:
+            if leaves[i] is not dsts[i]:
+                adapter.copy_(leaves[i], dsts[i])
+        if sig.padding is not None:
+            sig.padding.touched(self.padded_size)  # the forward wrote the padding rows too
+
+    def _views_for(self, adapter, real: int):
+        dsts = [t if d is None else adapter.narrow(t, d, real) for t, d in zip(self.inputs, self.dims)]
+        shapes = [adapter.shape(t) for t in dsts]
+        dtypes = [adapter.dtype(t) for t in dsts]
+        strides = [adapter.stride(t) for t in dsts]
+        output = self._cut_outputs(adapter, self.captured.outputs, real) if self.captured.stable_outputs else None
+        views = (dsts, shapes, dtypes, strides, output)
+        self.views[real] = views
+        return views
+
+    def _cut_outputs(self, adapter, outputs, real: int):
+        if real == self.padded_size:
+            return outputs
+        return self.sig.layout.cut(adapter, outputs, real)
+
+    def release(self) -> None:
+        for obj in self.captured.keepalive:
+            reset = getattr(obj, "reset", None)
+            if callable(reset):
+                reset()
+        self.captured.keepalive.clear()
+        self.views.clear()
+        self.inputs = []
+        self.copies = None
+
+def _aliased(adapter, leaves) -> bool:
+    """Whether two tensors share their first element's address (the same tensor, or views of it)."""
+    ptrs = [adapter.data_ptr(t) for t in leaves]
+    return len(set(ptrs)) != len(ptrs)

@@ -1,0 +1,222 @@
+"""capture_model, clear_graphs and stats: what a user does with a decorated model once it is built."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from . import dispatch, ranks, training
+from .capture_phase import frozen_gc
+from .decorator import GraphOptState, state_of
+from .errors import GraphOptConfigError, GraphOptInputError
+from .runner import GraphRunner
+from .stats import CaptureReport, SizeReport, Stats
+
+logger = logging.getLogger("graph_opt")
+
+
+def _as_call(inputs, size: int):
+    if isinstance(inputs, dict):
+        return (), inputs
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+_ACCEPTS = "a dict of forward's arguments, a tuple of positional arguments, or one tensor"
+
+
+def _inputs_for(state: GraphOptState, make_inputs, size: int):
+    """(args, kwargs) from make_inputs(size), checked against forward's signature before anything runs."""
+    inputs = make_inputs(size)
+    forward = inspect.signature(state.forward_fn)
+    shown = f"{state.name}.forward({', '.join(list(forward.parameters)[1:])})"
+    if inputs is None:
+        raise GraphOptInputError(f"{state.name}: make_inputs({size}) returned None; it must return {_ACCEPTS} "
+                                 f"for {shown}, with {size} rows")
+    if isinstance(inputs, dict) and any(not isinstance(k, str) for k in inputs):
+        bad = next(k for k in inputs if not isinstance(k, str))
+        raise GraphOptInputError(f"{state.name}: make_inputs({size}) returned a dict with key {bad!r}; "
+                                 f"its keys must be argument names of {shown}")
+    args, kwargs = _as_call(inputs, size)
+    try:
+        forward.bind(state.model, *args, **kwargs)
+    except TypeError as exc:
+        raise GraphOptInputError(f"{state.name}: make_inputs({size}) returned inputs that do not fit {shown}: "
+                                 f"{exc}; it must return {_ACCEPTS}") from None
+    return args, kwargs
+
+
+def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequence[int]] = None,
+                  progress: bool = True) -> CaptureReport:
+    """Capture one graph per padded size, largest first, and return what was done.
+
+    make_inputs(size) returns the forward's inputs for a batch of `size`: a dict of keyword
+    arguments, a tuple of positional arguments, or a single tensor. At level >= 1 the first warmup
+    is also where SOT/Dynamo translate the forward, inside the capture phase.
+
+    A failure while capturing does not raise: the model keeps running without graphs, one warning
+    says why, and report.failed holds the reason.
+    """
+    state = state_of(model)
+    if not callable(make_inputs):
+        raise TypeError(
+            f"capture_model(make_inputs=...) must be a callable size -> inputs ({_ACCEPTS} with that many rows), "
+            f"got {type(make_inputs).__name__}"
+        )
+    cfg = state.config
+    report = CaptureReport(mode=state.mode)
+    start = time.perf_counter()
+    runner = state.ensure_runner()
+    if runner is None:
+        report.notes.extend(state.notes or [f"nothing to capture in mode {state.mode}"])
+        if cfg.graph_opt_level >= 1 and not state.disabled:
+            # Translate now rather than on the first real call.
+            args, kwargs = _inputs_for(state, make_inputs, cfg.effective_max_capture_size)
+            with state.adapter.no_grad():
+                state.plain_call()(*args, **kwargs)
+        report.seconds = time.perf_counter() - start
+        report.translations = _translations(state)
+        return report
+    group = ranks.group_for(state.adapter)  # None in a single process
+    runner.group = group  # every replay is agreed between the ranks too
+    with ranks.all_or_none(group, f"{state.name}: capture_model", GraphOptConfigError):
+        wanted = _check_sizes(sizes, runner)
+    # Largest first: smaller graphs then reuse the memory pool the largest one reserved.
+    order = sorted(wanted, reverse=True)
+    ranks.check_same_sizes(group, state.name, order, runner.table.sizes)
+    if group is not None:
+        report.rank, report.world_size = group.rank, group.world_size
+    translations_before = _translations(state)
+    from tqdm import tqdm
+
+    with _guarded(runner), frozen_gc(), tqdm(total=len(order), desc=f"graph_opt capture {state.name}", unit="size",
+                           disable=not progress, leave=False) as bar:
+        for size in order:
+            # Inputs that cannot be captured are the caller's error: raised before anything of this
+            # size runs (sizes captured before stay captured), not reported as a capture failure.
+            with ranks.all_or_none(group, f"{state.name}: make_inputs({size})", GraphOptInputError):
+                sig, leaves = runner.check_capture_inputs(*_inputs_for(state, make_inputs, size), size)
+            error = None
+            try:
+                entry = runner.capture_checked(sig, leaves, size)
+            except Exception as exc:  # keep the model working; say why once
+                error = exc
+            across_ranks = ranks.agree_on_capture(group, size, error)
+            if error is not None or across_ranks is not None:
+                runner.capture_failed(error, size, across_ranks)
+                report.failed = runner.disabled_reason
+                break
+            runner.finish_captures()
+            report.sizes.append(SizeReport(size, entry.captured.pieces, entry.captured.graphs,
+                                           cfg.cudagraph_num_of_warmups, entry.capture_ms, entry.memory_bytes))
+            bar.update(1)
+    runner.capture_model_done = report.failed is None
+    report.notes.extend(note for note in runner.capture_notes if note not in report.notes)
+    report.mode = state.mode
+    report.seconds = time.perf_counter() - start
+    report.translations = _translations(state) - translations_before
+    if state.selection is not None:
+        missing = state.selection.never_seen()
+        if missing and report.failed is None:
+            msg = f"splitting ops never seen in any captured graph: {', '.join(missing)}"
+            logger.warning("%s: %s", state.name, msg)
+            report.notes.append(msg)
+    return report
+
+
+def _check_sizes(sizes, runner) -> list:
+    allowed = runner.table.sizes
+    if sizes is None:
+        return list(allowed)
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise GraphOptConfigError(
+            f"capture_model(sizes={sizes!r}): expected a list of capture sizes, or None for all; "
+            f"capture sizes are {allowed}"
+        )
+    sizes = list(sizes)
+    for s in sizes:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+            raise GraphOptConfigError(
+                f"capture_model(sizes=...): {s!r} is not a positive integer; capture sizes are {allowed}"
+            )
+        if s not in allowed:
+            raise GraphOptConfigError(
+                f"capture_model(sizes=...): {s!r} is not a capture size; capture sizes are {allowed}"
+            )
+    return sizes
+
+
+def _translations(state) -> int:
+    strategy = state.runner.strategy if state.runner is not None else getattr(state.plain, "strategy", None)
+    return getattr(strategy, "translations", 0)
+
+
+def clear_graphs(model) -> None:
+    """Drop every graph and static buffer of `model` (e.g. after a weight update); capture_model again after.
+
+    For a block made by autocudagraph: its keys start over (warmup, capture) at their next call."""
+    block = training.state_of_training(model)
+    if block is not None:
+        block.release()
+        return
+    state = state_of(model)
+    if state.runner is not None:
+        with _guarded(state.runner):
+            state.runner.release()
+            state.runner.disabled_reason = None
+
+
+@contextlib.contextmanager
+def _guarded(runner: GraphRunner):
+    """Hold the runner's guard: a call from another thread meanwhile is refused, and this is refused
+    while another thread's call uses the graphs."""
+    if not runner.guard.acquire(False):
+        raise runner.busy_error()
+    try:
+        yield
+    finally:
+        runner.guard.release()
+
+
+def _pass_counts(strategy) -> dict:
+    """What the program passes did to the strategy's programs (zeros where none ran)."""
+    counts = getattr(strategy, "pass_counts", None) or {}
+    return {name: counts.get(name, 0) for name in ("copies_inserted", "reads_rewired", "copies_removed")}
+
+
+def _host_copy_counts(state) -> dict:
+    host = state.host_outputs
+    if host is None:
+        return {}
+    return {"host_copies_in_graph": host.copies_in_graph, "host_copies_streamed": host.streamed}
+
+
+def stats(model):
+    """Counters of a decorated model (Stats), or of a block made by autocudagraph (TrainingStats)."""
+    block = training.state_of_training(model)
+    if block is not None:
+        return block.stats()
+    state = state_of(model)
+    runner = state.runner
+    strategy = runner.strategy if runner is not None else getattr(state.plain, "strategy", None)
+    if runner is None:
+        return Stats(mode=state.mode, captures=0, replays=0, fallbacks=0, lazy_captures=0, capture_failures=0,
+                     translations=getattr(strategy, "translations", 0), **_pass_counts(strategy),
+                     captured_sizes=[], pieces={}, graphs={},
+                     capture_seconds=0.0, graph_memory_bytes=None, static_buffer_bytes=0, disabled_reason=None,
+                     **_host_copy_counts(state))
+    c = runner.counters
+    return Stats(
+        mode=state.mode, captures=c.captures, replays=c.replays, fallbacks=c.fallbacks,
+        lazy_captures=c.lazy_captures, capture_failures=c.capture_failures,
+        translations=getattr(strategy, "translations", 0), **_pass_counts(strategy),
+        captured_sizes=runner.captured_sizes(), pieces=runner.pieces(), graphs=runner.graphs(),
+        capture_seconds=runner.capture_seconds, graph_memory_bytes=runner.memory_bytes,
+        static_buffer_bytes=runner.buffer_bytes(), disabled_reason=runner.disabled_reason,
+        replay_failures=c.replay_failures, **_host_copy_counts(state),
+        replays_by_kind=runner.replays_by_kind() if isinstance(runner, dispatch.KindDispatch) else {},
+        fallback_reasons=dict(runner.fallback_reasons),
+    )

@@ -1,0 +1,293 @@
+"""Per-size CUDA-graph runtime, framework-neutral: GraphRunner dispatches, pads, copies and replays.
+
+A call follows GraphRunner.__call__ -> CapturedSize.run (captured_size.py): flatten the arguments,
+look the padded size up in a table, copy the real rows into static buffers, replay, return views of
+the captured outputs. Nothing on that path logs or allocates device memory.
+
+Beside the dispatch, in their own files and mixed into GraphRunner: call signatures and the checks of
+calls that do not fit them (signature.py), warmup -> capture of one size (capture_phase.py).
+How a size is captured is a strategy's business: EagerStrategy (level 0, level0.py) captures the eager
+forward; the static strategies (level >= 1) live in backends/ because they hook the framework's
+translator. The runner does not care which: it trusts the strategy it is given.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import ranks
+from .capture_phase import CapturePhase
+from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH
+from .errors import GraphOptError, GuardFailed, ReplayDivergence
+from .host_outputs import HostRingFull
+from .pytree import flatten
+from .replay_guards import ModelState, Unwatched
+from .signature import REQUIRED, Signature, SignatureChecks
+from .sizes import PaddingTable
+from .stats import Counters
+
+logger = logging.getLogger("graph_opt")
+
+
+class GraphRunner(SignatureChecks, CapturePhase):
+    """Dispatch, pad, copy and replay for one model; capture sizes on demand."""
+
+    def __init__(self, *, adapter, config, strategy, eager: Callable, dynamic_arg_dims,
+                 params: Sequence[Tuple[str, Any]], name: str, host_outputs=None, guard=None,
+                 model_state: Optional[ModelState] = None, pad_values: Optional[Dict[str, Any]] = None):
+        self.adapter = adapter
+        self.host_outputs = host_outputs  # HostOutputs whose copies captured sizes make in their graphs
+        self.config = config
+        self.strategy = strategy
+        # The plain forward, without the module's hooks (the decorated call runs those around the
+        # runner): what runs once a capture has failed, and what capture_checks probes.
+        self.eager = eager
+        self.dynamic_arg_dims = dynamic_arg_dims  # None: dim 0 of every tensor argument
+        # forward's positional-or-keyword parameters after self: (name, default or REQUIRED)
+        self.params = list(params)
+        self.arg_names = [name for name, _ in self.params]
+        self.name = name
+        self.pad_values = pad_values or {}
+        # Training flags, autocast, replaced parameters, level-0 attributes: checked before every replay.
+        self.model_state = model_state if model_state is not None else Unwatched()
+        self.table = PaddingTable(config.capture_sizes)
+        self.max_size = self.table.max_size
+        self.signatures: Dict[Any, Signature] = {}
+        self._sig_numbers = itertools.count(1)  # not reused for a signature dropped unused (restarts on release)
+        self.counters = Counters()
+        self.fallback_reasons: Dict[str, int] = {}  # why calls ran without graphs, by kind
+        self.capture_notes: List[str] = []  # what capture_checks found, for the capture report
+        self.capture_seconds = 0.0
+        self.memory_bytes: Optional[int] = None
+        self.disabled_reason: Optional[str] = None
+        self.capture_model_done = False
+        self.pool = None
+        self.group = None  # the ranks that agree on every replay (graph_opt.ranks), set when capturing
+        self._warned: set = set()
+        self._is_tensor = adapter.is_tensor
+        # Held by the call (and capture_model, clear_graphs) using the static buffers. Calls from two
+        # threads at once would copy into and replay from the same buffers, and each returns views of
+        # the same output tensors: the second one is refused (non-blocking acquire: no waiting, no
+        # allocation). Re-entrant, so the forward or make_inputs may call the model on the same thread.
+        # Runners of one model's graph kinds (graph_opt.dispatch) share one.
+        self.guard = guard if guard is not None else threading.RLock()
+        self._acquire = self.guard.acquire
+        self._release = self.guard.release
+
+    # -- hot path ----------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self.disabled_reason is not None:
+            # After a failed capture or replay the translated path is suspect too: run the plain forward.
+            self.counters.fallbacks += 1
+            return self.eager(*args, **kwargs)
+        if not self._acquire(False):
+            raise self.busy_error()
+        try:
+            return self._dispatch(args, kwargs)
+        finally:
+            self._release()
+
+    def _dispatch(self, args, kwargs):
+        if not kwargs and len(args) == len(self.params) and all(map(self._is_tensor, args)):
+            # The common call, m(x) or m(x, lens): its spec is known without walking the arguments.
+            leaves, spec = list(args), _all_tensors_spec(len(args))
+        else:
+            if kwargs or len(args) < len(self.params):
+                args, kwargs = self.canonical(args, kwargs)
+            leaves, spec = flatten((args, kwargs), self._is_tensor)
+        sig = self.signatures.get(spec)
+        if sig is None:
+            refusal = self._refuse_lazy_signature(spec)
+            sig = None if refusal is not None else self._new_signature(spec, leaves, args, kwargs, lazy=True)
+            if sig is None:
+                return self._fallback(args, kwargs, refusal or _NO_BATCH)
+        try:
+            real = sig.batch_size(self.adapter, leaves)
+        except IndexError:  # a tensor with fewer dimensions than its dynamic dim
+            real = -1
+        padded = self.table.padded_size(real) if real > 0 else 0
+        if not padded:
+            if real < 0:
+                if not sig.entries:  # nothing captured with it: the next call may define it afresh
+                    del self.signatures[spec]
+                raise self._bad_call(sig, leaves, self._misfit(sig, leaves, "argument"))
+            return self._fallback(args, kwargs, None)
+        if self.adapter.grad_enabled():
+            return self._fallback(args, kwargs, ("grad", _FALLBACK_REASONS["grad"]))
+        state = self.model_state
+        # Never capture or replay in another mode than captured (training flag, autocast, ...).
+        blocked = state.check() if state.captured else None
+        group = self.group
+        entry = sig.entries.get(padded)
+        if entry is None:
+            if group is not None:  # every rank captures lazily, or none does
+                blocked = ranks.agree_on_replay(group, blocked)
+            if blocked is not None:
+                return self._fallback(args, kwargs, blocked)
+            misfit = self._misfit(sig, leaves, "argument")
+            if misfit is not None:
+                if misfit[0] != "shape":
+                    raise self._bad_call(sig, leaves, misfit)
+                return self._fallback(args, kwargs, ("mismatch", _FALLBACK_REASONS["mismatch"]))
+            entry = self._capture_lazily(sig, padded, real, leaves)
+            if entry is None:
+                return self._fallback(args, kwargs, None)
+        if blocked is None:
+            check = entry.captured.check
+            if check is not None:
+                blocked = check()
+            if blocked is None and real != padded and sig.layout.exact_only:
+                blocked = ("outputs", f"a call of {real} rows would replay size {padded}, and "
+                                      f"{sig.layout.why_exact_only()}; calls of a size that is not captured run "
+                                      "without graphs")
+        if group is not None:  # a replay runs on every rank or on none: their collectives must match
+            blocked = ranks.agree_on_replay(group, blocked)
+        if blocked is not None:
+            return self._fallback(args, kwargs, blocked)
+        try:
+            out = entry.run(self.adapter, leaves, real)
+        except HostRingFull:
+            raise  # the caller's error, found before anything ran: the graphs are fine
+        except GuardFailed as exc:
+            return self._fallback(args, kwargs, ("guard", exc.guard))
+        except ReplayDivergence as exc:
+            return self._fallback(args, kwargs, ("divergence", f"{exc}; this call runs without graphs"))
+        except Exception as exc:
+            return self._replay_failed(exc, padded, args, kwargs)
+        if out is _ALIASED:
+            return self._fallback(args, kwargs, ("aliased", "two tensor arguments share memory and the forward "
+                                                 "writes one of them in place: the graph reads them from separate "
+                                                 "buffers, so this call runs without graphs"))
+        if out is _HOST_VALUE:
+            return self._fallback(args, kwargs, ("host_argument", _FALLBACK_REASONS["host_argument"]))
+        if out is _MISMATCH:
+            # The slow path: a rank or dtype the graph cannot take is the caller's error; another
+            # non-batch shape (or, without copied inputs, another address or strides) runs without graphs.
+            misfit = self._misfit(sig, leaves, "argument")
+            if misfit is not None and misfit[0] != "shape":
+                raise self._bad_call(sig, leaves, misfit)
+            return self._fallback(args, kwargs, ("mismatch", _FALLBACK_REASONS["mismatch"]))
+        self.counters.replays += 1
+        return out
+
+    def canonical(self, args, kwargs):
+        """Arguments as one positional tuple in forward's order, defaults filled in, so that m(x),
+        m(x=x) and m(x, scale=1.0) (the default) share one signature."""
+        args = list(args)
+        kwargs = dict(kwargs)
+        for name, default in self.params[len(args):]:
+            if name in kwargs:
+                args.append(kwargs.pop(name))
+            elif default is not REQUIRED:
+                args.append(default)
+            else:
+                break
+        return tuple(args), kwargs
+
+    def _fallback(self, args, kwargs, why: Optional[tuple]):
+        """Run this call without graphs. why: (kind, message[, warning key]) for stats().fallback_reasons
+        and one warning per key (default: kind and message); None for the silent, expected cases (a
+        size above the max)."""
+        self.counters.fallbacks += 1
+        if why is not None:
+            kind, message = why[0], why[1]
+            self.fallback_reasons[kind] = self.fallback_reasons.get(kind, 0) + 1
+            self._warn_once(why[2] if len(why) > 2 else why[:2],
+                            message if message.endswith("without graphs") else f"{message}; this call runs without graphs")
+            if kind in _EAGER_KINDS:
+                # The static path would not see these either: Paddle's SOT runs its programs on the
+                # parameters it traced with, and neither translator guards every hook.
+                return self.eager(*args, **kwargs)
+        return self.strategy.run(args, kwargs)
+
+    def _replay_failed(self, exc: Exception, padded: int, args, kwargs):
+        """A replay raised. The call is answered by the plain eager forward; if that raises too, the
+        inputs are at fault: its error propagates and the graphs stay. Otherwise the graphs are: they are
+        dropped, as after a failed capture (one warning, stats().disabled_reason), until clear_graphs()
+        and capture_model() capture again."""
+        self.counters.fallbacks += 1
+        try:
+            out = self.eager(*args, **kwargs)
+        except Exception as eager_exc:
+            raise eager_exc from None  # the caller's error, as without graphs; not chained to the replay's
+        self.counters.replay_failures += 1
+        self.release()
+        self.disabled_reason = f"replay of size {padded} failed: {type(exc).__name__}: {exc}"
+        logger.warning("%s: %s; running without graphs (clear_graphs() and capture_model() capture again)",
+                       self.name, self.disabled_reason)
+        return out
+
+    def busy_error(self) -> GraphOptError:
+        return GraphOptError(
+            f"{self.name} is being called from two threads at once; graph replay is not thread-safe: every call "
+            "copies into the same static input buffers and returns views of the same captured outputs. Serialize "
+            "the calls (one lock around each call and the use of its outputs) or give each thread its own model"
+        )
+
+    def _warn_once(self, key, message: str) -> None:
+        """One warning per key; at most a few per kind of key, so that a value changing at every call
+        (an attribute used as a counter) does not warn at every call."""
+        if key in self._warned:
+            return
+        kind = key[0] if isinstance(key, tuple) else key
+        per_kind = sum(1 for k in self._warned if (k[0] if isinstance(k, tuple) else k) == kind)
+        if per_kind >= _WARNINGS_PER_KIND:
+            return
+        self._warned.add(key)
+        logger.warning("%s: %s", self.name, message)
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    def captured_sizes(self) -> List[int]:
+        return sorted({size for sig in self.signatures.values() for size in sig.entries})
+
+    def pieces(self) -> Dict[int, int]:
+        return {size: e.captured.pieces for sig in self.signatures.values() for size, e in sig.entries.items()}
+
+    def graphs(self) -> Dict[int, int]:
+        return {size: e.captured.graphs for sig in self.signatures.values() for size, e in sig.entries.items()}
+
+    def buffer_bytes(self) -> int:
+        return sum(sig.buffer_bytes(self.adapter) for sig in self.signatures.values())
+
+    def release(self) -> None:
+        """Drop every graph, buffer and signature; the next capture starts from scratch."""
+        for sig in self.signatures.values():
+            for entry in sig.entries.values():
+                entry.release()
+            sig.entries.clear()
+            sig.buffers = None
+            sig.padding = None
+        self.signatures.clear()
+        self._sig_numbers = itertools.count(1)
+        self.strategy.release()
+        self.model_state.release()
+        self._warned.clear()
+        self.pool = None
+        self.memory_bytes = None
+        self.capture_model_done = False
+        self.adapter.release_memory()
+
+
+_WARNINGS_PER_KIND = 3
+_EAGER_KINDS = frozenset({"replaced", "converted", "hooks"})  # model changes: the plain forward answers
+_NO_BATCH = ("no_batch", "a call whose tensors have no batch dimension (dim 0, or dynamic_arg_dims) runs without graphs")
+
+
+_FALLBACK_REASONS = {
+    "grad": "autograd is enabled: graphs replay only under no_grad, so this call runs without graphs",
+    "mismatch": "an input does not match the captured buffers (shape, or address and strides with "
+    "cudagraph_copy_inputs=false); this call runs without graphs",
+    "host_argument": "a host (CPU) tensor argument holds another value than at capture, and a level-0 graph "
+    "keeps the value its kernels were launched with; this call runs without graphs. Pass it as a device "
+    "tensor, or use graph_opt_level=1, which runs host operations outside the graphs",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _all_tensors_spec(n: int):
+    """flatten()'s spec of (args, {}) where args are n tensors."""
+    leaf = object()
+    return flatten(((leaf,) * n, {}), lambda x: x is leaf)[1]

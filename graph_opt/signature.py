@@ -1,0 +1,292 @@
+"""Call signatures: one per call structure (its non-tensor argument values, where its tensors are).
+
+Signature holds a structure's static buffers, padding, output layout and captured sizes.
+SignatureChecks, mixed into GraphRunner (runner.py), makes signatures from calls and holds the checks
+and error texts of calls that do not fit them: wrong rank or dtype, batch dimensions that disagree,
+arguments a level-0 replay cannot check, new values after capture. All of it is off the hot path.
+"""
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+from . import output_layout
+from .errors import GraphOptConfigError, GraphOptInputError
+from .padding import Padding
+from .pytree import TENSOR, flatten, leaf_paths, tensor_leaf_owners
+
+if TYPE_CHECKING:
+    from .captured_size import CapturedSize
+
+REQUIRED = object()  # a forward parameter without default
+
+
+class Signature:
+    """One call structure: its non-tensor arguments, where its tensors are, their static buffers."""
+
+    def __init__(self, index: int, spec, dims: List[Optional[int]], template,
+                 layout: Optional[List[Tuple[Any, list]]] = None, lazy: bool = False):
+        self.index = index  # 1, 2, ...: this signature's number in its runner
+        self.spec = spec
+        self.dims = dims
+        self.template = template  # the first call's (args, kwargs), to rebuild dataclass arguments
+        # (dtype, shape with None at the dynamic dim) of each tensor leaf: what every call must match
+        self.input_layout = layout or []
+        self.dynamic = [i for i, d in enumerate(dims) if d is not None]
+        self.lazy = lazy  # made by a call rather than by capture_model
+        self.entries: Dict[int, CapturedSize] = {}
+        self.buffers: Optional[List[Any]] = None  # static input buffers at the max size (copy_inputs)
+        self.padding: Optional[Padding] = None  # their padding rows (copy_inputs)
+        self.mutated: List[int] = []  # leaves the forward writes in place: written back after a replay
+        self.observations: List[output_layout.Observation] = []  # outputs seen at each size
+        self.layout = output_layout.OutputLayout()  # the outputs' batch dims, once seen at two sizes
+        self.eager_writes: set = set()  # leaves the plain forward writes in place (capture_checks)
+        self.eager_buffer_writes: set = set()  # model buffers it writes in place
+        self.static_buffer_writes: set = set()  # model buffers the captured path writes in place
+
+    def key(self, padded: int) -> int:
+        """An integer naming (this signature, padded size): what strategies key their graphs by."""
+        return self.index * (1 << 20) + padded
+
+    def dynamic_leaves(self, args, kwargs, is_tensor):
+        """(tensor, dynamic dim) for the tensors of (args, kwargs) that have one."""
+        leaves, _ = flatten((args, kwargs), is_tensor)
+        return [(leaf, dim) for leaf, dim in zip(leaves, self.dims) if dim is not None]
+
+    def batch_size(self, adapter, leaves) -> int:
+        """The common size of every dynamic dim, or -1 when they disagree (IndexError: a leaf's rank is too low)."""
+        dyn = self.dynamic
+        dims = self.dims
+        real = adapter.shape(leaves[dyn[0]])[dims[dyn[0]]]
+        for i in dyn[1:]:
+            if adapter.shape(leaves[i])[dims[i]] != real:
+                return -1
+        return real
+
+    def buffer_bytes(self, adapter) -> int:
+        return sum(adapter.nbytes(b) for b in self.buffers) if self.buffers else 0
+
+    def largest_above(self, padded: int) -> Optional[int]:
+        """The largest size captured with this signature above `padded` (output_sharing), or None."""
+        larger = [size for size in self.entries if size > padded]
+        return max(larger) if larger else None
+
+    def observe(self, observation: "output_layout.Observation") -> None:
+        """Learn the output layout from one more size; cached replay views are cut anew if it changed."""
+        self.observations.append(observation)
+        layout = output_layout.learn(self.observations)
+        layout.blocked = self.layout.blocked
+        if layout != self.layout:
+            self.layout = layout
+            for entry in self.entries.values():
+                entry.views.clear()
+
+    def block(self, why: str) -> None:
+        """From now on only calls of a captured size replay (capture_checks found padded calls differ)."""
+        self.layout.blocked.append(why)
+
+
+class SignatureChecks:
+    """Mixed into GraphRunner: signatures made from calls, and why a call does not fit one."""
+
+    # -- inputs that do not fit (slow paths only) ---------------------------------------------------
+    def _leaf_names(self, spec) -> List[str]:
+        """A readable name per tensor leaf: the forward argument it belongs to."""
+        owners = tensor_leaf_owners(spec)
+        names = []
+        for i, owner in enumerate(owners):
+            if isinstance(owner, int):
+                name = repr(self.arg_names[owner]) if owner < len(self.arg_names) else f"positional argument {owner}"
+            else:
+                name = repr(owner)
+            if owners.count(owner) > 1:
+                name += f" (tensor {owners[:i].count(owner) + 1} of {owners.count(owner)} in it)"
+            names.append(name)
+        return names
+
+    def _describe(self, shape, dim) -> str:
+        dims = ", ".join("batch" if i == dim else str(n) for i, n in enumerate(shape))
+        return f"a {len(shape)}-dimensional tensor of shape [{dims}]"
+
+    def _misfit(self, sig: Signature, leaves, what: str, size: Optional[int] = None) -> Optional[Tuple[str, str]]:
+        """(kind, message) saying why `leaves` cannot use `sig`'s graphs and buffers, or None when they can.
+
+        kind "rank" or "dtype" is the caller's error; "rows" (capture only: not `size` rows) too; "shape"
+        (another non-batch dimension) is reported only when nothing worse is found: a call runs it
+        without graphs."""
+        adapter = self.adapter
+        names = self._leaf_names(sig.spec)
+        found = None
+        for name, leaf, dim, (dtype, shape) in zip(names, leaves, sig.dims, sig.input_layout):
+            got = list(adapter.shape(leaf))
+            if len(got) != len(shape):
+                return "rank", (f"{what} {name} has {len(got)} dimensions (shape {got}); "
+                                f"{self.name} takes {self._describe(shape, dim)} there")
+            if adapter.dtype(leaf) != dtype:
+                return "dtype", f"{what} {name} has dtype {adapter.dtype(leaf)}; {self.name} takes dtype {dtype} there"
+            if dim is not None and size is not None and got[dim] != size:
+                return "rows", (f"{what} {name} has {got[dim]} rows in its batch dimension {dim} (shape {got}); "
+                                f"expected {size}, the size being captured")
+            bad = [i for i, (g, s) in enumerate(zip(got, shape)) if i != dim and g != s]
+            if bad and found is None:
+                found = "shape", (f"{what} {name} has shape {got}, dimension {bad[0]} differs; "
+                                  f"{self.name} takes {self._describe(shape, dim)} there")
+        return found
+
+    def _bad_call(self, sig: Signature, leaves, misfit) -> GraphOptInputError:
+        """The error for a call whose tensors cannot replay; raised before anything is copied or replayed."""
+        if misfit is None or misfit[0] == "shape":
+            return GraphOptInputError(f"{self.name}: {self._disagreement(sig, leaves)}")
+        return GraphOptInputError(f"{self.name}: {misfit[1]}")
+
+    def _disagreement(self, sig: Signature, leaves) -> str:
+        names = self._leaf_names(sig.spec)
+        sizes = [f"{names[i]} has {self.adapter.shape(leaves[i])[sig.dims[i]]} (dim {sig.dims[i]})" for i in sig.dynamic]
+        return ("the batch dimensions of the arguments disagree: " + ", ".join(sizes) + "; every dynamic dimension "
+                "(dynamic_arg_dims, by default dim 0 of every tensor argument) must have the same size. "
+                "Pass dynamic_arg_dims={'arg': dim} to @support_graph_optimization to name only the batch dimensions")
+
+    def batch_disagreement(self, args, kwargs) -> Optional[str]:
+        """Why the batch dimensions of (args, kwargs) disagree, or None when they agree. For a call that
+        failed on a path without graphs, to name the arguments instead of the framework's kernel."""
+        args, kwargs = self.canonical(args, kwargs)
+        leaves, spec = flatten((args, kwargs), self._is_tensor)
+        try:
+            sig = Signature(0, spec, self._dynamic_dims(spec, leaves), (args, kwargs))
+            if not sig.dynamic or sig.batch_size(self.adapter, leaves) >= 0:
+                return None
+        except (GraphOptConfigError, IndexError):
+            return None
+        return self._disagreement(sig, leaves)
+
+    # -- signatures --------------------------------------------------------------------------------
+    def _opaque_arguments(self, spec) -> List[str]:
+        """Level 0: non-tensor arguments that are objects a replay cannot check (a Hugging Face
+        DynamicCache, a user's state object): the graph bakes whatever the forward read from them at
+        capture, and they are compared by identity, so a call with the same object mutated would replay
+        stale. Plain values, containers, dataclasses, enums, functions and the framework's dtypes and
+        devices are fine. Level >= 1: the framework guards what the forward reads from them."""
+        if self.config.graph_opt_level != 0:
+            return []
+        value_types = self.adapter.value_types
+        found = []
+        for path, leaf in self._named_leaves(spec):
+            if leaf is TENSOR:
+                continue
+            value = getattr(leaf, "value", getattr(leaf, "obj", None))
+            if not isinstance(value, _PLAIN + value_types) and not callable(value):
+                found.append(f"{path} (a {type(value).__name__})")
+        return found
+
+    def _refuse_lazy_signature(self, spec) -> Optional[Tuple[str, str]]:
+        """Why a call with a structure or non-tensor value never seen before may not get graphs of its
+        own at call time, or None. Replaying a graph captured with another value would be wrong; a
+        graph per value without bound would capture (and hold static buffers) at every new value."""
+        opaque = self._opaque_arguments(spec)
+        if opaque:
+            return ("object_argument", f"{_opaque_message(opaque)}; these calls run without graphs",
+                    ("object_argument",))
+        if self.capture_model_done and self.signatures:
+            return ("new_signature", f"{self._new_values(spec)}: a call with a structure or non-tensor value not "
+                    "seen at capture runs without graphs (capture_model() with inputs of that value captures it too)",
+                    ("new_signature",))
+        limit = self.config.cudagraph_max_signatures
+        if sum(1 for sig in self.signatures.values() if sig.lazy) >= limit:
+            return ("signature_limit", f"{self._new_values(spec)}; graphs are captured per non-tensor argument value "
+                    f"and {limit} were captured at call time (cudagraph_max_signatures={limit}), so calls with "
+                    "further values run without graphs. Pass a value that changes from call to call as a tensor",
+                    ("signature_limit",))
+        return None
+
+    def _new_values(self, spec) -> str:
+        """What differs between a call's structure and the nearest one seen before, naming the argument."""
+        new = self._named_leaves(spec)
+        best = None
+        for sig in self.signatures.values():
+            old = self._named_leaves(sig.spec)
+            diffs = [(path, value, dict(old).get(path, _ABSENT)) for path, value in new if dict(old).get(path, _ABSENT) != value]
+            diffs += [(path, _ABSENT, value) for path, value in old if path not in dict(new)]
+            if best is None or len(diffs) < len(best):
+                best = diffs
+        if not best:
+            return "a call with another structure or non-tensor argument value than the calls seen before"
+        path, value, before = best[0]
+        return (f"forward argument {path} is {_show_value(value)}; the calls seen before had "
+                f"{_show_value(before)}")
+
+    def _named_leaves(self, spec) -> List[Tuple[str, Any]]:
+        """(argument path, leaf) for every leaf of a call's spec: ('scale', <1.0>), ("cfg['k']", TENSOR)."""
+        args_spec, kwargs_spec = spec[1]
+        out: List[Tuple[str, Any]] = []
+        for i, child in enumerate(args_spec[1]):
+            name = self.arg_names[i] if i < len(self.arg_names) else f"args[{i}]"
+            out.extend(leaf_paths(child, root=name))
+        for key, child in zip(kwargs_spec[1], kwargs_spec[2]):
+            out.extend(leaf_paths(child, root=key))
+        return out
+
+    def _new_signature(self, spec, leaves, args, kwargs, lazy: bool = False) -> Optional[Signature]:
+        dims = self._dynamic_dims(spec, leaves)
+        if not any(d is not None for d in dims):
+            return None
+        adapter = self.adapter
+        layout = [(adapter.dtype(t), [None if i == d else n for i, n in enumerate(adapter.shape(t))])
+                  for t, d in zip(leaves, dims)]
+        self._check_pad_values(spec, leaves, dims)
+        sig = Signature(next(self._sig_numbers), spec, dims, (args, kwargs), layout, lazy=lazy)
+        self.signatures[spec] = sig
+        return sig
+
+    def _check_pad_values(self, spec, leaves, dims) -> None:
+        """GraphOptConfigError where a pad value does not fit its argument's dtype (1e20 in int64, -1.5)."""
+        if not self.pad_values:
+            return
+        for owner, leaf, dim in zip(tensor_leaf_owners(spec), leaves, dims):
+            name = self.arg_names[owner] if isinstance(owner, int) and owner < len(self.arg_names) else owner
+            value = self.pad_values.get(name)
+            if dim is not None and value is not None and not self.adapter.fits(value, self.adapter.dtype(leaf)):
+                raise GraphOptConfigError(
+                    f"{self.name}: pad_values[{name!r}]={value!r} does not fit argument {name!r} of dtype "
+                    f"{self.adapter.dtype(leaf)}; give a value that dtype holds exactly (e.g. -1 for an index)")
+
+    def _dynamic_dims(self, spec, leaves) -> List[Optional[int]]:
+        owners = tensor_leaf_owners(spec)
+        dims: List[Optional[int]] = []
+        for owner, leaf in zip(owners, leaves):
+            name = self.arg_names[owner] if isinstance(owner, int) and owner < len(self.arg_names) else owner
+            ndim = len(self.adapter.shape(leaf))
+            if self.dynamic_arg_dims is None:
+                dim = 0 if ndim > 0 else None
+            else:
+                dim = self.dynamic_arg_dims.get(name)
+                if dim is not None and not -ndim <= dim < ndim:
+                    raise GraphOptConfigError(
+                        f"{self.name}: dynamic_arg_dims[{name!r}]={dim} is out of range for argument {name!r} of "
+                        f"shape {list(self.adapter.shape(leaf))}: a dim of a {ndim}-dimensional tensor must be in "
+                        f"{-ndim}..{ndim - 1}" if ndim else
+                        f"{self.name}: dynamic_arg_dims[{name!r}]={dim} names a dimension of argument {name!r}, "
+                        "which is a 0-dimensional tensor: a dynamic argument must have at least one dimension"
+                    )
+                if dim is not None and dim < 0:
+                    dim += ndim
+            dims.append(dim)
+        return dims
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, enum.Enum, type)
+
+
+def _opaque_message(opaque: List[str]) -> str:
+    return (f"forward argument {', '.join(opaque)}: at graph_opt_level=0 a replay cannot see what the forward "
+            "reads from an object (the graph bakes it at capture, and a mutated object looks the same). Pass its "
+            "tensors as arguments (or in a dict, list or dataclass), or use graph_opt_level=1, whose guards see it")
+_ABSENT = object()
+
+
+def _show_value(value) -> str:
+    if value is _ABSENT:
+        return "no such argument"
+    if value is TENSOR:
+        return "a tensor"
+    inner = getattr(value, "value", getattr(value, "obj", value))
+    return f"{inner!r} ({type(inner).__name__})"

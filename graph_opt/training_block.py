@@ -1,0 +1,448 @@
+"""GraphedBlock: the state of one autocudagraph target (its keys' graphs, one memory pool, counters),
+its call (warm up, capture, replay, or run eagerly) and the replays autograd runs through the bridges.
+
+What it watches of the module (training_watch.py) and how a key's graphs are recorded
+(training_graphs.py) live beside it. The guarantees are stated in training.py.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from . import backends, env, guards
+from .capture_phase import frozen_gc
+from .errors import GraphOptError, GraphOptInputError
+from .failures import describe
+from .host_outputs import _pending as _pending_host_copies, land_pending_copies
+from .pytree import flatten, unflatten
+from .stats import TrainingCounters, TrainingStats
+from .testing import simulation_enabled
+from .training_graphs import KeyState, PartialBackward, PendingBackward, StepGraphs, _capture_key, _record_partial
+from .training_watch import ModuleWatch
+
+logger = logging.getLogger("graph_opt")
+
+
+class GraphedBlock(ModuleWatch):
+    """State of one autocudagraph target: its keys' graphs, one memory pool, counters."""
+
+    def __init__(self, target, call: Callable, module, framework: Optional[str], warmup_steps: int,
+                 dispatch_key_fn: Optional[Callable], max_graphs: int, level: int = 0):
+        self.target = target
+        self.call = call  # the eager forward
+        self.level = level
+        self.traced: Optional[Callable] = None  # levels 1 and 2: the forward compiled, made at binding
+        self.module = module  # the Layer / Module, or None for a function
+        self.name = getattr(target, "__qualname__", None) or type(target).__name__
+        self.warmup_steps = warmup_steps
+        self.dispatch_key_fn = dispatch_key_fn
+        self.max_graphs = max_graphs
+        self.disabled = env.disabled()
+        self.framework = framework
+        self.bridge = None
+        self.adapter = None
+        self.keys: Dict[Any, KeyState] = {}
+        self.counters = TrainingCounters()
+        self.pool = None
+        self.memory_bytes: Optional[int] = None
+        self.pending = 0  # forward replays whose backward has not run yet
+        self.generation = 0  # forward replays so far: a backward checks its activations are still there
+        self.epoch = 0  # releases of the graphs so far
+        self.lent: List[Tuple[Any, Any]] = []  # (leaf, gradient buffer) handed out by the last backward
+        self.watched_owners: List[dict] = []  # owner dicts, names and tensors of parameters and buffers
+        self.watched_names: List[str] = []
+        self.watched_tensors: List[Any] = []
+        self.watched_ptrs: List[int] = []  # their addresses at capture
+        self.registered: List[int] = [0]  # the adapter's count of parameter, buffer and submodule registrations
+        self.registrations = 0
+        self.tensor_ids: tuple = ()  # the module's submodules, parameters and buffers at capture
+        self.attr_names: tuple = ()  # the module's own plain attributes (numbers, strings ...) at capture
+        self.attr_get: Callable = lambda d: ()
+        self.attr_values: tuple = ()
+        self.attr_keys: tuple = ()
+        self.attr_count = 0
+        self.attr_written: set = set()  # plain attributes the forward itself writes: not watched
+        self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
+        self.all_params: List[Any] = []  # every parameter, and whether each was trainable at capture
+        self.trainable: List[bool] = []
+        self.lazy = False  # the module had lazy parameters when bound: graphs wait until they are made
+        self.modes: List[int] = [0]  # the adapter's count of train()/eval() calls
+        self.modes_seen = -1
+        self.mode_dicts: List[dict] = []
+        self.mode_root: dict = {}
+        self.mode_flags: tuple = (None,)
+        self.disabled_reason: Optional[str] = None
+        self._warned: set = set()
+
+    def __deepcopy__(self, memo):
+        """A deep copy of a graphed Layer / Module (an EMA twin, say) gets a block of its own, with no
+        graphs: graphs and pools cannot be copied, and the copy's parameters live elsewhere."""
+        if self.module is None:
+            return self  # a graphed function: functions are not copied
+        twin = memo.get(id(self.module))
+        if twin is None:
+            raise GraphOptError(f"{self.name}: copy the graphed {type(self.module).__name__} itself, not its forward")
+        eager = type(twin).forward.__get__(twin)
+        block = GraphedBlock(twin, eager, twin, self.framework, self.warmup_steps, self.dispatch_key_fn,
+                             self.max_graphs, self.level)
+        memo[id(self)] = block
+        return block
+
+    def __reduce__(self):
+        """Pickling a graphed Layer / Module (torch.save): the copy is graphed, with no graphs yet."""
+        if self.module is None:
+            raise TypeError(f"{self.name}: a graphed function cannot be pickled; pickle the function it wraps")
+        return _rebuilt_block, (self.module, self.warmup_steps, self.dispatch_key_fn, self.max_graphs, self.level)
+
+    # -- the call ----------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self.disabled:
+            return self.call(*args, **kwargs)
+        if self.bridge is None:
+            self._bind(args, kwargs)
+        bridge = self.bridge
+        if bridge.saved_tensor_hooks_active():
+            return self._fallback("saved_tensor_hooks", args, kwargs,
+                                  f"{self.name}: called with saved-tensor hooks on (torch.utils.checkpoint, "
+                                  "activation offloading): they keep the activations themselves, so these calls "
+                                  "run eagerly")
+        if self.module is not None and self.lazy and bridge.uninitialized(self.module):
+            return self._fallback("lazy_parameters", args, kwargs, None)  # LazyLinear: shapes known after a call
+        leaves, spec = flatten((args, kwargs), bridge.is_tensor)
+        key = self._key(spec, leaves, args, kwargs)
+        state = self.keys.get(key)
+        if state is None:
+            if len(self.keys) >= self.max_graphs:
+                return self._fallback("max_graphs", args, kwargs,
+                                      f"{self.name}: more than max_graphs={self.max_graphs} dispatch keys; "
+                                      "calls with new keys run eagerly (raise max_graphs to graph them)")
+            state = self.keys[key] = KeyState()
+        graphs = state.graphs
+        if graphs is not None:
+            if self.module is not None and self._params_moved():
+                self._recapture()
+                graphs = None
+            elif self.pending:
+                return self._fallback("backward_pending", args, kwargs, _PENDING_WARNING.format(name=self.name))
+            else:
+                return self._replay(graphs, leaves, key[1])
+        if state.failed is not None:
+            return self._fallback("capture_failed", args, kwargs, None)
+        if not self._graphs_available():
+            return self._fallback("no_graphs", args, kwargs,
+                                  f"{self.name}: CUDA graphs are unavailable here ({self.adapter.name} without "
+                                  "a CUDA device); autocudagraph runs eagerly")
+        if state.run is None:
+            if self.traced is None:
+                state.run = self.call
+            else:
+                return self._first_call(state, key[1], args, kwargs)
+        if state.warmups < self.warmup_steps:
+            state.warmups += 1
+            self.counters.warmups += 1
+            return self._eager(state.run, args, kwargs)
+        if self.pending:
+            return self._fallback("backward_pending", args, kwargs, _PENDING_WARNING.format(name=self.name))
+        graphs = self._capture(state, leaves, spec, args, kwargs, needs_grad=key[1])
+        if graphs is None:
+            return self._eager(self.call, args, kwargs)
+        return self._replay(graphs, leaves, key[1])
+
+    def _first_call(self, state: KeyState, needs_grad: bool, args, kwargs):
+        """Levels 1 and 2: a key's first call runs eagerly and shows its outputs. A key with several
+        differentiable outputs is captured from the eager forward: a traced backward (AOTAutograd's) gives
+        an output the loss leaves out a zero gradient, not none, so a parameter only it reaches would get
+        zeros where eager gives None, and its backward could make NaN (0 * inf)."""
+        self.counters.warmups += 1
+        outs = self._eager(self.call, args, kwargs)
+        diff = sum(map(self.bridge.requires_grad, flatten(outs, self.bridge.is_tensor)[0])) if needs_grad else 0
+        state.run = self.traced if diff <= 1 else self.call
+        if diff > 1 and "several_outputs" not in self._warned:
+            self._warned.add("several_outputs")
+            logger.info("%s: %d outputs carry gradients; calls with them are captured from the eager forward "
+                        "(level 0), since a traced backward cannot leave an unused output out", self.name, diff)
+        return outs
+
+    def _replay(self, graphs: StepGraphs, leaves, needs_grad: bool):
+        if needs_grad:
+            outs = self.bridge.apply(self, graphs, leaves + self.params + graphs.outside)
+        else:
+            outs = self.forward_replay(graphs, leaves)
+        return unflatten(graphs.out_spec, list(outs))
+
+    def forward_replay(self, graphs: StepGraphs, tensors):
+        """Copy the inputs in, replay the forward graph, return copies of the outputs (a caller may keep
+        them; the next replay rewrites the buffers)."""
+        if self.lent:
+            self._reclaim()
+        if _pending_host_copies:
+            land_pending_copies()
+        copy_ = self.adapter.copy_
+        for dst, src in zip(graphs.static_inputs, tensors):
+            copy_(dst, src)
+        graphs.forward.replay()
+        self.generation += 1
+        self.counters.replays += 1
+        clone = self.bridge.clone
+        return [clone(b) for b in graphs.out_buffers]
+
+    def forward_for_grad(self, ctx, graphs: StepGraphs, tensors):
+        """The body of the Function / PyLayer forward (each bridge's `_ReplayStep`): replay, and leave
+        on ctx what its backward needs. Returns the outputs, those without a gradient marked so."""
+        outs = self.forward_replay(graphs, tensors)
+        ctx.set_materialize_grads(False)  # an output the loss does not use comes back None, not zeros
+        ctx.block, ctx.graphs = self, graphs
+        ctx.pending = PendingBackward(self, tensors) if graphs.backward is not None else None
+        fixed = [o for o, d in zip(outs, graphs.differentiable) if not d]
+        if fixed:
+            ctx.mark_non_differentiable(*fixed)
+        return tuple(outs)
+
+    def backward_for_grad(self, ctx, grads):
+        """The body of the Function / PyLayer backward: one gradient per input tensor."""
+        graphs = ctx.graphs
+        wanted = [g for g, d in zip(grads, graphs.differentiable) if d]
+        return self.backward_replay(graphs, ctx.pending, wanted)
+
+    def backward_replay(self, graphs: StepGraphs, pending: PendingBackward, grads):
+        if pending.generation != self.generation or graphs.backward is None:
+            raise GraphOptError(
+                f"{self.name}: backward through a graphed forward whose activations a later forward replay "
+                "overwrote (or whose graphs were cleared); run each step's backward before the next forward "
+                "of this block")
+        if self.lent:
+            self._reclaim()
+        copy_ = self.adapter.copy_
+        part = None
+        if graphs.reached_from is not None and None in grads:  # the loss left some outputs out
+            used = tuple(g is not None for g in grads)
+            part = graphs.partial[used] if used in graphs.partial else self._capture_partial(graphs, used)
+        if part is not None:
+            for buf, g in zip(graphs.grad_out_buffers, grads):
+                if g is not None:
+                    copy_(buf, g)
+            part.graph.replay()
+            buffers = part.grad_buffers
+        else:
+            zero_ = self.bridge.zero_
+            for buf, g in zip(graphs.grad_out_buffers, grads):
+                if g is None:
+                    zero_(buf)
+                else:
+                    copy_(buf, g)
+            graphs.backward.replay()
+            buffers = graphs.grad_buffers
+            if graphs.reached_from is not None and None in grads:  # that set's own capture failed
+                unused = [g is None for g in grads]
+                buffers = [None if b is None or all(unused[i] for i in outs) else b
+                           for b, outs in zip(buffers, graphs.reached_from)]
+        self.counters.backward_replays += 1
+        if not self.bridge.keeps_graph():  # retain_graph=True: a second backward may read the activations
+            pending.release()
+        return self.bridge.hand_out(buffers, pending.inputs, self.lent)
+
+    def _capture_partial(self, graphs: StepGraphs, used) -> Optional["PartialBackward"]:
+        """Capture, inside the first backward that leaves some outputs out, a backward graph of the used
+        outputs alone (the full one with zeros for the others would give NaN where their backward makes
+        0 * inf); the forward replay just ran, so nothing else is in flight."""
+        adapter = self.adapter
+        simulated = simulation_enabled() or not adapter.graphs_supported()
+        start = time.perf_counter()
+        part = None
+        try:
+            with guards.state_lock, frozen_gc(collect=False), adapter.capture_stream():
+                part = _record_partial(self, graphs, used, simulated)
+        except GraphOptError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the full graph serves that set, with a warning
+            adapter.after_failed_capture()
+            logger.warning("%s: capturing the backward of a loss that leaves some outputs out failed; such "
+                           "backwards replay the full graph with zero gradients for those outputs (NaN where "
+                           "their backward makes 0 * inf): %s", self.name, describe(exc))
+        graphs.partial[used] = part
+        self.counters.capture_seconds += time.perf_counter() - start
+        return part
+
+    def _reclaim(self) -> None:
+        """Give leaves still holding a lent gradient buffer as .grad a copy of their own, before a replay
+        (of any key: they share the pool) rewrites it."""
+        data_ptr = self.adapter.data_ptr
+        for t, buf in self.lent:
+            grad = t.grad
+            if grad is not None and data_ptr(grad) == data_ptr(buf):
+                self.bridge.set_grad(t, self.bridge.clone(grad))
+        self.lent.clear()
+
+    # -- keys --------------------------------------------------------------------------------------
+    def _key(self, spec, leaves, args, kwargs):
+        bridge = self.bridge
+        if self.dispatch_key_fn is not None:
+            user = self.dispatch_key_fn(*args, **kwargs)
+            try:
+                hash(user)
+            except TypeError:
+                raise GraphOptInputError(
+                    f"autocudagraph(dispatch_key_fn=...): {self.name}'s key function returned an unhashable "
+                    f"{type(user).__name__}; return a hashable value (a tuple, int or str)") from None
+            # Added to the arguments' key, never in place of it: a graph replays one shape, layout and
+            # set of inputs requiring grad, whatever the user's key says
+            base = (user, spec, tuple(bridge.leaf_key(t) for t in leaves))
+        else:
+            base = (spec, tuple(bridge.leaf_key(t) for t in leaves))
+        if len(leaves) > 1:  # the same tensor passed twice (attention's x, x, x): its own graph
+            ids = list(map(id, leaves))
+            if len(set(ids)) < len(ids):
+                base = base + (tuple(ids.index(i) for i in ids),)
+        # Grad mode alone, not whether the inputs or the block's own parameters require grad: a block may
+        # read trainable tensors it does not hold (a closure's, another module's), found at capture
+        return base, bridge.grad_enabled(), bridge.amp_state(), self._module_mode()
+
+    def _module_mode(self):
+        """The training flags of the module and its submodules (a graph captured in training mode replays
+        dropout), read again only after a train()/eval() call anywhere or a change of the module's own."""
+        if self.module is None:
+            return None
+        modes = self.modes
+        if modes[0] != self.modes_seen or self.mode_root["training"] is not self.mode_flags[0]:
+            self.mode_flags = tuple(d["training"] for d in self.mode_dicts)
+            self.modes_seen = modes[0]
+        return self.mode_flags
+
+    # -- fallbacks and warnings --------------------------------------------------------------------
+    def _fallback(self, reason: str, args, kwargs, warning: Optional[str]):
+        c = self.counters
+        c.fallbacks += 1
+        c.fallback_reasons[reason] = c.fallback_reasons.get(reason, 0) + 1
+        if warning is not None and reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning(warning)
+        return self._eager(self.call, args, kwargs)
+
+    def _graphs_available(self) -> bool:
+        return simulation_enabled() or self.adapter.graphs_supported()
+
+    # -- capture -----------------------------------------------------------------------------------
+    def _capture(self, state: KeyState, leaves, spec, args, kwargs, needs_grad: bool) -> Optional[StepGraphs]:
+        bridge, adapter = self.bridge, self.adapter
+        simulated = simulation_enabled() or not adapter.graphs_supported()
+        if self.lent:  # a leaf still holding a lent buffer keeps a copy: the capture may reuse the memory
+            self._reclaim()
+        buffers = None
+        if self.module is not None and self.watched_tensors and self._params_moved():
+            # Changed since the graphs of other keys were captured: theirs are as stale as a replay would be
+            run = state.run
+            self._recapture()
+            state.run = run  # this key's outputs were counted at its first call, after the change
+        if self.module is not None:  # what the graphs will read: parameters as they are now
+            self.lazy = False
+            self.params = bridge.trainable_parameters(self.module)
+            self._watch()
+            buffers = bridge.snapshot_buffers(self.module)
+        attrs_before = self._plain_attributes() if self.module is not None else None
+        targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
+        grads_before = bridge.snapshot_grads(targets)
+        rng = bridge.rng_state()
+        start = time.perf_counter()
+        mem_before = None if simulated else adapter.memory_in_use()
+        try:
+            if self.pool is None and not simulated:
+                self.pool = adapter.new_pool()
+            with guards.state_lock, frozen_gc(collect=False), guards.capture_custom_allreduce(), adapter.capture_stream():
+                graphs = _capture_key(self, state.run, leaves, spec, needs_grad, simulated, rng)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the key eager, with one warning
+            bridge.set_rng_state(rng)
+            self._capture_failed(state, exc)
+            return None
+        finally:
+            bridge.restore_grads(grads_before)
+            if buffers is not None:
+                # The capture ran the forward (a private warmup, or the simulated capture): its in-place
+                # updates of buffers (batch norm's running stats) are undone; the replay that follows
+                # makes this call's.
+                bridge.restore_buffers(buffers)
+        if simulated:
+            bridge.set_rng_state(rng)  # a simulated capture ran the block; the replay must draw as eager would
+        else:
+            adapter.synchronize()
+            after = adapter.memory_in_use()
+            if mem_before is not None and after is not None:
+                self.memory_bytes = (self.memory_bytes or 0) + max(0, after - mem_before)
+        if attrs_before is not None:  # what the capture's forward wrote is the forward's own
+            self._note_writes(attrs_before)
+        state.graphs = graphs
+        self.counters.captures += 1
+        self.counters.capture_seconds += time.perf_counter() - start
+        return graphs
+
+    def _capture_failed(self, state: KeyState, exc: BaseException) -> None:
+        self.adapter.after_failed_capture()  # the CUDA generators must leave capture mode
+        # The failed graph gave its hold on the pool back: with no graph of another key holding it, torch
+        # has retired the pool, and a capture into it would fail an internal assert. The next one takes a
+        # pool of its own.
+        self.pool = None
+        why = describe(exc)
+        state.failed = why
+        self.disabled_reason = why
+        self.counters.capture_failures += 1
+        self.counters.fallbacks += 1
+        reasons = self.counters.fallback_reasons
+        reasons["capture_failed"] = reasons.get("capture_failed", 0) + 1
+        logger.warning("%s: capture failed, this key runs eagerly: %s", self.name, why)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def release(self, keep_warmups: bool = False) -> None:
+        if self.lent:
+            self._reclaim()
+        for state in self.keys.values():
+            if state.graphs is not None:
+                state.graphs.release()
+            state.graphs = None
+            state.failed = None
+            state.run = None  # a traced level counts the outputs again (an unfrozen head may add one)
+        if not keep_warmups:
+            self.keys.clear()
+        self.generation += 1  # a pending backward of a released graph must not replay
+        self.epoch += 1
+        self.pending = 0
+        self.disabled_reason = None
+        self.pool = None  # a pool whose graphs are all gone is not captured into again
+        self.memory_bytes = None
+        if self.adapter is not None and not simulation_enabled():
+            self.adapter.release_memory()
+
+    def stats(self) -> TrainingStats:
+        c = self.counters
+        held = [s.graphs for s in self.keys.values() if s.graphs is not None]
+        mode = ("disabled (GRAPH_OPT_DISABLE)" if self.disabled else
+                "training graphs" + _LEVEL_NAMES[self.level] +
+                (" (simulated)" if self.adapter is not None and
+                 (simulation_enabled() or not self.adapter.graphs_supported()) else ""))
+        graphs = sum(1 + (g.backward is not None) + sum(p is not None for p in g.partial.values()) for g in held)
+        return TrainingStats(
+            mode=mode, keys=len(held), graphs=graphs,
+            warmups=c.warmups, captures=c.captures, replays=c.replays, backward_replays=c.backward_replays,
+            fallbacks=c.fallbacks, fallback_reasons=dict(c.fallback_reasons), capture_failures=c.capture_failures,
+            recaptures=c.recaptures, capture_seconds=c.capture_seconds, graph_memory_bytes=self.memory_bytes,
+            static_buffer_bytes=sum(g.buffer_bytes for g in held), disabled_reason=self.disabled_reason)
+
+
+_LEVEL_NAMES = {0: "", 1: ", level 1 (traced: Dynamo and AOTAutograd)", 2: ", level 2 (traced, Inductor)"}
+
+_PENDING_WARNING = ("{name}: called again while the previous graphed forward's backward has not run; the "
+                    "replay would overwrite the activations it reads, so this call runs eagerly. Run backward "
+                    "(or drop the outputs) before the next forward, or call under no_grad")
+
+
+def _rebuilt_block(module, warmup_steps, dispatch_key_fn, max_graphs, level=0) -> "GraphedBlock":
+    """The block of an unpickled graphed module: its forward graphed again, nothing captured."""
+    eager = type(module).forward.__get__(module)
+    return GraphedBlock(module, eager, module, _module_framework(module), warmup_steps, dispatch_key_fn, max_graphs,
+                        level)
+
+
+def _module_framework(obj) -> Optional[str]:
+    try:
+        return backends.framework_of(type(obj))
+    except TypeError:
+        return None

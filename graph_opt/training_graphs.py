@@ -1,0 +1,325 @@
+"""One dispatch key of an autocudagraph block: its graphs and static tensors (StepGraphs), and how they
+are recorded: forward and backward on a device, or host stand-ins under simulated graphs.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+from .errors import CaptureError
+from .pytree import flatten, unflatten
+
+if TYPE_CHECKING:
+    from .training_block import GraphedBlock
+
+
+# -- one captured key ------------------------------------------------------------------------------
+@dataclass
+class StepGraphs:
+    """The graphs of one dispatch key and the static tensors they read and write."""
+
+    forward: Any
+    backward: Any  # None for a key captured under no_grad
+    static_inputs: List[Any]  # one per input tensor leaf, in flatten order
+    out_buffers: List[Any]  # one per output tensor leaf
+    out_spec: Any
+    differentiable: List[bool]  # per output leaf: does it carry a gradient
+    grad_out_buffers: List[Any]  # one per differentiable output
+    grad_buffers: List[Any]  # one per apply() input: a buffer, or None where no grad flows
+    buffer_bytes: int
+    outside: List[Any] = field(default_factory=list)  # leaves the block reads without receiving them
+    # Per apply() input: the differentiable outputs its gradient flows from (None: one output, or all).
+    # A backward where none of them got a gradient gives it None, as eager leaves an unused head's .grad.
+    reached_from: Optional[List[Tuple[int, ...]]] = None
+    grad_inputs: List[Any] = field(default_factory=list)  # what the captured backward differentiates for
+    flows: List[bool] = field(default_factory=list)  # per apply() input: is it one of grad_inputs
+    # A block with several differentiable outputs keeps the capture's outputs and their autograd graph
+    # (over the graphs' own memory): a loss that leaves some outputs out gets a backward graph of the used
+    # ones alone, captured at the first such backward. The full backward with zeros for the unused outputs
+    # would differ: 0 * inf is NaN (the gradient of a logged norm at zero).
+    kept_outs: Optional[List[Any]] = None
+    partial: Dict[Tuple[bool, ...], Optional["PartialBackward"]] = field(default_factory=dict)  # None: failed
+
+    def release(self) -> None:
+        for graph in (self.forward, self.backward, *(p.graph for p in self.partial.values() if p is not None)):
+            if graph is not None:
+                graph.reset()
+        self.forward = self.backward = self.kept_outs = None
+        self.partial = {}
+        self.static_inputs = self.out_buffers = self.grad_out_buffers = self.grad_buffers = self.outside = []
+        self.grad_inputs = []
+
+
+@dataclass
+class PartialBackward:
+    """The backward graph of one set of used outputs and its gradient buffers (per apply() input)."""
+
+    graph: Any
+    grad_buffers: List[Any]
+
+
+@dataclass
+class KeyState:
+    warmups: int = 0
+    graphs: Optional[StepGraphs] = None
+    failed: Optional[str] = None
+    run: Optional[Callable] = None  # the forward its calls and capture run: eager, or traced (levels 1, 2)
+
+
+class PendingBackward:
+    """Handed to the autograd node of one forward replay; released when its backward runs or its
+    autograd graph is freed (the node drops it) without one."""
+
+    __slots__ = ("block", "generation", "epoch", "inputs", "open")
+
+    def __init__(self, block: "GraphedBlock", inputs):
+        self.block = block
+        self.generation = block.generation
+        self.epoch = block.epoch
+        self.inputs = inputs  # the apply() inputs: which leaves still have no .grad is read at backward
+        self.open = True
+        block.pending += 1
+
+    def release(self) -> None:
+        if self.open:
+            self.open = False
+            if self.block.epoch == self.epoch:  # graphs released meanwhile: the count was reset
+                self.block.pending -= 1
+
+    def __del__(self):
+        self.release()
+
+
+def _capture_key(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, simulated: bool,
+                 rng) -> StepGraphs:
+    """Record one key's graphs. On a device: one private warmup of forward and backward on the capture
+    stream (libraries allocate workspaces on first use, which a capture must not do), then the forward
+    graph, then the backward graph. Simulated: the same calls, kept as host closures."""
+    bridge = block.bridge
+    params = block.params
+    # On a device the capture reads the parameters through fresh aliases: autograd keeps one gradient
+    # accumulator per leaf, created on the stream of its first use, and one left from an eager step
+    # (alive while that step's loss is) would make the captured backward wait on the caller's stream.
+    real = not simulated and params
+    with bridge.parameters_for_capture(block.module, params) if real else contextlib.nullcontext(params) as p:
+        return _record(block, run, leaves, spec, needs_grad, simulated, rng, p)
+
+
+def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, simulated: bool, rng,
+            params) -> StepGraphs:
+    bridge, adapter = block.bridge, block.adapter
+    # One static copy per distinct tensor: code may test `query is key` (attention takes another path)
+    copies, static_inputs, first = {}, [], []  # first: False for a repeat, which gets no gradient of its own
+    for t in leaves:
+        s = copies.get(id(t))
+        first.append(s is None)
+        if s is None:
+            s = copies[id(t)] = bridge.static_input(t)
+        static_inputs.append(s)
+    args, kwargs = unflatten(spec, static_inputs)
+    grad_inputs = [t for t, f in zip(static_inputs, first) if f and bridge.requires_grad(t)] + list(params)
+
+    def forward():
+        # Saved tensors kept as views without version checks: a later backward through the capture's
+        # autograd graph (of a loss that leaves some outputs out) reads them as the replays rewrite them,
+        # and the parameters as the optimizer left them
+        with (bridge.enable_grad() if needs_grad else adapter.no_grad()), bridge.amp_cache_disabled(), \
+                (bridge.saved_as_views() if needs_grad else contextlib.nullcontext()):
+            return run(*args, **kwargs)
+
+    if not simulated:
+        mark = bridge.graph_mark() if needs_grad else None
+        outs = forward()
+        if needs_grad:
+            diff = [o for o in flatten(outs, bridge.is_tensor)[0] if bridge.requires_grad(o)]
+            if diff:
+                # The backward the capture will record, tensors read from outside the block included
+                targets = grad_inputs + bridge.outside_tensors(diff, {id(t): t for t in grad_inputs}, mark)[0]
+                with bridge.leaf_hooks_off(targets):
+                    bridge.grad(diff, targets, [bridge.ones_like(o) for o in diff])
+        del outs
+        bridge.set_rng_state(rng)
+        adapter.synchronize()
+
+    mark = bridge.graph_mark() if needs_grad else None
+    fwd = _SimulatedForward(bridge, forward) if simulated else adapter.new_graph(block.pool)
+    fwd.capture_begin()
+    try:
+        outs = forward()
+    finally:
+        fwd.capture_end()
+    out_leaves, out_spec = flatten(outs, bridge.is_tensor)
+    differentiable = [needs_grad and bridge.requires_grad(o) for o in out_leaves]
+    diff_outs = [o for o, d in zip(out_leaves, differentiable) if d]
+    if run is not block.call and len(diff_outs) > 1:
+        raise CaptureError(f"{block.name}: the traced forward now has {len(diff_outs)} outputs that carry gradients; "
+                           "a traced backward would give one the loss leaves out a zero gradient (graph_opt.clear_graphs "
+                           "counts them again and captures such a key from the eager forward)")
+    outside = []
+    if needs_grad and diff_outs:
+        # Tensors the block reads without receiving them (a closure's, a global's, another module's
+        # parameter) get their gradients too: they become inputs of the graphed step.
+        outside, unheld = bridge.outside_tensors(diff_outs, {id(t): t for t in grad_inputs}, mark)
+        if unheld:
+            raise CaptureError(
+                f"{block.name} reads a tensor that requires grad without receiving it as an argument or holding it "
+                "as a parameter, and its gradient cannot be handed to it from a graph here (one computed before "
+                "the call, whose gradient flows on through an autograd graph outside the block; or, on Paddle, "
+                "any such tensor). Pass it as an argument; this key runs eagerly")
+        grad_inputs = grad_inputs + outside
+    out_buffers = [bridge.detach(o) for o in out_leaves]
+    if simulated:
+        fwd.keep(out_buffers, differentiable)
+
+    bwd, grad_out_buffers, grad_buffers, reached_from, kept_outs, flows = None, [], [], None, None, []
+    if needs_grad:
+        grad_out_buffers = [bridge.zeros_like(o) for o in diff_outs]
+        flows = [f and bridge.requires_grad(t) for t, f in zip(static_inputs, first)] + \
+            [True] * (len(params) + len(outside))
+        if diff_outs:
+            bwd = _SimulatedBackward(bridge, fwd, grad_inputs, grad_out_buffers) if simulated \
+                else adapter.new_graph(block.pool)
+            bwd.capture_begin()
+            try:
+                # Captured retaining the forward's saved tensors: a backward that frees them as it goes lets
+                # the pool hand their memory to its own temporaries, and a second backward through the same
+                # forward (retain_graph=True, or autograd.grad twice) would read them overwritten.
+                with bridge.leaf_hooks_off(grad_inputs):
+                    grads = bridge.grad(diff_outs, grad_inputs, grad_out_buffers, retain_graph=True)
+                # One buffer per gradient: autograd may give two leaves one tensor (of `x + a + b`), or the
+                # incoming gradient itself, and each leaf's .grad must be its own
+                grads = bridge.unshared(grads, grad_out_buffers + static_inputs)
+            finally:
+                bwd.capture_end()
+            if simulated:
+                bwd.keep(grads)
+        else:
+            grads = [None] * len(grad_inputs)
+        it = iter(grads)
+        grad_buffers = [next(it) if f else None for f in flows]
+        grad_buffers = [None if g is None else bridge.detach(g) for g in grad_buffers]
+        if len(diff_outs) > 1:
+            it = iter(bridge.reached_from(diff_outs, grad_inputs))
+            reached_from = [next(it) if f else () for f in flows]
+            if not simulated:  # simulated: the latest replay's outputs (fwd.live) serve
+                kept_outs = diff_outs
+    del outs, diff_outs
+    nbytes = adapter.nbytes
+    buffer_bytes = sum(nbytes(t) for t in static_inputs + out_buffers + grad_out_buffers) + \
+        sum(nbytes(g) for g in grad_buffers if g is not None)
+    if not simulated:
+        # Outputs and gradients were allocated in the pool during capture. Holding them weakly lets the
+        # next key's capture reuse those blocks (calls never overlap: see backward_pending), so all keys
+        # together stay close to one key's memory. Inputs and grad_out buffers were allocated outside the
+        # pool and stay owned.
+        weak = adapter.weak_alias
+        out_buffers = [weak(t) for t in out_buffers]
+        grad_buffers = [None if g is None else weak(g) for g in grad_buffers]
+    return StepGraphs(forward=fwd, backward=bwd, static_inputs=static_inputs, out_buffers=out_buffers,
+                      out_spec=out_spec, differentiable=differentiable, grad_out_buffers=grad_out_buffers,
+                      grad_buffers=grad_buffers, buffer_bytes=buffer_bytes, outside=outside,
+                      reached_from=reached_from, grad_inputs=grad_inputs if needs_grad else [], flows=flows,
+                      kept_outs=kept_outs)
+
+
+def _record_partial(block: GraphedBlock, graphs: StepGraphs, used, simulated: bool) -> "PartialBackward":
+    """The backward graph of the used outputs alone, recorded through the kept autograd graph of the
+    capture (simulated: of the latest replay; its dry run computes this backward's gradients) into
+    gradient buffers of its own."""
+    bridge = block.bridge
+    bridge.check_nested_grad()
+    outs = graphs.kept_outs if graphs.kept_outs is not None else graphs.forward.live
+    grad_outs = [b for b, u in zip(graphs.grad_out_buffers, used) if u]
+    bwd = _SimulatedBackward(bridge, graphs.forward, graphs.grad_inputs, graphs.grad_out_buffers, used) \
+        if simulated else block.adapter.new_graph(block.pool)
+    bwd.capture_begin()
+    try:
+        with bridge.leaf_hooks_off(graphs.grad_inputs):
+            grads = bridge.grad([o for o, u in zip(outs, used) if u], graphs.grad_inputs, grad_outs,
+                                retain_graph=True)
+        grads = bridge.unshared(grads, graphs.grad_out_buffers + graphs.static_inputs)
+    finally:
+        bwd.capture_end()
+    if simulated:
+        bwd.keep(grads)
+    it = iter(grads)
+    buffers = [next(it) if f else None for f in graphs.flows]
+    buffers = [None if g is None else bridge.detach(g) for g in buffers]
+    if not simulated:
+        buffers = [None if g is None else block.adapter.weak_alias(g) for g in buffers]
+    return PartialBackward(bwd, buffers)
+
+
+# -- simulated graphs: the host stand-in for a forward and its backward ----------------------------
+class _SimulatedForward:
+    """replay() runs the forward again on the static inputs, with autograd on when the key needs it,
+    writes the output buffers in place and keeps the fresh outputs for the backward's replay."""
+
+    def __init__(self, bridge, run: Callable[[], Any]):
+        self.bridge = bridge
+        self.run = run
+        self.out_buffers: List[Any] = []
+        self.live: List[Any] = []  # the latest replay's differentiable outputs, with their autograd graph
+
+    def capture_begin(self) -> None:
+        pass
+
+    def capture_end(self) -> None:
+        pass
+
+    def keep(self, out_buffers, differentiable) -> None:
+        self.out_buffers = out_buffers
+        self.differentiable = differentiable
+
+    def replay(self) -> None:
+        fresh = flatten(self.run(), self.bridge.is_tensor)[0]
+        if len(fresh) != len(self.out_buffers):
+            raise RuntimeError(f"simulated replay produced {len(fresh)} tensors where the capture produced "
+                               f"{len(self.out_buffers)}")
+        copy_, same = self.bridge.copy_detached, self.bridge.same_memory
+        for dst, src in zip(self.out_buffers, fresh):
+            if not same(dst, src):  # an output that is (a view of) an input: a copy would bump its version
+                copy_(dst, src)
+        self.live = [o for o, d in zip(fresh, self.differentiable) if d]
+
+    def reset(self) -> None:
+        self.run, self.out_buffers, self.live = None, [], []
+
+
+class _SimulatedBackward:
+    """replay() takes autograd.grad of the forward's latest outputs into the static gradient buffers."""
+
+    def __init__(self, bridge, forward: _SimulatedForward, inputs, grad_out_buffers, used=None):
+        self.bridge = bridge
+        self.forward = forward
+        self.inputs = inputs
+        self.grad_out_buffers = grad_out_buffers
+        self.used = used  # the outputs it differentiates (None: all)
+        self.grad_buffers: List[Any] = []
+
+    def capture_begin(self) -> None:
+        pass
+
+    def capture_end(self) -> None:
+        pass
+
+    def keep(self, grads) -> None:
+        self.grad_buffers = grads
+
+    def replay(self) -> None:
+        self.bridge.check_nested_grad()
+        outs, grad_outs = self.forward.live, self.grad_out_buffers
+        if self.used is not None:
+            outs = [o for o, u in zip(outs, self.used) if u]
+            grad_outs = [b for b, u in zip(grad_outs, self.used) if u]
+        with self.bridge.leaf_hooks_off(self.inputs):
+            fresh = self.bridge.grad(outs, self.inputs, grad_outs, retain_graph=True)
+        copy_ = self.bridge.copy_detached
+        for dst, src in zip(self.grad_buffers, fresh):
+            if dst is not None:
+                copy_(dst, src)
+
+    def reset(self) -> None:
+        self.forward = None
+        self.inputs = self.grad_out_buffers = self.grad_buffers = []

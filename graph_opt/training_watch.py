@@ -1,0 +1,155 @@
+"""What a graphed block binds to and watches of its module (ModuleWatch, mixed into GraphedBlock).
+
+At its first call a block binds to the framework of its tensors. After capture its graphs read the
+module's parameters and buffers by address and bake its training flags and plain attributes: a
+parameter, buffer or submodule replaced or added, a parameter frozen or unfrozen, or a plain attribute
+set to another value is found at the next call, and the graphs are dropped and captured again.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import sys
+from typing import Any, Callable, Dict
+
+from . import backends
+from .errors import GraphOptInputError
+from .pytree import flatten
+from .replay_guards import state_key
+
+logger = logging.getLogger("graph_opt")
+
+
+class ModuleWatch:
+    """Mixed into GraphedBlock: binding to a framework, and the module as its graphs read it."""
+
+    def _bind(self, args, kwargs) -> None:
+        framework = self.framework or _framework_of_call(args, kwargs, self.name)
+        backend = backends.load(framework)
+        self.framework = framework
+        self.adapter = backend.ADAPTER
+        self.bridge = backend.autograd_bridge()
+        if self.level:
+            self.traced = self.bridge.traced(self.call, self.level, self.name)
+        if self.module is not None:
+            self.mode_dicts = [d for _, d in self.adapter.module_dicts(self.module)]
+            self.mode_root = self.mode_dicts[0]
+            self.modes = self.adapter.mode_counter()
+            self.modes_seen = -1
+            self.mode_flags = (None,)
+            self.lazy = self.bridge.uninitialized(self.module)
+            self.params = self.bridge.trainable_parameters(self.module)
+            if not self.lazy:
+                self._watch()
+
+    def _watch(self) -> None:
+        owned = self.bridge.owned_tensors(self.module)
+        self.watched_owners = [owner for owner, _, _ in owned]
+        self.watched_names = [name for _, name, _ in owned]
+        self.watched_tensors = [t for _, _, t in owned]
+        self.watched_ptrs = self.bridge.addresses(self.watched_tensors)
+        self.all_params = self.bridge.all_parameters(self.module)
+        self.trainable = self.bridge.trainable_flags(self.all_params)
+        self.registered = self.adapter.registration_counter()
+        self.registrations = self.registered[0]
+        self.tensor_ids = self.adapter.module_tensor_ids(self.module)
+        self._arm_attributes()
+
+    def _plain_attributes(self) -> Dict[str, Any]:
+        keys = ((k, state_key(v)) for k, v in self.module.__dict__.items() if k != "training")
+        return {k: key for k, key in keys if key[0] != "id"}
+
+    def _note_writes(self, before: Dict[str, Any]) -> None:
+        """Attributes changed since `before` by a run of the forward are its own: no longer watched."""
+        written = {k for k, v in self._plain_attributes().items() if before.get(k, _UNSET) != v}
+        if written - self.attr_written:
+            self.attr_written |= written
+            self._arm_attributes()
+
+    def _arm_attributes(self) -> None:
+        """Watch the module's own plain attributes (numbers, strings, bools, None) as they are now, but
+        those its forward writes itself (`self.calls += 1`): a replay runs no Python, so they are not
+        inputs a user sets."""
+        d = self.module.__dict__
+        names = tuple(k for k in self._plain_attributes() if k not in self.attr_written)
+        self.attr_names = names
+        self.attr_get = operator.itemgetter(*names) if len(names) > 1 else \
+            (lambda _d, n=names: tuple(_d[k] for k in n))
+        self.attr_values = self.attr_get(d)
+        self.attr_keys = tuple(map(state_key, self.attr_values))
+        self.attr_count = len(d)
+
+    def _eager(self, run: Callable, args, kwargs):
+        """An eager (or traced, not replayed) call of the block: attributes it writes are the forward's
+        own, and stop being watched."""
+        if self.module is None or self.bridge is None:
+            return run(*args, **kwargs)
+        before = self._plain_attributes()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            self._note_writes(before)
+
+    def _attributes_changed(self) -> bool:
+        """A plain value (number, string, bool, None) of the module's own attributes set to another since
+        capture (`self.temperature = 2.0`), or one set on the instance over a class default: the graphs
+        bake what the forward read. Same objects: nothing to compare (the common case, a few hundred ns)."""
+        d = self.module.__dict__
+        if len(d) != self.attr_count:  # added (over a class default) or deleted
+            if set(self._plain_attributes()) - self.attr_written != set(self.attr_names):
+                return True
+            self.attr_count = len(d)
+        try:
+            values = self.attr_get(d)
+        except KeyError:
+            return True  # deleted
+        if all(map(operator.is_, values, self.attr_values)):
+            return False
+        if tuple(map(state_key, values)) != self.attr_keys:
+            return True
+        self.attr_values = values  # equal values in new objects
+        return False
+
+    def _params_moved(self) -> bool:
+        """A parameter or buffer replaced (a new object, or its data swapped), one added or a submodule
+        replaced (a new head, a LoRA adapter), or the trainable set changed (a parameter frozen or
+        unfrozen): the graphs read and compute gradients for the tensors captured."""
+        tensors = self.watched_tensors
+        if (any(map(operator.is_not, map(dict.get, self.watched_owners, self.watched_names), tensors))
+                or self.bridge.addresses(tensors) != self.watched_ptrs
+                or self.bridge.trainable_flags(self.all_params) != self.trainable
+                or self._attributes_changed()):
+            return True
+        if self.registered[0] != self.registrations:  # a registration somewhere: is it in this module?
+            if self.adapter.module_tensor_ids(self.module) != self.tensor_ids:
+                return True
+            self.registrations = self.registered[0]
+        return False
+
+    def _recapture(self) -> None:
+        if "recapture" not in self._warned:
+            self._warned.add("recapture")
+            logger.warning("%s: a parameter, buffer or submodule was replaced or added after capture (a new "
+                           "tensor, its data swapped, a new submodule), a parameter frozen or unfrozen, or a plain "
+                           "attribute of the module set to another value; its graphs are dropped and captured again",
+                           self.name)
+        self.counters.recaptures += 1
+        self.release(keep_warmups=True)
+        self.params = self.bridge.trainable_parameters(self.module)
+        self._watch()
+
+
+_UNSET = object()
+
+
+def _framework_of_call(args, kwargs, name: str) -> str:
+    """The framework of a function's tensors, judged from the first tensor found."""
+    candidates = [fw for fw in ("torch", "paddle") if fw in sys.modules]
+    for fw in candidates:
+        tensor_type = sys.modules[fw].Tensor
+        leaves, _ = flatten((args, kwargs), lambda x, t=tensor_type: isinstance(x, t))
+        if leaves:
+            return fw
+    raise GraphOptInputError(
+        f"autocudagraph: {name} was called without a tensor argument; a graphed function takes paddle or "
+        "torch tensors (nested in dicts, lists or tuples is fine)")
