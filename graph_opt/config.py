@@ -200,7 +200,9 @@ def _check_keys(values: Mapping[str, Any], source: str) -> None:
     allowed = field_names()
     for key in values:
         if key not in allowed:
-            hint = difflib.get_close_matches(str(key), allowed, n=1)
+            # A key missing its prefix (capture_sizes for cudagraph_capture_sizes) before a spelling match.
+            hint = [name for name in allowed if name.endswith("_" + str(key))] \
+                or difflib.get_close_matches(str(key), allowed, n=1)
             extra = f" (did you mean {hint[0]!r}?)" if hint else ""
             raise GraphOptConfigError(
                 f"{source}: unknown key {key!r}{extra}; allowed keys are {', '.join(allowed)}"

@@ -114,6 +114,7 @@ def test_presets_load():
 BAD_CONFIGS = [
     ({"graph_opt_levle": 1}, "unknown key 'graph_opt_levle' (did you mean 'graph_opt_level'?)"),
     ({"cuda_graph": True}, "unknown key 'cuda_graph'"),
+    ({"capture_sizes": [1, 2]}, "unknown key 'capture_sizes' (did you mean 'cudagraph_capture_sizes'?)"),
     ({"graph_opt_level": 3}, "graph_opt_level=3"),
     ({"graph_opt_level": -1}, "must be 0 (eager), 1 (static) or 2"),
     ({"graph_opt_level": "1"}, "graph_opt_level='1'"),
