@@ -74,6 +74,8 @@ class GraphOptState:
             cfg.graph_mode]
         if self.runner is not None:
             return f"{base} + {'simulated ' if self._simulated else ''}cuda graphs, {kind}"
+        if not self.graphs_available():
+            return f"{base}; cuda graphs ({kind}) configured but unavailable here"
         return f"{base} + cuda graphs, {kind}"
 
     @property

@@ -105,3 +105,4 @@ def test_level1_without_cuda_graphs_warns_once_and_runs_dynamo():
     with torch.no_grad():
         torch.testing.assert_close(m(make_x(3)), _eager(m, make_x(3)), **TOL)
     assert graph_opt.stats(m).translations >= 1
+    assert graph_opt.stats(m).mode == "static (level 1); cuda graphs (piecewise) configured but unavailable here"
