@@ -182,30 +182,24 @@ def decoder(smoke: bool):
     return make, lambda n: torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=None)
 
 
-def gpt2(smoke: bool):
-    device = "cpu" if smoke else "cuda"
+def _hf(serve, graphed):
+    """make and make_inputs of a Hugging Face serving module: its undecorated class without graphs."""
+    def builder(smoke: bool):
+        device = "cpu" if smoke else "cuda"
 
-    def make(cfg):
-        torch.manual_seed(0)
-        cls = GPT2Graphed if cfg.use_cudagraph else GPT2Serve
-        m = cls(graph_opt_config=cfg) if cls is GPT2Graphed else cls()
-        return m.to(device=device, dtype=torch.bfloat16).eval()
+        def make(cfg):
+            torch.manual_seed(0)
+            m = graphed(graph_opt_config=cfg) if cfg.use_cudagraph else serve()
+            return m.to(device=device, dtype=torch.bfloat16).eval()
 
-    g = torch.Generator().manual_seed(0)
-    return make, lambda n: torch.randint(0, 1000, (n, 16), generator=g).to(device)
+        g = torch.Generator().manual_seed(0)
+        return make, lambda n: torch.randint(0, 1000, (n, 16), generator=g).to(device)
+
+    return builder
 
 
-def llama(smoke: bool):
-    device = "cpu" if smoke else "cuda"
-
-    def make(cfg):
-        torch.manual_seed(0)
-        cls = LlamaGraphed if cfg.use_cudagraph else LlamaServe
-        m = cls(graph_opt_config=cfg) if cls is LlamaGraphed else cls()
-        return m.to(device=device, dtype=torch.bfloat16).eval()
-
-    g = torch.Generator().manual_seed(0)
-    return make, lambda n: torch.randint(0, 1000, (n, 16), generator=g).to(device)
+gpt2 = _hf(GPT2Serve, GPT2Graphed)
+llama = _hf(LlamaServe, LlamaGraphed)
 
 
 class CacheLayer(torch.nn.Module):

@@ -137,18 +137,24 @@ def replay_stores(code: types.CodeType, stores: tuple) -> Optional[tuple]:
     the setter being the one the transformed code uses: setattr where it has STORE_ATTR (torch 2.11),
     Dynamo's helper, which skips descriptors, where it loads that (2.13). None when it mixes the two or
     uses neither (not a code this replay understands)."""
-    import dis
-
     if not stores:
         return ()
-    stored = {s[1] for s in stores}
-    instructions = list(dis.get_instructions(code))
-    plain = any(ins.opname == "STORE_ATTR" and ins.argval in stored for ins in instructions)
-    helper = any(ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == _STORE_HELPER for ins in instructions)
-    if plain == helper:
+    attribute_stores, loads_helper = _store_kinds(code)
+    plain = any(s[1] in attribute_stores for s in stores)
+    if plain == loads_helper:
         return None
     setter = setattr if plain else torch._dynamo.utils.object_setattr_ignore_descriptor
     return tuple((setter, chain[0], chain[1:], name, value) for chain, name, value in stores)
+
+
+@functools.lru_cache(maxsize=256)  # per code object, not per size (see pure_replay_code)
+def _store_kinds(code: types.CodeType) -> Tuple[frozenset, bool]:
+    """The attributes the code stores with STORE_ATTR, and whether it loads Dynamo's store helper."""
+    import dis
+
+    instructions = list(dis.get_instructions(code))
+    return (frozenset(ins.argval for ins in instructions if ins.opname == "STORE_ATTR"),
+            any(ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == _STORE_HELPER for ins in instructions))
 
 
 def constant_stores() -> Optional[tuple]:

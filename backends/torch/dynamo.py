@@ -34,7 +34,7 @@ import inspect
 import logging
 import types
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch._dynamo
