@@ -140,6 +140,12 @@ def build(config: Optional[graph_opt.GraphOptConfig], kv, dtype=torch.bfloat16, 
 
 
 # -- timing ---------------------------------------------------------------------------------------
+def paired_us(samples: Dict[str, List[float]], a: str, b: str) -> float:
+    """Median over rounds of a's time minus b's in the same round: a difference of a few microseconds
+    that the host's drift between rounds (several microseconds on a shared host) does not swamp."""
+    return statistics.median(x - y for x, y in zip(samples[a], samples[b]))
+
+
 def device_us(fn: Callable, x, calls: int, repeats: int) -> float:
     """Median over `repeats` of the device time per call of `calls` back-to-back calls."""
     for _ in range(3):
@@ -157,11 +163,14 @@ def device_us(fn: Callable, x, calls: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def host_us(fns: Dict[str, Callable], x, calls: int = 40, rounds: int = 31) -> Dict[str, float]:
+def host_us(fns: Dict[str, Callable], x, calls: int = 40, rounds: int = 31,
+            samples: Optional[Dict[str, List[float]]] = None) -> Dict[str, float]:
     """Median host time per call of each fn. Rounds alternate between the fns, so that a drift of the
     host's speed hits all alike; few enough calls per sample that the launch queue never blocks (checked
-    on the H200 for the piecewise model too: 1, 2, 4 or 40 calls per sample agree within 10%)."""
-    samples: Dict[str, List[float]] = {name: [] for name in fns}
+    on the H200 for the piecewise model too: 1, 2, 4 or 40 calls per sample agree within 10%).
+    samples: filled with each fn's per-round times, for differences paired by round (paired_us)."""
+    samples = {} if samples is None else samples
+    samples.update({name: [] for name in fns})
     for fn in fns.values():
         for _ in range(3):
             fn(x)

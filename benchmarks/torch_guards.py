@@ -34,7 +34,7 @@ import graph_opt
 from graph_opt.decorator import state_of
 
 from .report import write_json
-from .torch_gpu import HandGraphs, build, host_us, make_kv
+from .torch_gpu import HandGraphs, build, host_us, make_kv, paired_us
 
 BATCH = 8
 SIZES = [1, 2, 4, 8]
@@ -157,8 +157,16 @@ def measure(name: str, make, make_inputs, smoke: bool) -> Dict[str, float]:
         fns[label] = _spread(m, x)
     with torch.no_grad():
         if smoke:
-            return {k: 0.0 for k in fns}
-        return host_us(fns, x)
+            return {k: 0.0 for k in fns}, {}
+        samples: Dict[str, List[float]] = {}
+        medians = host_us(fns, x, samples=samples)
+    # What the targets compare, paired by round: the plugin's own work over the hand-written graph's,
+    # and the translating levels over level 0.
+    gaps = {"L0 - copy_ + replay()": paired_us(samples, "L0", "copy_ + replay()")}
+    for label in ("L1", "L1 unguarded", "L2", "L2 unguarded"):
+        if label in samples:
+            gaps[f"{label} - L0"] = paired_us(samples, label, "L0")
+    return medians, gaps
 
 
 def decoder(smoke: bool):
@@ -272,11 +280,12 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m graph_opt benc
         models["hf-llama"] = llama
     except ImportError:
         print("transformers is not installed: the GPT-2 rows are skipped", file=sys.stderr)
+    gaps = {}
     for name, builder in models.items():
         make, make_inputs = builder(args.smoke)
-        results[name] = measure(name, make, make_inputs, args.smoke)
+        results[name], gaps[name] = measure(name, make, make_inputs, args.smoke)
     if not args.smoke:
-        write_json(args.out, "guards_bench.json", {"batch": BATCH, "host_us": results,
+        write_json(args.out, "guards_bench.json", {"batch": BATCH, "host_us": results, "paired_gaps_us": gaps,
                                                    "device": torch.cuda.get_device_name()})
     print(f"host us per call at batch {BATCH} (median):")
     for name, row in results.items():
@@ -288,6 +297,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m graph_opt benc
         a, b = row.get("L0"), row.get("L0 no model-state check")
         if a is not None and b is not None:
             print(f"    level 0: the model-state check costs {a - b:+.1f} us per call")
+        if gaps[name]:
+            print("    paired by round: " + ", ".join(f"{k} {v:+.1f}" for k, v in gaps[name].items()))
     return 0
 
 

@@ -243,6 +243,7 @@ class CapturePhase:
             entry.host_values = [(i, adapter.clone(t)) for i, (t, d) in enumerate(zip(static, sig.dims))
                                  if d is None and adapter.on_host(t)]
         sig.entries[padded] = entry
+        sig.fast.clear()  # a new size may have changed what the plans resolved (mutated inputs)
         # Checked by finish_captures(), once the ranks agreed that every one captured this size: the
         # check replays, and with several ranks a replay's collectives need every rank.
         entry.pending_check = (leaves, expected)

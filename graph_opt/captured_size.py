@@ -65,10 +65,12 @@ class CapturedSize:
         sig = self.sig
         if self.copy_inputs:
             # The dtype check matters: copy_ would cast silently (torch) or fail inside the framework (Paddle).
+            # Every leaf is checked before any is copied: a call refused here has written nothing.
             for dst, shape, dtype, src in zip(dsts, shapes, dtypes, leaves):
+                if src is not dst and (adapter.shape(src) != shape or adapter.dtype(src) != dtype):
+                    return _MISMATCH
+            for dst, src in zip(dsts, leaves):
                 if src is not dst:
-                    if adapter.shape(src) != shape or adapter.dtype(src) != dtype:
-                        return _MISMATCH
                     adapter.copy_(dst, src)
             padding = sig.padding
             if padding.dirty > real:  # an earlier call left real rows where this one pads

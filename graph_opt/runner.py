@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from . import ranks
 from .capture_phase import CapturePhase
 from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH
+from .fast_replay import MISS, FastReplay, plan_for
 from .errors import GraphOptError, GuardFailed, ReplayDivergence
 from .host_outputs import HostRingFull
 from .pytree import flatten
@@ -75,6 +76,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         # Runners of one model's graph kinds (graph_opt.dispatch) share one.
         self.guard = guard if guard is not None else threading.RLock()
         self._acquire = self.guard.acquire
+        self.fast: Optional[FastReplay] = None  # the common call's shortcut, once one of its sizes replayed
         self._release = self.guard.release
 
     # -- hot path ----------------------------------------------------------------------------------
@@ -86,12 +88,18 @@ class GraphRunner(SignatureChecks, CapturePhase):
         if not self._acquire(False):
             raise self.busy_error()
         try:
+            fast = self.fast
+            if fast is not None and not kwargs and len(args) == fast.arity:
+                out = fast(args)
+                if out is not MISS:
+                    return out
             return self._dispatch(args, kwargs)
         finally:
             self._release()
 
     def _dispatch(self, args, kwargs):
-        if not kwargs and len(args) == len(self.params) and all(map(self._is_tensor, args)):
+        positional = not kwargs and len(args) == len(self.params) and all(map(self._is_tensor, args))
+        if positional:
             # The common call, m(x) or m(x, lens): its spec is known without walking the arguments.
             leaves, spec = list(args), _all_tensors_spec(len(args))
         else:
@@ -151,12 +159,8 @@ class GraphRunner(SignatureChecks, CapturePhase):
             out = entry.run(self.adapter, leaves, real)
         except HostRingFull:
             raise  # the caller's error, found before anything ran: the graphs are fine
-        except GuardFailed as exc:
-            return self._fallback(args, kwargs, ("guard", exc.guard))
-        except ReplayDivergence as exc:
-            return self._fallback(args, kwargs, ("divergence", f"{exc}; this call runs without graphs"))
         except Exception as exc:
-            return self._replay_failed(exc, padded, args, kwargs)
+            return self.replay_raised(exc, padded, args, kwargs)
         if out is _ALIASED:
             return self._fallback(args, kwargs, ("aliased", "two tensor arguments share memory and the forward "
                                                  "writes one of them in place: the graph reads them from separate "
@@ -171,7 +175,26 @@ class GraphRunner(SignatureChecks, CapturePhase):
                 raise self._bad_call(sig, leaves, misfit)
             return self._fallback(args, kwargs, ("mismatch", _FALLBACK_REASONS["mismatch"]))
         self.counters.replays += 1
+        if positional and real not in sig.fast:
+            self._keep_plan(sig, entry, real)
         return out
+
+    def _keep_plan(self, sig: Signature, entry, real: int) -> None:
+        """After a replay of the common call: its plan, so that the next such call skips the lookups (fast_replay.py)."""
+        plan = plan_for(self, sig, entry, real)
+        if plan is not None:
+            sig.fast[real] = plan
+            if self.fast is None or self.fast.sig is not sig:
+                self.fast = FastReplay(self, sig)
+
+    def replay_raised(self, exc: Exception, padded: int, args, kwargs):
+        """A replay raised: a guard that failed inside it or a splitting op that diverged run this call
+        without graphs; anything else is _replay_failed's."""
+        if isinstance(exc, GuardFailed):
+            return self._fallback(args, kwargs, ("guard", exc.guard))
+        if isinstance(exc, ReplayDivergence):
+            return self._fallback(args, kwargs, ("divergence", f"{exc}; this call runs without graphs"))
+        return self._replay_failed(exc, padded, args, kwargs)
 
     def canonical(self, args, kwargs):
         """Arguments as one positional tuple in forward's order, defaults filled in, so that m(x),
@@ -258,9 +281,11 @@ class GraphRunner(SignatureChecks, CapturePhase):
             for entry in sig.entries.values():
                 entry.release()
             sig.entries.clear()
+            sig.fast.clear()
             sig.buffers = None
             sig.padding = None
         self.signatures.clear()
+        self.fast = None
         self._sig_numbers = itertools.count(1)
         self.strategy.release()
         self.model_state.release()

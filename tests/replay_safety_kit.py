@@ -10,6 +10,7 @@ warning naming what changed, or a clear error.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -501,3 +502,75 @@ def test_without_copied_inputs_a_transposed_view_of_the_buffer_does_not_replay(F
         assert F.close(m(transposed), twin(transposed))
     s = graph_opt.stats(m)
     assert s.replays == 1 and s.fallback_reasons == {"mismatch": 1}
+
+
+# -- 16. The common call's shortcut (graph_opt/fast_replay.py) --------------------------------------------------
+def _shortcut_taken(m, monkeypatch):
+    """From here on a call that is not answered by the shortcut fails the test."""
+    def full_path(*a, **k):
+        raise AssertionError("the call took the full dispatch")
+    monkeypatch.setattr(state_of(m).runner, "_dispatch", full_path)
+
+
+def test_the_common_call_replays_through_its_plan_and_equals_eager(F, M, level, monkeypatch):
+    m, twin = pair(F, M.Scaled, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.no_grad():
+        for real in (8, 3):  # the full path replays each size once and keeps its plan
+            x = F.randn(real, HIDDEN, seed=real)
+            assert same(F, level, m(x), twin(x))
+        runner = state_of(m).runner
+        assert runner.fast is not None and sorted(runner.fast.plans) == [3, 8]
+        _shortcut_taken(m, monkeypatch)
+        for real in (8, 3, 3, 8):
+            x = F.randn(real, HIDDEN, seed=10 + real)
+            assert same(F, level, m(x), twin(x)), f"a call of {real} rows through the shortcut"
+    assert graph_opt.stats(m).replays == 6
+
+
+def test_a_call_the_shortcut_refuses_has_written_nothing(F, M):
+    m, twin = pair(F, M.KVCache, 0, sizes=[4, 8], pad_values={"pos": 15})
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), F.arange(n)))
+    with F.no_grad():
+        x, pos = F.randn(8, HIDDEN, seed=1), F.arange(8)
+        assert F.close(m(x, pos), twin(x, pos))
+        (sig,) = state_of(m).runner.signatures.values()
+        assert state_of(m).runner.fast.plans
+        before = [F.clone(b) for b in sig.buffers]
+        with pytest.raises(graph_opt.GraphOptInputError, match="pos"):
+            m(F.randn(8, HIDDEN, seed=2), F.randn(8, seed=3))  # pos of another dtype
+        assert all(F.equal(a, b) for a, b in zip(before, sig.buffers)), "a refused call wrote a static buffer"
+        assert F.close(m(x, pos), twin(x, pos))
+
+
+def test_the_plans_go_with_the_graphs(F, M, level, monkeypatch):
+    m, twin = pair(F, M.Scaled, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(4, HIDDEN, seed=4)
+    with F.no_grad():
+        m(x)
+        assert state_of(m).runner.fast is not None
+        graph_opt.clear_graphs(m)
+        assert state_of(m).runner is None or state_of(m).runner.fast is None
+        capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+        assert same(F, level, m(x), twin(x))
+        _shortcut_taken(m, monkeypatch)
+        assert same(F, level, m(x), twin(x))
+
+
+def test_a_replay_that_raises_in_the_shortcut_answers_eagerly_and_drops_the_graphs(F, M, level, logs):
+    m, twin = pair(F, M.Scaled, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(8, HIDDEN, seed=8)
+    with F.no_grad():
+        m(x)
+        plans = state_of(m).runner.fast.plans
+
+        def broken():
+            raise RuntimeError("device lost")
+        plans[8] = dataclasses.replace(plans[8], replay=broken)
+        assert F.close(m(x), twin(x))
+        assert F.close(m(x), twin(x))
+    s = graph_opt.stats(m)
+    assert "replay of size 8 failed: RuntimeError: device lost" in s.disabled_reason
+    assert s.replay_failures == 1 and len(warned(logs, "device lost")) == 1

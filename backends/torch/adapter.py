@@ -17,6 +17,7 @@ import functools
 import gc
 import itertools
 import logging
+import operator
 import warnings
 
 import torch
@@ -70,11 +71,9 @@ class TorchAdapter:
     def is_tensor(self, x) -> bool:
         return isinstance(x, self._tensor)
 
-    def shape(self, t):
-        return t.shape
-
-    def dtype(self, t):
-        return t.dtype
+    # C-level callables, not methods: these run for every argument of every replay.
+    shape = staticmethod(operator.attrgetter("shape"))
+    dtype = staticmethod(operator.attrgetter("dtype"))
 
     def zeros_like(self, t, dim, size):
         shape = list(t.shape)
@@ -157,8 +156,7 @@ class TorchAdapter:
     def narrow(self, t, dim, length):
         return t.narrow(dim, 0, length)
 
-    def copy_(self, dst, src) -> None:
-        dst.copy_(src)
+    copy_ = staticmethod(torch.Tensor.copy_)  # copy_(dst, src)
 
     def data_ptr(self, t) -> int:
         return t.data_ptr()
@@ -183,20 +181,20 @@ class TorchAdapter:
         return _alias(t, t.device)
 
     # -- execution context -----------------------------------------------------------------------
-    def grad_enabled(self) -> bool:
-        return torch.is_grad_enabled()
+    grad_enabled = staticmethod(torch.is_grad_enabled)
 
     def no_grad(self):
         return _no_grad_normal_tensors()
 
-    def ambient(self):
+    @staticmethod
+    def ambient():
         """The autocast state and default dtype a replay must match; None (the common case) without
         autocast and with float32 as the default dtype."""
-        default = torch.get_default_dtype()
-        if not torch._C._is_any_autocast_enabled():
-            return None if default is torch.float32 else (("default dtype", default),)
+        default = _default_dtype()
+        if not _any_autocast():
+            return None if default is _float32 else (("default dtype", default),)
         return tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
-                     if torch.is_autocast_enabled(device)) + ((("default dtype", default),) if default is not torch.float32 else ())
+                     if torch.is_autocast_enabled(device)) + ((("default dtype", default),) if default is not _float32 else ())
 
     def describe_ambient(self, ambient) -> str:
         if not ambient:
@@ -419,6 +417,10 @@ class TorchAdapter:
 
 
 _AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps")
+# Read before every replay (ambient): bound once
+_default_dtype = torch.get_default_dtype
+_any_autocast = torch._C._is_any_autocast_enabled
+_float32 = torch.float32
 
 
 @contextlib.contextmanager

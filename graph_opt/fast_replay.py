@@ -1,0 +1,129 @@
+"""The replay of the common call, precompiled per size: m(x) or m(x, lens), every argument a tensor.
+
+GraphRunner._dispatch (runner.py) answers any call: it canonicalises the arguments, finds their
+signature, the padded size and the captured entry, then CapturedSize.run checks and copies. For the
+common call most of that is the same every time. Once a size has replayed through that path, the
+runner keeps a ReplayPlan for it: the entry's views, shapes and dtypes, resolved. A later call whose
+arguments are those same positional tensors, at that real size, runs the plan: the checks a replay
+needs (every argument a tensor of the captured shape and dtype, no autograd, the model's state, the
+framework's guards) and nothing else. A call the plan does not answer, before anything was written,
+takes the full path, which finds the reason and says it.
+
+A plan exists only for an entry whose replay is just copies in and the graph (no arguments written
+back, no host tensor arguments, no host output copies, copied inputs, a single rank). The signature
+drops its plans when its output layout, its blocked sizes or its entries change (Signature.observe,
+Signature.block, a new capture), and the runner drops them with its graphs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence
+
+from .captured_size import CapturedSize
+from .host_outputs import _pending as _pending_host_copies, land_pending_copies
+
+MISS = object()  # the plan does not answer this call: take the full path
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """One (signature, real size): what its replay reads, resolved once."""
+
+    entry: CapturedSize
+    dsts: Sequence[Any]  # the static buffers' views at the real size
+    shapes: Sequence[Any]
+    dtypes: Sequence[Any]
+    output: Any  # the outputs' views; None when the replay returns fresh outputs
+    replay: Callable[[], Any]
+    check: Optional[Callable[[], Any]]  # the framework's guards (level >= 1)
+    padding: Any
+    real: int
+
+
+def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan]:
+    """A plan for calls of `real` rows replaying `entry`, or None where its replay needs more than copies."""
+    if (entry.copies is not None or sig.mutated or entry.host_values or not entry.copy_inputs
+            or runner.group is not None or sig.padding is None
+            or (real != entry.padded_size and sig.layout.exact_only)):
+        return None
+    views = entry.views.get(real)
+    if views is None:
+        return None
+    dsts, shapes, dtypes, _, output = views
+    captured = entry.captured
+    return ReplayPlan(entry, dsts, shapes, dtypes, output if captured.stable_outputs else None,
+                      captured.replay, captured.check, sig.padding, real)
+
+
+class FastReplay:
+    """The runner's shortcut for calls of its positional-tensor signature (see the module doc)."""
+
+    __slots__ = ("runner", "sig", "arity", "lead", "dim", "plans", "is_tensor", "shape", "dtype", "copy_",
+                 "grad_enabled", "state", "counters")
+
+    def __init__(self, runner, sig):
+        adapter = runner.adapter
+        self.runner = runner
+        self.sig = sig
+        self.arity = len(runner.params)
+        self.lead = sig.dynamic[0]  # the first argument with a batch dim: its size picks the plan
+        self.dim = sig.dims[self.lead]
+        self.plans = sig.fast
+        self.is_tensor = adapter.is_tensor
+        self.shape = adapter.shape
+        self.dtype = adapter.dtype
+        self.copy_ = adapter.copy_
+        self.grad_enabled = adapter.grad_enabled
+        self.state = runner.model_state
+        self.counters = runner.counters
+
+    def __call__(self, args: List[Any]):
+        lead = args[self.lead]
+        if not self.is_tensor(lead):
+            return MISS
+        lead_shape = self.shape(lead)
+        try:
+            plan = self.plans.get(lead_shape[self.dim])
+        except IndexError:
+            return MISS
+        if plan is None or self.grad_enabled() or self.runner.group is not None:
+            return MISS
+        state = self.state
+        if state.captured and state.check() is not None:
+            return MISS
+        if plan.check is not None and plan.check() is not None:
+            return MISS
+        # Every argument checked before any is copied: a call the plan refuses has written nothing.
+        dsts = plan.dsts
+        if self.arity == 1:  # the lead, a batch-dim argument: never the static buffer itself
+            if lead_shape != plan.shapes[0] or self.dtype(lead) != plan.dtypes[0]:
+                return MISS
+        else:
+            is_tensor, shape, dtype = self.is_tensor, self.shape, self.dtype
+            for dst, want, kind, src in zip(dsts, plan.shapes, plan.dtypes, args):
+                if src is not dst and (not is_tensor(src) or shape(src) != want or dtype(src) != kind):
+                    return MISS
+        if _pending_host_copies:  # simulated slow copies (tests) still reading outputs land first
+            land_pending_copies()
+        copy_ = self.copy_
+        if self.arity == 1:
+            copy_(dsts[0], lead)
+        else:
+            for dst, src in zip(dsts, args):
+                if src is not dst:
+                    copy_(dst, src)
+        real = plan.real
+        padding = plan.padding
+        if padding.dirty > real:  # an earlier call left real rows where this one pads
+            padding.wrote(real)
+        else:
+            padding.dirty = real
+        try:
+            fresh = plan.replay()
+        except Exception as exc:
+            return self.runner.replay_raised(exc, plan.entry.padded_size, args, {})
+        self.counters.replays += 1
+        output = plan.output
+        if output is None:
+            return plan.entry._cut_outputs(self.runner.adapter, fresh, real)
+        return output
