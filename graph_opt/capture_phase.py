@@ -11,7 +11,7 @@ import contextlib
 import gc
 import logging
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from . import capture_checks, guards, output_layout, output_sharing, ranks
 from .captured_size import Captured, CapturedSize
@@ -106,6 +106,10 @@ class CapturePhase:
         if not self.config.cudagraph_copy_inputs and real != padded:
             return None  # the caller's buffers must hold the padded rows; nothing can be captured from them
         logger.info("%s: capturing padded size %d lazily (first seen at call time)", self.name, padded)
+        # The check after the capture replays the new size, which writes the outputs every size shares
+        # (output_sharing): an argument that is a view of an earlier call's output (x = m(x)[:n]) would
+        # be overwritten before this call copies it in. Such arguments are kept and put back.
+        kept = self._arguments_in_outputs(sig, leaves)
         error = None
         try:
             with frozen_gc():
@@ -118,8 +122,27 @@ class CapturePhase:
             self.capture_failed(error, padded, across_ranks)
             return None
         self.finish_captures()
+        for leaf, saved in kept:
+            self.adapter.copy_(leaf, saved)
         self.counters.lazy_captures += 1
         return entry
+
+    def _arguments_in_outputs(self, sig: Signature, leaves) -> List[Tuple[Any, Any]]:
+        """(argument, a copy of it) for each tensor argument whose memory overlaps an output of the
+        signature's captured sizes."""
+        adapter = self.adapter
+        spans = []
+        for entry in sig.entries.values():
+            for t in flatten(entry.captured.outputs, adapter.is_tensor)[0]:
+                start = adapter.data_ptr(t)
+                spans.append((start, start + max(adapter.nbytes(t), 1)))
+        kept = []
+        for leaf in leaves:
+            start = adapter.data_ptr(leaf)
+            end = start + max(adapter.nbytes(leaf), 1)
+            if any(start < b and a < end for a, b in spans):
+                kept.append((leaf, adapter.clone(leaf)))
+        return kept
 
     def capture_failed(self, exc: Optional[BaseException], size: int, across_ranks: Optional[str] = None) -> None:
         """Drop every graph and run without them. across_ranks: why, when the ranks agreed on it

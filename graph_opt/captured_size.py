@@ -69,14 +69,15 @@ class CapturedSize:
             for dst, shape, dtype, src in zip(dsts, shapes, dtypes, leaves):
                 if src is not dst and (adapter.shape(src) != shape or adapter.dtype(src) != dtype):
                     return _MISMATCH
-            for dst, src in zip(dsts, leaves):
-                if src is not dst:
-                    adapter.copy_(dst, src)
+            # The padding rows first, then the copies: a copy that raises leaves rows [0, real) counted as written.
             padding = sig.padding
             if padding.dirty > real:  # an earlier call left real rows where this one pads
                 padding.wrote(real)
             else:
                 padding.dirty = real
+            for dst, src in zip(dsts, leaves):
+                if src is not dst:
+                    adapter.copy_(dst, src)
         else:
             # The caller's own buffers: the very memory, shape and strides the graph read at capture
             # (buf.t() has buf's address and another meaning).

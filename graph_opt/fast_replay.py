@@ -103,24 +103,25 @@ class FastReplay:
             for dst, want, kind, src in zip(dsts, plan.shapes, plan.dtypes, args):
                 if src is not dst and (not is_tensor(src) or shape(src) != want or dtype(src) != kind):
                     return MISS
-        if _pending_host_copies:  # simulated slow copies (tests) still reading outputs land first
-            land_pending_copies()
-        copy_ = self.copy_
-        if self.arity == 1:
-            copy_(dsts[0], lead)
-        else:
-            for dst, src in zip(dsts, args):
-                if src is not dst:
-                    copy_(dst, src)
         real = plan.real
         padding = plan.padding
+        # The padding rows first, then the copies: a copy that raises leaves rows [0, real) counted as written.
         if padding.dirty > real:  # an earlier call left real rows where this one pads
             padding.wrote(real)
         else:
             padding.dirty = real
+        if _pending_host_copies:  # simulated slow copies (tests) still reading outputs land first
+            land_pending_copies()
         try:
+            copy_ = self.copy_
+            if self.arity == 1:
+                copy_(dsts[0], lead)
+            else:
+                for dst, src in zip(dsts, args):
+                    if src is not dst:
+                        copy_(dst, src)
             fresh = plan.replay()
-        except Exception as exc:
+        except Exception as exc:  # as the full path: the eager forward answers; the graphs go if it works
             return self.runner.replay_raised(exc, plan.entry.padded_size, args, {})
         self.counters.replays += 1
         output = plan.output

@@ -224,6 +224,11 @@ class GraphRunner(SignatureChecks, CapturePhase):
                 # The static path would not see these either: Paddle's SOT runs its programs on the
                 # parameters it traced with, and neither translator guards every hook.
                 return self.eager(*args, **kwargs)
+        state = self.model_state
+        if state.captured:  # any other fallback (autograd on, a size above the max) after such a change too
+            changed = state.check()
+            if changed is not None and changed[0] in _EAGER_KINDS:
+                return self.eager(*args, **kwargs)
         return self.strategy.run(args, kwargs)
 
     def _replay_failed(self, exc: Exception, padded: int, args, kwargs):

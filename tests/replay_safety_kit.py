@@ -574,3 +574,33 @@ def test_a_replay_that_raises_in_the_shortcut_answers_eagerly_and_drops_the_grap
     s = graph_opt.stats(m)
     assert "replay of size 8 failed: RuntimeError: device lost" in s.disabled_reason
     assert s.replay_failures == 1 and len(warned(logs, "device lost")) == 1
+
+
+def test_a_parameter_replaced_after_capture_is_never_run_stale_by_other_fallbacks(F, M, level):
+    """Calls that run without graphs for another reason (autograd on, a size above the max) after a
+    replacement: the plain forward, never a translated program traced with the old parameter."""
+    m, twin = pair(F, M.Scaled, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    for model in (m, twin):
+        F.replace_weight(model.lin, 0.25)
+    x, big = F.randn(3, HIDDEN, seed=1), F.randn(12, HIDDEN, seed=2)
+    assert F.close(m(x), twin(x)), "a call with autograd on ran the old parameter"
+    with F.no_grad():
+        assert F.close(m(big), twin(big)), "a call above the largest size ran the old parameter"
+        assert F.close(m(x), twin(x))
+
+
+def test_a_decode_loop_feeding_outputs_back_captures_lazily_and_equals_eager(F, M, level):
+    """x = m(x)[:n] without capture_model: each new size is captured at its first call, and the check
+    after that capture replays it, writing the outputs x is a view of, before x is copied in."""
+    m, twin = pair(F, M.Scaled, level)
+    x = F.randn(8, HIDDEN, seed=1)
+    with F.graphs(), F.no_grad():
+        for n in (8, 8, 4, 4, 2, 2):
+            x = F.rows(x, 0, n)
+            want = twin(F.clone(x))
+            out = m(x)
+            assert F.close(out, want), f"the call of {n} rows"
+            x = out
+    s = graph_opt.stats(m)
+    assert s.lazy_captures == 3 and s.replays == 6, s
