@@ -121,6 +121,13 @@ class CapturePhase:
         if error is not None or across_ranks is not None:
             self.capture_failed(error, padded, across_ranks)
             return None
+        if entry.pending_check is not None and sig.mutated:
+            # The check replays on the call's own arguments: the ones the forward writes in place it
+            # writes on copies, or the call's own replay would apply the write a second time.
+            pending, expected = entry.pending_check
+            written = set(sig.mutated)
+            entry.pending_check = ([self.adapter.clone(t) if i in written else t for i, t in enumerate(pending)],
+                                   expected)
         self.finish_captures()
         for leaf, saved in kept:
             self.adapter.copy_(leaf, saved)

@@ -142,6 +142,9 @@ class GraphRunner(SignatureChecks, CapturePhase):
                 return self._fallback(args, kwargs, ("mismatch", _FALLBACK_REASONS["mismatch"]))
             entry = self._capture_lazily(sig, padded, real, leaves)
             if entry is None:
+                if self.disabled_reason is not None:  # the capture failed: the translated path is suspect too
+                    self.counters.fallbacks += 1
+                    return self.eager(*args, **kwargs)
                 return self._fallback(args, kwargs, None)
         if blocked is None:
             check = entry.captured.check

@@ -604,3 +604,16 @@ def test_a_decode_loop_feeding_outputs_back_captures_lazily_and_equals_eager(F, 
             x = out
     s = graph_opt.stats(m)
     assert s.lazy_captures == 3 and s.replays == 6, s
+
+
+def test_a_forward_that_writes_its_input_writes_it_once_when_captured_at_the_call(F, M, level):
+    """Without capture_model: the size is captured at the first call, and the check after the capture
+    replays it. The caller's tensor gets the forward's write once, as in eager; where the capture fails
+    (Paddle's SOT drops the write) the call that found it is answered by the plain forward too."""
+    m, twin = pair(F, M.WritesInput, level)
+    with F.graphs(), F.no_grad():
+        for real in (3, 3, 8):
+            x = F.randn(real, HIDDEN, seed=real)
+            x_twin = F.clone(x)
+            assert F.close(m(x), twin(x_twin)), f"the call of {real} rows"
+            assert F.equal(x, x_twin), f"the call of {real} rows wrote its argument other than eager did"
