@@ -121,16 +121,18 @@ class CapturePhase:
         if error is not None or across_ranks is not None:
             self.capture_failed(error, padded, across_ranks)
             return None
-        if entry.pending_check is not None and sig.mutated:
+        pending = entry.pending_check
+        if pending is not None and pending[1] is not None and sig.mutated:
             # The check replays on the call's own arguments: the ones the forward writes in place it
             # writes on copies, or the call's own replay would apply the write a second time.
-            pending, expected = entry.pending_check
             written = set(sig.mutated)
-            entry.pending_check = ([self.adapter.clone(t) if i in written else t for i, t in enumerate(pending)],
-                                   expected)
-        self.finish_captures()
-        for leaf, saved in kept:
-            self.adapter.copy_(leaf, saved)
+            entry.pending_check = ([self.adapter.clone(t) if i in written else t for i, t in enumerate(pending[0])],
+                                   pending[1])
+        try:
+            self.finish_captures()
+        finally:
+            for leaf, saved in kept:
+                self.adapter.copy_(leaf, saved)
         self.counters.lazy_captures += 1
         return entry
 
@@ -156,8 +158,7 @@ class CapturePhase:
         (graph_opt.ranks); exc is then this rank's own error, or None where only a peer failed."""
         self.counters.capture_failures += 1
         self.adapter.after_failed_capture()
-        self.release()
-        self.disabled_reason = across_ranks or f"capture of size {size} failed: {describe(exc)}"
+        self.disable(across_ranks or f"capture of size {size} failed: {describe(exc)}")
         logger.warning("%s: %s; running without graphs", self.name, self.disabled_reason)
 
     def _static_inputs(self, sig: Signature, padded: int, leaves) -> List[Any]:
@@ -273,7 +274,7 @@ class CapturePhase:
             entry.host_values = [(i, adapter.clone(t)) for i, (t, d) in enumerate(zip(static, sig.dims))
                                  if d is None and adapter.on_host(t)]
         sig.entries[padded] = entry
-        sig.fast.clear()  # a new size may have changed what the plans resolved (mutated inputs)
+        sig.plans.clear()  # a new size may have changed what the plans resolved (mutated inputs)
         # Checked by finish_captures(), once the ranks agreed that every one captured this size: the
         # check replays, and with several ranks a replay's collectives need every rank.
         entry.pending_check = (leaves, expected)

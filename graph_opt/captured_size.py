@@ -1,7 +1,8 @@
 """One captured padded size: what a strategy hands back (Captured) and what a replay needs (CapturedSize).
 
-CapturedSize.run is the end of a call's path (runner.py): copy the real rows into the static buffers,
-replay, return views of the captured outputs. Nothing on that path logs or allocates device memory.
+CapturedSize.run is the end of a call's full path (runner.py): copy the real rows into the static
+buffers, replay, return views of the captured outputs. Nothing on that path logs or allocates device
+memory. The common call's shortcut (fast_replay.py) does the same from a plan resolved once per size.
 """
 from __future__ import annotations
 
@@ -69,12 +70,7 @@ class CapturedSize:
             for dst, shape, dtype, src in zip(dsts, shapes, dtypes, leaves):
                 if src is not dst and (adapter.shape(src) != shape or adapter.dtype(src) != dtype):
                     return _MISMATCH
-            # The padding rows first, then the copies: a copy that raises leaves rows [0, real) counted as written.
-            padding = sig.padding
-            if padding.dirty > real:  # an earlier call left real rows where this one pads
-                padding.wrote(real)
-            else:
-                padding.dirty = real
+            sig.padding.wrote(real)  # before the copies: one that raises leaves rows [0, real) counted as written
             for dst, src in zip(dsts, leaves):
                 if src is not dst:
                     adapter.copy_(dst, src)
@@ -98,7 +94,7 @@ class CapturedSize:
             if copies is not None:
                 return copies.after_replay(output, real)
             return output
-        return self._cut_outputs(adapter, fresh, real)
+        return self.cut_outputs(adapter, fresh, real)
 
     def _write_back(self, adapter, sig, dsts, leaves) -> None:
         """The forward writes some inputs in place: eager would have written the caller's tensors."""
@@ -113,12 +109,12 @@ class CapturedSize:
         shapes = [adapter.shape(t) for t in dsts]
         dtypes = [adapter.dtype(t) for t in dsts]
         strides = [adapter.stride(t) for t in dsts]
-        output = self._cut_outputs(adapter, self.captured.outputs, real) if self.captured.stable_outputs else None
+        output = self.cut_outputs(adapter, self.captured.outputs, real) if self.captured.stable_outputs else None
         views = (dsts, shapes, dtypes, strides, output)
         self.views[real] = views
         return views
 
-    def _cut_outputs(self, adapter, outputs, real: int):
+    def cut_outputs(self, adapter, outputs, real: int):
         if real == self.padded_size:
             return outputs
         return self.sig.layout.cut(adapter, outputs, real)

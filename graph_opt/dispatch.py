@@ -68,6 +68,7 @@ class KindDispatch:
         if full.guard is not piecewise.guard:
             raise ValueError("KindDispatch: the two runners must share one guard (GraphRunner(guard=...))")
         self.guard = full.guard
+        full.siblings, piecewise.siblings = [piecewise], [full]  # one model state: a failure stops both
 
     # -- the call ------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -33,7 +33,8 @@ class ReplayPlan:
     dsts: Sequence[Any]  # the static buffers' views at the real size
     shapes: Sequence[Any]
     dtypes: Sequence[Any]
-    output: Any  # the outputs' views; None when the replay returns fresh outputs
+    output: Any  # the outputs' views, when the replay writes them in place (stable)
+    stable: bool
     replay: Callable[[], Any]
     check: Optional[Callable[[], Any]]  # the framework's guards (level >= 1)
     padding: Any
@@ -51,7 +52,7 @@ def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan
         return None
     dsts, shapes, dtypes, _, output = views
     captured = entry.captured
-    return ReplayPlan(entry, dsts, shapes, dtypes, output if captured.stable_outputs else None,
+    return ReplayPlan(entry, dsts, shapes, dtypes, output, captured.stable_outputs,
                       captured.replay, captured.check, sig.padding, real)
 
 
@@ -68,7 +69,7 @@ class FastReplay:
         self.arity = len(runner.params)
         self.lead = sig.dynamic[0]  # the first argument with a batch dim: its size picks the plan
         self.dim = sig.dims[self.lead]
-        self.plans = sig.fast
+        self.plans = sig.plans
         self.is_tensor = adapter.is_tensor
         self.shape = adapter.shape
         self.dtype = adapter.dtype
@@ -105,14 +106,13 @@ class FastReplay:
                     return MISS
         real = plan.real
         padding = plan.padding
-        # The padding rows first, then the copies: a copy that raises leaves rows [0, real) counted as written.
-        if padding.dirty > real:  # an earlier call left real rows where this one pads
+        if padding.dirty > real:  # padding.wrote(real), the call saved where no row needs a fill
             padding.wrote(real)
         else:
             padding.dirty = real
-        if _pending_host_copies:  # simulated slow copies (tests) still reading outputs land first
-            land_pending_copies()
         try:
+            if _pending_host_copies:  # simulated slow copies (tests) still reading outputs land first
+                land_pending_copies()
             copy_ = self.copy_
             if self.arity == 1:
                 copy_(dsts[0], lead)
@@ -124,7 +124,6 @@ class FastReplay:
         except Exception as exc:  # as the full path: the eager forward answers; the graphs go if it works
             return self.runner.replay_raised(exc, plan.entry.padded_size, args, {})
         self.counters.replays += 1
-        output = plan.output
-        if output is None:
-            return plan.entry._cut_outputs(self.runner.adapter, fresh, real)
-        return output
+        if plan.stable:
+            return plan.output
+        return plan.entry.cut_outputs(self.runner.adapter, fresh, real)

@@ -58,8 +58,9 @@ class Padding:
                 adapter.fill_(buf, value)
 
     def wrote(self, real: int) -> None:
-        """After `real` rows were copied into the buffers: every row past them holds the pad value
-        again (one fill of the rows an earlier, larger call left, where there are any)."""
+        """A call of `real` rows, before its rows are copied in: every row past them holds the pad value
+        again (one fill of the rows an earlier, larger call left, where there are any), and rows
+        [0, real) count as written, also when a copy then raises."""
         dirty = self.dirty
         if dirty > real:
             fill = self.adapter.fill_rows

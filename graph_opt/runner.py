@@ -2,7 +2,8 @@
 
 A call follows GraphRunner.__call__ -> CapturedSize.run (captured_size.py): flatten the arguments,
 look the padded size up in a table, copy the real rows into static buffers, replay, return views of
-the captured outputs. Nothing on that path logs or allocates device memory.
+the captured outputs. Nothing on that path logs or allocates device memory. The common call (every
+argument a positional tensor) takes a shortcut once its size has replayed: fast_replay.py.
 
 Beside the dispatch, in their own files and mixed into GraphRunner: call signatures and the checks of
 calls that do not fit them (signature.py), warmup -> capture of one size (capture_phase.py).
@@ -21,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from . import ranks
 from .capture_phase import CapturePhase
 from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH
-from .fast_replay import MISS, FastReplay, plan_for
 from .errors import GraphOptError, GuardFailed, ReplayDivergence
+from .fast_replay import MISS, FastReplay, plan_for
 from .host_outputs import HostRingFull
 from .pytree import flatten
 from .replay_guards import ModelState, Unwatched
@@ -76,8 +77,11 @@ class GraphRunner(SignatureChecks, CapturePhase):
         # Runners of one model's graph kinds (graph_opt.dispatch) share one.
         self.guard = guard if guard is not None else threading.RLock()
         self._acquire = self.guard.acquire
-        self.fast: Optional[FastReplay] = None  # the common call's shortcut, once one of its sizes replayed
         self._release = self.guard.release
+        self.shortcut: Optional[FastReplay] = None  # the common call's shortcut, once one of its sizes replayed
+        # The other graph kind of the same model (graph_opt.dispatch): it shares this runner's model state,
+        # which a failure here releases, so it stops with this one (disable()).
+        self.siblings: List["GraphRunner"] = []
 
     # -- hot path ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -88,9 +92,9 @@ class GraphRunner(SignatureChecks, CapturePhase):
         if not self._acquire(False):
             raise self.busy_error()
         try:
-            fast = self.fast
-            if fast is not None and not kwargs and len(args) == fast.arity:
-                out = fast(args)
+            shortcut = self.shortcut
+            if shortcut is not None and not kwargs and len(args) == shortcut.arity:
+                out = shortcut(args)
                 if out is not MISS:
                     return out
             return self._dispatch(args, kwargs)
@@ -178,7 +182,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
                 raise self._bad_call(sig, leaves, misfit)
             return self._fallback(args, kwargs, ("mismatch", _FALLBACK_REASONS["mismatch"]))
         self.counters.replays += 1
-        if positional and real not in sig.fast:
+        if positional and real not in sig.plans:
             self._keep_plan(sig, entry, real)
         return out
 
@@ -186,9 +190,9 @@ class GraphRunner(SignatureChecks, CapturePhase):
         """After a replay of the common call: its plan, so that the next such call skips the lookups (fast_replay.py)."""
         plan = plan_for(self, sig, entry, real)
         if plan is not None:
-            sig.fast[real] = plan
-            if self.fast is None or self.fast.sig is not sig:
-                self.fast = FastReplay(self, sig)
+            sig.plans[real] = plan
+            if self.shortcut is None or self.shortcut.sig is not sig:
+                self.shortcut = FastReplay(self, sig)
 
     def replay_raised(self, exc: Exception, padded: int, args, kwargs):
         """A replay raised: a guard that failed inside it or a splitting op that diverged run this call
@@ -245,11 +249,17 @@ class GraphRunner(SignatureChecks, CapturePhase):
         except Exception as eager_exc:
             raise eager_exc from None  # the caller's error, as without graphs; not chained to the replay's
         self.counters.replay_failures += 1
-        self.release()
-        self.disabled_reason = f"replay of size {padded} failed: {type(exc).__name__}: {exc}"
+        self.disable(f"replay of size {padded} failed: {type(exc).__name__}: {exc}")
         logger.warning("%s: %s; running without graphs (clear_graphs() and capture_model() capture again)",
                        self.name, self.disabled_reason)
         return out
+
+    def disable(self, reason: str) -> None:
+        """Drop every graph and run without them, this runner and its siblings (they share the model state)."""
+        for runner in [self] + self.siblings:
+            if runner is self or runner.disabled_reason is None:
+                runner.release()
+                runner.disabled_reason = reason
 
     def busy_error(self) -> GraphOptError:
         return GraphOptError(
@@ -289,11 +299,11 @@ class GraphRunner(SignatureChecks, CapturePhase):
             for entry in sig.entries.values():
                 entry.release()
             sig.entries.clear()
-            sig.fast.clear()
+            sig.plans.clear()
             sig.buffers = None
             sig.padding = None
         self.signatures.clear()
-        self.fast = None
+        self.shortcut = None
         self._sig_numbers = itertools.count(1)
         self.strategy.release()
         self.model_state.release()

@@ -36,7 +36,7 @@ class Signature:
         self.lazy = lazy  # made by a call rather than by capture_model
         self.entries: Dict[int, CapturedSize] = {}
         # real size -> fast_replay.ReplayPlan of the common call; dropped when what a plan resolved changes
-        self.fast: Dict[int, Any] = {}
+        self.plans: Dict[int, Any] = {}
         self.buffers: Optional[List[Any]] = None  # static input buffers at the max size (copy_inputs)
         self.padding: Optional[Padding] = None  # their padding rows (copy_inputs)
         self.mutated: List[int] = []  # leaves the forward writes in place: written back after a replay
@@ -80,14 +80,14 @@ class Signature:
         layout.blocked = self.layout.blocked
         if layout != self.layout:
             self.layout = layout
-            self.fast.clear()
+            self.plans.clear()
             for entry in self.entries.values():
                 entry.views.clear()
 
     def block(self, why: str) -> None:
         """From now on only calls of a captured size replay (capture_checks found padded calls differ)."""
         self.layout.blocked.append(why)
-        self.fast.clear()
+        self.plans.clear()
 
 
 class SignatureChecks:

@@ -106,6 +106,33 @@ def test_a_capture_failure_drops_both_kinds_with_one_warning(H, caplog, monkeypa
     assert graph_opt.stats(model).captured_sizes == SIZES
 
 
+def test_a_lazy_capture_failing_in_one_kind_stops_both_and_train_mode_never_replays(H, caplog, monkeypatch):
+    """The kinds share the model's state (training flags, replaced parameters...): one kind failing at a
+    call must not leave the other replaying without those checks."""
+    model, reference, kind = _model(H)
+    x = H.demo.make_inputs(4, HIDDEN, seed=1)["x"]
+    with H.simulated(), H.demo.no_grad():
+        model(x)
+        model(x)  # full@4 captured at the call, then replayed
+        runner = state_of(model).runner
+
+        def failing(*a, **k):
+            raise RuntimeError("injected piecewise capture fault")
+
+        monkeypatch.setattr(runner.piecewise.strategy, "capture", failing)
+        kind.value = "piecewise"
+        with caplog.at_level(logging.WARNING, logger="graph_opt"):
+            assert H.demo.compare(model(x), reference(x))[0]
+        assert len([r for r in caplog.records if "injected" in r.getMessage()]) == 1
+        model.train()
+        reference.train()
+        kind.value = "full"
+        before = graph_opt.stats(model).replays
+        assert H.demo.compare(model(x), reference(x))[0]
+    stats = graph_opt.stats(model)
+    assert stats.replays == before and "injected" in stats.disabled_reason
+
+
 def test_a_bad_key_and_a_missing_key_fn_are_named(H):
     model, _, kind = _model(H)
     _capture(H, model)

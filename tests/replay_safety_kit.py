@@ -520,7 +520,7 @@ def test_the_common_call_replays_through_its_plan_and_equals_eager(F, M, level, 
             x = F.randn(real, HIDDEN, seed=real)
             assert same(F, level, m(x), twin(x))
         runner = state_of(m).runner
-        assert runner.fast is not None and sorted(runner.fast.plans) == [3, 8]
+        assert runner.shortcut is not None and sorted(runner.shortcut.plans) == [3, 8]
         _shortcut_taken(m, monkeypatch)
         for real in (8, 3, 3, 8):
             x = F.randn(real, HIDDEN, seed=10 + real)
@@ -535,7 +535,7 @@ def test_a_call_the_shortcut_refuses_has_written_nothing(F, M):
         x, pos = F.randn(8, HIDDEN, seed=1), F.arange(8)
         assert F.close(m(x, pos), twin(x, pos))
         (sig,) = state_of(m).runner.signatures.values()
-        assert state_of(m).runner.fast.plans
+        assert state_of(m).runner.shortcut.plans
         before = [F.clone(b) for b in sig.buffers]
         with pytest.raises(graph_opt.GraphOptInputError, match="pos"):
             m(F.randn(8, HIDDEN, seed=2), F.randn(8, seed=3))  # pos of another dtype
@@ -549,9 +549,9 @@ def test_the_plans_go_with_the_graphs(F, M, level, monkeypatch):
     x = F.randn(4, HIDDEN, seed=4)
     with F.no_grad():
         m(x)
-        assert state_of(m).runner.fast is not None
+        assert state_of(m).runner.shortcut is not None
         graph_opt.clear_graphs(m)
-        assert state_of(m).runner is None or state_of(m).runner.fast is None
+        assert state_of(m).runner is None or state_of(m).runner.shortcut is None
         capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
         assert same(F, level, m(x), twin(x))
         _shortcut_taken(m, monkeypatch)
@@ -564,7 +564,7 @@ def test_a_replay_that_raises_in_the_shortcut_answers_eagerly_and_drops_the_grap
     x = F.randn(8, HIDDEN, seed=8)
     with F.no_grad():
         m(x)
-        plans = state_of(m).runner.fast.plans
+        plans = state_of(m).runner.shortcut.plans
 
         def broken():
             raise RuntimeError("device lost")
