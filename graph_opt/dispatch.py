@@ -102,10 +102,8 @@ class KindDispatch:
         self.piecewise.finish_captures()
 
     def capture_failed(self, exc, size: int, across_ranks: Optional[str] = None) -> None:
-        self.full.capture_failed(exc, size, across_ranks)  # the one warning
-        self.piecewise.release()
+        self.full.capture_failed(exc, size, across_ranks)  # the one warning; it disables piecewise too
         self.piecewise.counters.capture_failures += 1
-        self.piecewise.disabled_reason = self.full.disabled_reason
 
     @property
     def disabled_reason(self) -> Optional[str]:

@@ -13,6 +13,8 @@ import math
 import paddle
 from paddle.device.cuda import graphs as _graphs
 
+from ..call_counters import count_calls
+
 
 def _cuda_graphs_available() -> bool:
     return bool(_graphs.is_cuda_graph_supported()) and paddle.is_compiled_with_cuda() and \
@@ -375,15 +377,8 @@ def _install_registration_counter() -> None:
             _registrations[0] += 1
 
     layer.__setattr__ = counted_setattr
-    for name, counter in (("add_parameter", _registrations), ("register_buffer", _registrations),
-                          ("add_sublayer", _registrations), ("_apply", _conversions)):
-        method = getattr(layer, name)
-
-        def counted(self, *args, _method=method, _counter=counter, **kwargs):
-            _counter[0] += 1
-            return _method(self, *args, **kwargs)
-
-        setattr(layer, name, functools.wraps(method)(counted))
+    count_calls(layer, ("add_parameter", "register_buffer", "add_sublayer"), _registrations)
+    count_calls(layer, ("_apply",), _conversions)
     _registration_counter_installed = True
 
 
@@ -397,14 +392,7 @@ def _install_hook_counter() -> None:
         return
     from paddle.nn.layer.layers import HookRemoveHelper
 
-    for name in ("__init__", "remove"):
-        method = getattr(HookRemoveHelper, name)
-
-        def counted(self, *args, _method=method, **kwargs):
-            _hook_changes[0] += 1
-            return _method(self, *args, **kwargs)
-
-        setattr(HookRemoveHelper, name, functools.wraps(method)(counted))
+    count_calls(HookRemoveHelper, ("__init__", "remove"), _hook_changes)
     _hook_counter_installed = True
 
 
@@ -416,14 +404,7 @@ def _install_mode_counter() -> None:
     global _mode_counter_installed
     if _mode_counter_installed:
         return
-    for name in ("train", "eval"):
-        method = getattr(paddle.nn.Layer, name)
-
-        def counted(self, *args, _method=method, **kwargs):
-            _mode_changes[0] += 1
-            return _method(self, *args, **kwargs)
-
-        setattr(paddle.nn.Layer, name, functools.wraps(method)(counted))
+    count_calls(paddle.nn.Layer, ("train", "eval"), _mode_changes)
     _mode_counter_installed = True
 
 

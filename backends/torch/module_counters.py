@@ -10,6 +10,8 @@ import functools
 import torch
 from torch.nn.modules import module as _module_mod
 
+from ..call_counters import count_calls
+
 _registrations = [0]  # parameter, buffer or submodule registrations in this process
 _hooks_installed = False
 
@@ -67,14 +69,7 @@ def _install_mode_counter() -> None:
     global _mode_counter_installed
     if _mode_counter_installed:
         return
-    train = torch.nn.Module.train
-
-    @functools.wraps(train)
-    def counted_train(self, mode=True):
-        _mode_changes[0] += 1
-        return train(self, mode)
-
-    torch.nn.Module.train = counted_train
+    count_calls(torch.nn.Module, ("train",), _mode_changes)  # eval() calls train(False)
     _mode_counter_installed = True
 
 
@@ -88,14 +83,7 @@ def _install_hook_counter() -> None:
         return
     from torch.utils.hooks import RemovableHandle
 
-    for name in ("__init__", "remove"):
-        method = getattr(RemovableHandle, name)
-
-        def counted(self, *args, _method=method, **kwargs):
-            _hook_changes[0] += 1
-            return _method(self, *args, **kwargs)
-
-        setattr(RemovableHandle, name, functools.wraps(method)(counted))
+    count_calls(RemovableHandle, ("__init__", "remove"), _hook_changes)
     _hook_counter_installed = True
 
 
@@ -107,12 +95,5 @@ def _install_conversion_counter() -> None:
     global _conversion_counter_installed
     if _conversion_counter_installed:
         return
-    apply = torch.nn.Module._apply
-
-    @functools.wraps(apply)
-    def counted_apply(self, *args, **kwargs):
-        _conversions[0] += 1
-        return apply(self, *args, **kwargs)
-
-    torch.nn.Module._apply = counted_apply
+    count_calls(torch.nn.Module, ("_apply",), _conversions)
     _conversion_counter_installed = True
