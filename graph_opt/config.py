@@ -44,7 +44,8 @@ class GraphOptConfig:
         time, without capture_model; calls with further values run without graphs.
     guarded_replays: level >= 1, evaluate the framework's guards (Dynamo's guard manager, SOT's guard
         functions) before every replay, except those on graph_opt's own capture flags. False skips
-        them, as vLLM does: the Python state the forward reads must then not change after capture.
+        them, as vLLM does: the Python state the forward reads must then not change after capture
+        (the decorated model's own attributes are still watched, as at level 0).
     """
 
     graph_opt_level: int = 0

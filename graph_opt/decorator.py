@@ -45,7 +45,9 @@ class GraphOptState:
         # so that they run at every call, replays included (and not twice on a fallback).
         self.forward_call = lambda *args, **kwargs: forward_fn(model, *args, **kwargs)
         level0 = cfg.graph_opt_level == 0
-        self.model_state = ModelState(self.adapter, model, self.name, watch_attributes=level0,
+        # Without the framework's guards a level >= 1 replay keeps level 0's watch of the model's attributes.
+        self.model_state = ModelState(self.adapter, model, self.name,
+                                      watch_attributes=level0 or not cfg.guarded_replays,
                                       watch_replacements=level0 or not self.adapter.static_reads_replaced_tensors)
         self.disabled = env.disabled()
         self.runner: Optional[GraphRunner] = None

@@ -82,6 +82,20 @@ def test_a_changed_attribute_runs_without_graphs_with_one_warning_then_replays_a
         assert graph_opt.stats(m).replays == replays + 1
 
 
+def test_without_the_frameworks_guards_every_level_still_sees_the_models_attributes(F, M, level, logs):
+    """guarded_replays: false skips Dynamo's / SOT's guards; the model's own attributes stay watched, as at level 0."""
+    m, twin = pair(F, M.Scaled, level, config={"guarded_replays": False})
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    with F.no_grad():
+        assert same(F, level, m(x), twin(x))
+        m.temperature = twin.temperature = 4.0
+        assert F.close(m(x), twin(x)), "a replay ignored the new temperature"
+        assert graph_opt.stats(m).replays == 1 and len(warned(logs, "temperature")) == 1
+        m.temperature = twin.temperature = 1.0
+        assert same(F, level, m(x), twin(x)) and graph_opt.stats(m).replays == 2
+
+
 def test_a_changed_global_is_guarded_at_level_1(F, M, logs):
     """Level 0 cannot see a global (README, "What a replay assumes"); level >= 1 guards it."""
     m, twin = pair(F, M.ScaledByGlobal, 1)
