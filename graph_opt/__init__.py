@@ -31,6 +31,7 @@ from .host_outputs import HostFuture, to_host_async
 from .lifecycle import capture_model, clear_graphs, stats
 from .passes import optimize_program
 from .split import splitting_op
+from .static_address import mark_static_address
 from .stats import CaptureReport, Stats, TrainingStats
 from .training import autocudagraph
 
@@ -58,6 +59,7 @@ __all__ = [
     "capture_custom_allreduce",
     "is_capturing",
     "splitting_op",
+    "mark_static_address",
     "optimize_program",
     "testing",
     "GraphOptError",

@@ -44,6 +44,8 @@ class Adapter(Protocol):
 
     def weak_alias(self, t): ...  # t's memory without owning it, where the graph pool allows; else t
 
+    def static_address(self, t) -> bool: ...  # marked to be read in place (graph_opt.static_address)
+
     # execution context
     def grad_enabled(self) -> bool: ...
 

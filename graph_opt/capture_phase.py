@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any, List, Optional, Tuple
 
-from . import capture_checks, guards, output_layout, output_sharing, ranks
+from . import capture_checks, guards, output_layout, output_sharing, ranks, static_address
 from .captured_size import Captured, CapturedSize
 from .errors import CaptureError, GraphOptInputError
 from .failures import describe
@@ -21,6 +21,7 @@ from .host_outputs import SizeCopies
 from .padding import Padding
 from .pytree import flatten, tensor_leaf_owners, unflatten
 from .signature import Signature, _opaque_message
+from .static_address import same_memory
 from .testing import simulation_enabled
 
 logger = logging.getLogger("graph_opt")
@@ -125,7 +126,7 @@ class CapturePhase:
         if pending is not None and pending[1] is not None and sig.mutated:
             # The check replays on the call's own arguments: the ones the forward writes in place it
             # writes on copies, or the call's own replay would apply the write a second time.
-            written = set(sig.mutated)
+            written = set(sig.mutated) - sig.in_place  # a marked one is read in place, and put back after
             entry.pending_check = ([self.adapter.clone(t) if i in written else t for i, t in enumerate(pending[0])],
                                    pending[1])
         try:
@@ -168,15 +169,23 @@ class CapturePhase:
             return list(leaves)
         if sig.buffers is None:
             # Allocated once at the max size; every size reads a view of them, so the addresses a
-            # graph captured stay valid for as long as the runner lives.
+            # graph captured stay valid for as long as the runner lives. A marked argument is its own.
             sig.buffers = [
+                t if i in sig.in_place else
                 adapter.zeros_like(t, d, self.max_size) if d is not None else adapter.zeros_like(t, None, 0)
-                for t, d in zip(leaves, sig.dims)
+                for i, (t, d) in enumerate(zip(leaves, sig.dims))
             ]
             owners = tensor_leaf_owners(sig.spec)
             values = [self.pad_values.get(self.arg_names[o] if isinstance(o, int) and o < len(self.arg_names) else o, 0)
                       for o in owners]
             sig.padding = Padding(adapter, sig.buffers, sig.dims, values)
+        for i in sig.in_place:
+            if leaves[i] is not sig.buffers[i] and not same_memory(adapter, leaves[i], sig.buffers[i]):
+                raise GraphOptInputError(
+                    f"{self.name}: the inputs for size {padded} pass another tensor as argument "
+                    f"{self._leaf_names(sig.spec)[i]} than the sizes captured before, and it is marked with "
+                    "mark_static_address: the graphs read the one tensor in place. Pass the same tensor for "
+                    "every size")
         views = [b if d is None else adapter.narrow(b, d, padded) for b, d in zip(sig.buffers, sig.dims)]
         self._copy_in(sig, views, leaves, padded)
         return views
@@ -184,18 +193,37 @@ class CapturePhase:
     def _copy_in(self, sig: Signature, views, leaves, padded: int) -> None:
         adapter = self.adapter
         real = padded
-        for dst, src, d in zip(views, leaves, sig.dims):
+        for i, (dst, src, d) in enumerate(zip(views, leaves, sig.dims)):
             if d is None:
-                adapter.copy_(dst, src)
+                if i not in sig.in_place:
+                    adapter.copy_(dst, src)
             else:
                 real = adapter.shape(src)[d]
                 adapter.copy_(adapter.narrow(dst, d, real), src)
+        static_address.restore(adapter, sig.restore_point)
         if sig.padding is not None:
             sig.padding.wrote(real)
 
     def _capture_size(self, sig: Signature, padded: int, leaves) -> CapturedSize:
         adapter = self.adapter
         static = self._static_inputs(sig, padded, leaves)
+        # The warmups, the capture and its check run the forward on a marked argument itself. Each run
+        # starts from its contents before the capture (_copy_in puts them back, as it copies the other
+        # inputs in), and they are put back after the capture and after its check (finish_captures), as
+        # if the capture had not run. Not saved: one that earlier sizes showed the forward never writes.
+        unwritten = set() if not sig.entries else sig.in_place - set(sig.mutated) - sig.eager_writes
+        kept = static_address.saved(adapter, static, sig.in_place - unwritten)
+        sig.restore_point = kept
+        try:
+            entry = self._capture_static(sig, padded, leaves, static)
+        finally:
+            sig.restore_point = []
+            static_address.restore(adapter, kept)
+        entry.restore = kept
+        return entry
+
+    def _capture_static(self, sig: Signature, padded: int, leaves, static) -> CapturedSize:
+        adapter = self.adapter
         if not self.config.cudagraph_copy_inputs:
             for t, d in zip(static, sig.dims):
                 if d is not None and adapter.shape(t)[d] != padded:
@@ -289,8 +317,12 @@ class CapturePhase:
         for sig in list(self.signatures.values()):
             for entry in list(sig.entries.values()):
                 pending, entry.pending_check = entry.pending_check, None
-                if pending is not None:
-                    capture_checks.validate(self, sig, entry, *pending)
+                kept, entry.restore = entry.restore, []
+                try:
+                    if pending is not None:
+                        capture_checks.validate(self, sig, entry, *pending)
+                finally:
+                    static_address.restore(self.adapter, kept)
 
     def _batch_dims(self, sig: Signature, outputs, padded: int) -> list:
         """Each output leaf's batch dimension: learned (output_layout), or before that, dim 0 where it

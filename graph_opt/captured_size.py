@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .host_outputs import SizeCopies, _pending as _pending_host_copies, land_pending_copies
+from .static_address import same_memory
 
 if TYPE_CHECKING:
     from .signature import Signature
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 _MISMATCH = object()  # CapturedSize.run could not use its graph for these inputs
 _ALIASED = object()  # two arguments share memory and the forward writes one: separate static buffers differ
 _HOST_VALUE = object()  # a host tensor argument holds another value than the level-0 graph baked
+_MOVED = object()  # a marked argument (mark_static_address) is not the tensor the graph reads in place
 
 
 @dataclass
@@ -52,6 +54,7 @@ class CapturedSize:
     # Level 0 on a device: (index, value at capture) of each host tensor argument. A kernel takes a host
     # scalar (x / t, t a CPU tensor) by value when it is launched, so the graph holds the capture's.
     host_values: List[tuple] = field(default_factory=list)
+    restore: List[tuple] = field(default_factory=list)  # (marked argument, its contents before the capture)
 
     def run(self, adapter, leaves: Sequence[Any], real: int):
         copies = self.copies
@@ -64,6 +67,10 @@ class CapturedSize:
         if _pending_host_copies:  # simulated slow copies (tests) still reading outputs land first
             land_pending_copies()
         sig = self.sig
+        if sig.in_place:
+            leaves = _in_place(adapter, sig.in_place, dsts, leaves)
+            if leaves is None:
+                return _MOVED
         if self.copy_inputs:
             # The dtype check matters: copy_ would cast silently (torch) or fail inside the framework (Paddle).
             # Every leaf is checked before any is copied: a call refused here has written nothing.
@@ -128,6 +135,20 @@ class CapturedSize:
         self.views.clear()
         self.inputs = []
         self.copies = None
+
+def _in_place(adapter, in_place, dsts, leaves):
+    """`leaves` where every marked one is the tensor its graph reads (a view of the very same memory counts
+    as it, and is replaced by it: nothing is copied for it); None where one is not."""
+    same = None
+    for i in in_place:
+        if leaves[i] is not dsts[i]:
+            if not same_memory(adapter, leaves[i], dsts[i]):
+                return None
+            if same is None:
+                same = list(leaves)
+            same[i] = dsts[i]
+    return leaves if same is None else same
+
 
 def _aliased(adapter, leaves) -> bool:
     """Whether two tensors share their first element's address (the same tensor, or views of it)."""

@@ -10,7 +10,8 @@ framework's guards) and nothing else. A call the plan does not answer, before an
 takes the full path, which finds the reason and says it.
 
 A plan exists only for an entry whose replay is just copies in and the graph (no arguments written
-back, no host tensor arguments, no host output copies, copied inputs, a single rank). The signature
+back, no host tensor arguments, no host output copies, copied inputs, a single rank). An argument
+marked with mark_static_address is read in place: the plan takes it only as the very tensor captured. The signature
 drops its plans when its output layout, its blocked sizes or its entries change (Signature.observe,
 Signature.block, a new capture), and the runner drops them with its graphs.
 """
@@ -43,7 +44,7 @@ class ReplayPlan:
 
 def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan]:
     """A plan for calls of `real` rows replaying `entry`, or None where its replay needs more than copies."""
-    if (entry.copies is not None or sig.mutated or entry.host_values or not entry.copy_inputs
+    if (entry.copies is not None or set(sig.mutated) - sig.in_place or entry.host_values or not entry.copy_inputs
             or runner.group is not None or sig.padding is None
             or (real != entry.padded_size and sig.layout.exact_only)):
         return None
@@ -51,6 +52,8 @@ def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan
     if views is None:
         return None
     dsts, shapes, dtypes, _, output = views
+    if sig.in_place:  # a marked argument must be the very tensor (the full path also takes a view of it)
+        shapes = [None if i in sig.in_place else shape for i, shape in enumerate(shapes)]
     captured = entry.captured
     return ReplayPlan(entry, dsts, shapes, dtypes, output, captured.stable_outputs,
                       captured.replay, captured.check, sig.padding, real)

@@ -19,9 +19,9 @@ import logging
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import ranks
+from . import ranks, static_address
 from .capture_phase import CapturePhase
-from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH
+from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH, _MOVED
 from .errors import GraphOptError, GuardFailed, ReplayDivergence
 from .fast_replay import MISS, FastReplay, plan_for
 from .host_outputs import HostRingFull
@@ -174,6 +174,8 @@ class GraphRunner(SignatureChecks, CapturePhase):
                                                  "buffers, so this call runs without graphs"))
         if out is _HOST_VALUE:
             return self._fallback(args, kwargs, ("host_argument", _FALLBACK_REASONS["host_argument"]))
+        if out is _MOVED:
+            return self._fallback(args, kwargs, ("moved", self._moved(sig, entry, leaves)))
         if out is _MISMATCH:
             # The slow path: a rank or dtype the graph cannot take is the caller's error; another
             # non-batch shape (or, without copied inputs, another address or strides) runs without graphs.
@@ -185,6 +187,14 @@ class GraphRunner(SignatureChecks, CapturePhase):
         if positional and real not in sig.plans:
             self._keep_plan(sig, entry, real)
         return out
+
+    def _moved(self, sig: Signature, entry, leaves) -> str:
+        names = self._leaf_names(sig.spec)
+        moved = [names[i] for i in sorted(sig.in_place)
+                 if leaves[i] is not entry.inputs[i] and not static_address.same_memory(self.adapter, leaves[i], entry.inputs[i])]
+        return (f"argument {', '.join(moved)} is marked with mark_static_address, and this call passes another tensor "
+                "there (another address, shape, strides or dtype) than the one the graphs read in place; this call "
+                "runs without graphs. Pass the tensor the model was captured with at every call")
 
     def _keep_plan(self, sig: Signature, entry, real: int) -> None:
         """After a replay of the common call: its plan, so that the next such call skips the lookups (fast_replay.py)."""
@@ -297,6 +307,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         """Drop every graph, buffer and signature; the next capture starts from scratch."""
         for sig in self.signatures.values():
             for entry in sig.entries.values():
+                static_address.restore(self.adapter, entry.restore)  # a capture dropped before its check
                 entry.release()
             sig.entries.clear()
             sig.plans.clear()

@@ -38,6 +38,9 @@ class Signature:
         # real size -> fast_replay.ReplayPlan of the common call; dropped when what a plan resolved changes
         self.plans: Dict[int, Any] = {}
         self.buffers: Optional[List[Any]] = None  # static input buffers at the max size (copy_inputs)
+        # leaves marked with mark_static_address: read in place, their buffer is the caller's tensor
+        self.in_place: frozenset = frozenset()
+        self.restore_point: List[Tuple[Any, Any]] = []  # while a size is captured: their contents before
         self.padding: Optional[Padding] = None  # their padding rows (copy_inputs)
         self.mutated: List[int] = []  # leaves the forward writes in place: written back after a replay
         self.observations: List[output_layout.Observation] = []  # outputs seen at each size
@@ -66,7 +69,9 @@ class Signature:
         return real
 
     def buffer_bytes(self, adapter) -> int:
-        return sum(adapter.nbytes(b) for b in self.buffers) if self.buffers else 0
+        if not self.buffers:
+            return 0
+        return sum(adapter.nbytes(b) for i, b in enumerate(self.buffers) if i not in self.in_place)
 
     def largest_above(self, padded: int) -> Optional[int]:
         """The largest size captured with this signature above `padded` (output_sharing), or None."""
@@ -238,6 +243,8 @@ class SignatureChecks:
                   for t, d in zip(leaves, dims)]
         self._check_pad_values(spec, leaves, dims)
         sig = Signature(next(self._sig_numbers), spec, dims, (args, kwargs), layout, lazy=lazy)
+        if self.config.cudagraph_copy_inputs:
+            sig.in_place = frozenset(i for i, t in enumerate(leaves) if adapter.static_address(t))
         self.signatures[spec] = sig
         return sig
 
@@ -259,10 +266,17 @@ class SignatureChecks:
         for owner, leaf in zip(owners, leaves):
             name = self.arg_names[owner] if isinstance(owner, int) and owner < len(self.arg_names) else owner
             ndim = len(self.adapter.shape(leaf))
+            marked = self.adapter.static_address(leaf)
             if self.dynamic_arg_dims is None:
-                dim = 0 if ndim > 0 else None
+                dim = 0 if ndim > 0 and not marked else None
             else:
                 dim = self.dynamic_arg_dims.get(name)
+                if dim is not None and marked:
+                    raise GraphOptConfigError(
+                        f"{self.name}: dynamic_arg_dims[{name!r}]={dim} names a dimension of argument {name!r}, "
+                        "which is marked with mark_static_address: the graphs read that one tensor in place at "
+                        "every batch size, so it has no batch dimension. Leave it out of dynamic_arg_dims, or do "
+                        "not mark it")
                 if dim is not None and not -ndim <= dim < ndim:
                     raise GraphOptConfigError(
                         f"{self.name}: dynamic_arg_dims[{name!r}]={dim} is out of range for argument {name!r} of "

@@ -631,3 +631,104 @@ def test_a_forward_that_writes_its_input_writes_it_once_when_captured_at_the_cal
             x_twin = F.clone(x)
             assert F.close(m(x), twin(x_twin)), f"the call of {real} rows"
             assert F.equal(x, x_twin), f"the call of {real} rows wrote its argument other than eager did"
+
+
+# -- 17. Arguments read in place: graph_opt.mark_static_address ---------------------------------------------
+SLOTS = 16  # the cache's rows; padding rows write the last one, which no real call uses
+
+
+def _cache_pair(F, M, level, **kw):
+    m, twin = pair(F, M.ArgCache, level, pad_values={"slots": SLOTS - 1}, **kw)
+    cache = graph_opt.mark_static_address(F.randn(SLOTS, HIDDEN, seed=99))
+    return m, twin, cache, F.clone(cache)
+
+
+def _cache_inputs(F, cache, n, start=0, seed=0):
+    return F.randn(n, HIDDEN, seed=seed or n), cache, F.arange(n, start=start)
+
+
+def _sot_drops_the_write(F, level):
+    return level >= 1 and not F.static_writes_inputs  # Paddle's SOT: the capture fails, eager answers (case 8)
+
+
+def test_a_marked_cache_is_written_in_place_once_per_call_and_left_as_found_by_the_capture(F, M, level):
+    m, twin, cache, cache_twin = _cache_pair(F, M, level)
+    with F.graphs():
+        report = graph_opt.capture_model(m, lambda n: _cache_inputs(F, cache, n), progress=False)
+    if _sot_drops_the_write(F, level):
+        assert "writes its argument 'cache' in place" in report.failed
+    else:
+        assert report.failed is None, report.failed
+        assert state_of(m).runner.buffer_bytes() < 8 * SLOTS * HIDDEN, "the cache was given a static buffer"
+    assert F.equal(cache, cache_twin), "capturing left the marked cache other than it found it"
+    with F.no_grad():
+        for real, start in ((3, 0), (8, 4), (2, 12), (3, 0), (8, 4)):
+            x, _, slots = _cache_inputs(F, cache, real, start, seed=real + start)
+            assert F.close(m(x, cache, slots), twin(x, cache_twin, slots)), f"the call of {real} rows at {start}"
+            assert F.equal(F.rows(cache, 0, SLOTS - 1), F.rows(cache_twin, 0, SLOTS - 1)), \
+                f"the cache after the call of {real} rows at {start} differs from eager's"
+    s = graph_opt.stats(m)
+    assert s.replays == (0 if _sot_drops_the_write(F, level) else 5), s
+
+
+def test_a_marked_cache_captured_at_its_first_call_is_written_once(F, M, level):
+    """No capture_model: the warmups, the capture and its check run on the caller's cache, which gets the
+    call's one write all the same."""
+    m, twin, cache, cache_twin = _cache_pair(F, M, level)
+    with F.graphs(), F.no_grad():
+        for real, start in ((3, 0), (3, 4), (8, 7), (2, 0)):
+            x, _, slots = _cache_inputs(F, cache, real, start, seed=real + start)
+            assert F.close(m(x, cache, slots), twin(x, cache_twin, slots)), f"the call of {real} rows at {start}"
+            assert F.equal(F.rows(cache, 0, SLOTS - 1), F.rows(cache_twin, 0, SLOTS - 1)), \
+                f"the cache after the call of {real} rows at {start} differs from eager's"
+    s = graph_opt.stats(m)
+    assert s.replays + s.fallbacks == 4 and (s.replays > 0) != _sot_drops_the_write(F, level), s
+
+
+def test_another_tensor_in_a_marked_argument_runs_without_graphs_and_the_marked_one_is_untouched(F, M, level, logs):
+    m, twin, cache, cache_twin = _cache_pair(F, M, level)
+    if _sot_drops_the_write(F, level):
+        return  # no graphs to refuse: the first test of this section
+    capture(F, m, lambda n: _cache_inputs(F, cache, n))
+    other, other_twin = F.randn(SLOTS, HIDDEN, seed=5), F.randn(SLOTS, HIDDEN, seed=5)
+    with F.no_grad():
+        for _ in range(2):
+            x, _, slots = _cache_inputs(F, other, 3)
+            assert F.close(m(x, other, slots), twin(x, other_twin, slots))
+            assert F.equal(other, other_twin)
+        assert F.equal(cache, cache_twin), "a call with another tensor wrote the marked one"
+        x, _, slots = _cache_inputs(F, cache, 3)
+        assert F.close(m(x, cache, slots), twin(x, cache_twin, slots))  # the marked one replays again
+    s = graph_opt.stats(m)
+    assert s.replays == 1 and s.fallback_reasons == {"moved": 2}, s
+    assert len(warned(logs, "'cache'", "mark_static_address")) == 1
+
+
+def test_a_marked_read_only_table_replays_through_the_shortcut_and_sees_the_callers_writes(F, M, level, monkeypatch):
+    m, twin = pair(F, M.ReadsTable, level)
+    table = graph_opt.mark_static_address(F.randn(HIDDEN, seed=4))
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), table))
+    with F.no_grad():
+        x = F.randn(3, HIDDEN, seed=1)
+        assert same(F, level, m(x, table), twin(x, table))
+        _shortcut_taken(m, monkeypatch)
+        for scale in (2.0, 3.0):
+            F.zero_buffer(table)  # the caller writes its table: the graph reads it where it is
+            x = F.randn(3, HIDDEN, seed=int(scale))
+            assert same(F, level, m(x, table), twin(x, table))
+    assert graph_opt.stats(m).replays == 3
+
+
+def test_marked_arguments_that_cannot_be_read_in_place_are_errors_naming_them(F, M):
+    m, _ = pair(F, M.ReadsTable, 0, dims={"x": 0, "table": 0})
+    table = graph_opt.mark_static_address(F.randn(HIDDEN, seed=4))
+    with pytest.raises(graph_opt.GraphOptConfigError, match="dynamic_arg_dims\\['table'\\]=0.*mark_static_address"):
+        capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), table))
+    m, _ = pair(F, M.ReadsTable, 0)
+    with F.graphs():
+        report = graph_opt.capture_model(
+            m, lambda n: (F.randn(n, HIDDEN, seed=n), graph_opt.mark_static_address(F.randn(HIDDEN, seed=n))),
+            progress=False)
+    assert report.failed is not None and "'table'" in report.failed and "same tensor for every size" in report.failed
+    with pytest.raises(TypeError, match="mark_static_address takes a torch.Tensor or paddle.Tensor; got list"):
+        graph_opt.mark_static_address([1.0])

@@ -112,6 +112,9 @@ class FakeAdapter:
     def is_tensor(self, x):
         return isinstance(x, T)
 
+    def static_address(self, t):
+        return False
+
     def shape(self, t):
         return t.a.shape
 

@@ -13,6 +13,7 @@ import math
 import paddle
 from paddle.device.cuda import graphs as _graphs
 
+from ...static_address import MARK
 from ..call_counters import count_calls
 
 
@@ -168,6 +169,9 @@ class PaddleAdapter:
 
     def on_host(self, t) -> bool:
         return t.place.is_cpu_place()
+
+    def static_address(self, t) -> bool:
+        return getattr(t, MARK, False)
 
     def same_values(self, a, b) -> bool:
         return list(a.shape) == list(b.shape) and a.dtype == b.dtype and bool((a == b).all())

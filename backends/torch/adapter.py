@@ -23,7 +23,7 @@ import warnings
 import torch
 from torch.nn.modules import module as _module_mod
 
-
+from ...static_address import MARK
 from .module_counters import (
     _conversions, _hook_changes, _install_conversion_counter, _install_hook_counter, _install_mode_counter,
     _install_registration_hooks, _mode_changes, _registrations, module_fingerprint,
@@ -163,6 +163,10 @@ class TorchAdapter:
 
     def on_host(self, t) -> bool:
         return t.device.type == "cpu"
+
+    def static_address(self, t) -> bool:
+        # torch's own marker (torch._dynamo.mark_static_address; transformers' StaticCache sets it) means the same
+        return getattr(t, MARK, False) or getattr(t, "_dynamo_static_input_type", None) is not None
 
     def same_values(self, a, b) -> bool:
         return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)

@@ -181,6 +181,20 @@ class TakesState(Scaled):
         return self.lin(x) + state.bias
 
 
+class ArgCache(Scaled):
+    """Accumulates into a cache passed as an argument, at the rows' slots (not idempotent: a second run
+    of the same call would add twice), then reads those slots."""
+
+    def forward(self, x, cache, slots):
+        paddle.index_add_(cache, slots, 0, self.lin(x))
+        return paddle.index_select(cache, slots) * 2.0
+
+
+class ReadsTable(Scaled):
+    def forward(self, x, table):
+        return self.lin(x) * table
+
+
 @graph_opt.support_graph_optimization
 class Picklable(Scaled):
     """Defined at module level: pickling needs the class importable."""
@@ -191,7 +205,8 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
                                BranchOnBatch=BranchOnBatch, WritesFirst=WritesFirst,
-                               TakesContainers=TakesContainers, TakesState=TakesState)
+                               TakesContainers=TakesContainers, TakesState=TakesState,
+                               ArgCache=ArgCache, ReadsTable=ReadsTable)
 
 
 class PaddleF:

@@ -6,6 +6,7 @@ import torch
 import graph_opt
 from replay_safety_kit import *  # noqa: F401,F403  the shared tests, collected here
 from replay_safety_kit import HIDDEN, capture, pair, warned  # noqa: F401
+from graph_opt.decorator import state_of
 from torch_replay_shim import Scaled, TorchF
 
 
@@ -191,3 +192,20 @@ def test_an_argument_that_cannot_be_copied_in_is_answered_eagerly(F, logs):
     s = graph_opt.stats(m)
     assert "replay of size 4 failed" in s.disabled_reason and s.replay_failures == 1
     assert len(warned(logs, "replay of size 4 failed")) == 1
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_torchs_own_static_address_mark_is_read_in_place(F, level):
+    """torch._dynamo.mark_static_address (transformers' StaticCache sets it) means what graph_opt's mark does."""
+    m, twin = pair(F, F.models().ArgCache, level, pad_values={"slots": 15})
+    cache = F.randn(16, HIDDEN, seed=9)
+    torch._dynamo.mark_static_address(cache)
+    cache_twin = cache.clone()
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), cache, F.arange(n)))
+    sig = next(iter(state_of(m).runner.signatures.values()))
+    assert sig.in_place == {1} and sig.buffers[1] is cache
+    with torch.no_grad():
+        x, slots = F.randn(3, HIDDEN, seed=3), F.arange(3, start=5)
+        assert F.close(m(x, cache, slots), twin(x, cache_twin, slots))
+        assert torch.equal(cache[:15], cache_twin[:15])
+    assert graph_opt.stats(m).replays == 1
