@@ -210,9 +210,9 @@ class CapturePhase:
         # The warmups, the capture and its check run the forward on a marked argument itself. Each run
         # starts from its contents before the capture (_copy_in puts them back, as it copies the other
         # inputs in), and they are put back after the capture and after its check (finish_captures), as
-        # if the capture had not run. Not saved: one that earlier sizes showed the forward never writes.
-        unwritten = set() if not sig.entries else sig.in_place - set(sig.mutated) - sig.eager_writes
-        kept = static_address.saved(adapter, static, sig.in_place - unwritten)
+        # if the capture had not run. Every marked one is saved: a write the version counters do not see
+        # (a kernel of its own, .data) or one at some sizes only must not reach the caller either.
+        kept = static_address.saved(adapter, static, sig.in_place)
         sig.restore_point = kept
         try:
             entry = self._capture_static(sig, padded, leaves, static)

@@ -68,7 +68,7 @@ class CapturedSize:
             land_pending_copies()
         sig = self.sig
         if sig.in_place:
-            leaves = _in_place(adapter, sig.in_place, dsts, leaves)
+            leaves = in_place(adapter, sig.in_place, dsts, leaves)
             if leaves is None:
                 return _MOVED
         if self.copy_inputs:
@@ -88,7 +88,7 @@ class CapturedSize:
                 if adapter.data_ptr(src) != ptr or adapter.shape(src) != shape or adapter.dtype(src) != dtype \
                         or adapter.stride(src) != stride:
                     return _MISMATCH
-        if sig.mutated and _aliased(adapter, leaves):
+        if sig.mutated and aliased(adapter, leaves):
             return _ALIASED
         if self.host_values:
             for i, value in self.host_values:
@@ -136,11 +136,11 @@ class CapturedSize:
         self.inputs = []
         self.copies = None
 
-def _in_place(adapter, in_place, dsts, leaves):
+def in_place(adapter, marked, dsts, leaves):
     """`leaves` where every marked one is the tensor its graph reads (a view of the very same memory counts
     as it, and is replaced by it: nothing is copied for it); None where one is not."""
     same = None
-    for i in in_place:
+    for i in marked:
         if leaves[i] is not dsts[i]:
             if not same_memory(adapter, leaves[i], dsts[i]):
                 return None
@@ -150,7 +150,7 @@ def _in_place(adapter, in_place, dsts, leaves):
     return leaves if same is None else same
 
 
-def _aliased(adapter, leaves) -> bool:
+def aliased(adapter, leaves) -> bool:
     """Whether two tensors share their first element's address (the same tensor, or views of it)."""
     ptrs = [adapter.data_ptr(t) for t in leaves]
     return len(set(ptrs)) != len(ptrs)

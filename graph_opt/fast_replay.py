@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
-from .captured_size import CapturedSize
+from .captured_size import CapturedSize, aliased
 from .host_outputs import _pending as _pending_host_copies, land_pending_copies
 
 MISS = object()  # the plan does not answer this call: take the full path
@@ -40,6 +40,7 @@ class ReplayPlan:
     check: Optional[Callable[[], Any]]  # the framework's guards (level >= 1)
     padding: Any
     real: int
+    writes: bool  # the forward writes a marked argument in place: arguments must not share memory
 
 
 def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan]:
@@ -56,7 +57,7 @@ def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan
         shapes = [None if i in sig.in_place else shape for i, shape in enumerate(shapes)]
     captured = entry.captured
     return ReplayPlan(entry, dsts, shapes, dtypes, output, captured.stable_outputs,
-                      captured.replay, captured.check, sig.padding, real)
+                      captured.replay, captured.check, sig.padding, real, bool(sig.mutated))
 
 
 class FastReplay:
@@ -107,6 +108,8 @@ class FastReplay:
             for dst, want, kind, src in zip(dsts, plan.shapes, plan.dtypes, args):
                 if src is not dst and (not is_tensor(src) or shape(src) != want or dtype(src) != kind):
                     return MISS
+            if plan.writes and aliased(self.runner.adapter, args):
+                return MISS
         real = plan.real
         padding = plan.padding
         if padding.dirty > real:  # padding.wrote(real), the call saved where no row needs a fill
@@ -125,7 +128,7 @@ class FastReplay:
                         copy_(dst, src)
             fresh = plan.replay()
         except Exception as exc:  # as the full path: the eager forward answers; the graphs go if it works
-            return self.runner.replay_raised(exc, plan.entry.padded_size, args, {})
+            return self.runner.replay_raised(exc, plan.entry.padded_size, args, {}, self.sig)
         self.counters.replays += 1
         if plan.stable:
             return plan.output

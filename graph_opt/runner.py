@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import ranks, static_address
 from .capture_phase import CapturePhase
-from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH, _MOVED
+from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH, _MOVED, in_place
 from .errors import GraphOptError, GuardFailed, ReplayDivergence
 from .fast_replay import MISS, FastReplay, plan_for
 from .host_outputs import HostRingFull
@@ -135,6 +135,9 @@ class GraphRunner(SignatureChecks, CapturePhase):
         group = self.group
         entry = sig.entries.get(padded)
         if entry is None:
+            if blocked is None and sig.in_place and sig.buffers is not None \
+                    and in_place(self.adapter, sig.in_place, sig.buffers, leaves) is None:
+                blocked = ("moved", self._moved(sig, leaves))  # a capture would read the marked tensor
             if group is not None:  # every rank captures lazily, or none does
                 blocked = ranks.agree_on_replay(group, blocked)
             if blocked is not None:
@@ -167,7 +170,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         except HostRingFull:
             raise  # the caller's error, found before anything ran: the graphs are fine
         except Exception as exc:
-            return self.replay_raised(exc, padded, args, kwargs)
+            return self.replay_raised(exc, padded, args, kwargs, sig)
         if out is _ALIASED:
             return self._fallback(args, kwargs, ("aliased", "two tensor arguments share memory and the forward "
                                                  "writes one of them in place: the graph reads them from separate "
@@ -175,7 +178,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         if out is _HOST_VALUE:
             return self._fallback(args, kwargs, ("host_argument", _FALLBACK_REASONS["host_argument"]))
         if out is _MOVED:
-            return self._fallback(args, kwargs, ("moved", self._moved(sig, entry, leaves)))
+            return self._fallback(args, kwargs, ("moved", self._moved(sig, leaves)))
         if out is _MISMATCH:
             # The slow path: a rank or dtype the graph cannot take is the caller's error; another
             # non-batch shape (or, without copied inputs, another address or strides) runs without graphs.
@@ -188,13 +191,14 @@ class GraphRunner(SignatureChecks, CapturePhase):
             self._keep_plan(sig, entry, real)
         return out
 
-    def _moved(self, sig: Signature, entry, leaves) -> str:
+    def _moved(self, sig: Signature, leaves) -> str:
         names = self._leaf_names(sig.spec)
+        marked = sig.buffers
         moved = [names[i] for i in sorted(sig.in_place)
-                 if leaves[i] is not entry.inputs[i] and not static_address.same_memory(self.adapter, leaves[i], entry.inputs[i])]
+                 if leaves[i] is not marked[i] and not static_address.same_memory(self.adapter, leaves[i], marked[i])]
         return (f"argument {', '.join(moved)} is marked with mark_static_address, and this call passes another tensor "
-                "there (another address, shape, strides or dtype) than the one the graphs read in place; this call "
-                "runs without graphs. Pass the tensor the model was captured with at every call")
+                "there (another address, shape, strides or dtype) than the one the graphs read in place (pass that "
+                "one at every call); this call runs without graphs")
 
     def _keep_plan(self, sig: Signature, entry, real: int) -> None:
         """After a replay of the common call: its plan, so that the next such call skips the lookups (fast_replay.py)."""
@@ -204,9 +208,21 @@ class GraphRunner(SignatureChecks, CapturePhase):
             if self.shortcut is None or self.shortcut.sig is not sig:
                 self.shortcut = FastReplay(self, sig)
 
-    def replay_raised(self, exc: Exception, padded: int, args, kwargs):
+    def replay_raised(self, exc: Exception, padded: int, args, kwargs, sig: Signature):
         """A replay raised: a guard that failed inside it or a splitting op that diverged run this call
-        without graphs; anything else is _replay_failed's."""
+        without graphs; anything else is _replay_failed's. Not where the forward writes a marked argument:
+        the part of the replay that ran may have written it, and the plain forward would write it again."""
+        written = sig.in_place & (set(sig.mutated) | sig.eager_writes)
+        if written:
+            reason = f"replay of size {padded} failed: {type(exc).__name__}: {exc}"
+            self.counters.replay_failures += 1
+            self.disable(reason)
+            names = self._leaf_names(sig.spec)
+            raise GraphOptError(
+                f"{self.name}: {reason}. The forward writes argument {', '.join(names[i] for i in sorted(written))} "
+                "in place, which is marked with mark_static_address: the replay may have written it before it "
+                "failed, so the call cannot be answered by running the forward again without writing it twice. "
+                "The graphs are dropped (clear_graphs() and capture_model() capture again)") from exc
         if isinstance(exc, GuardFailed):
             return self._fallback(args, kwargs, ("guard", exc.guard))
         if isinstance(exc, ReplayDivergence):

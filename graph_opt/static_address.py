@@ -13,6 +13,8 @@ as its batch dimension, and dynamic_arg_dims may not name one for it. torch's ow
 torch._dynamo.mark_static_address (transformers' StaticCache sets it), means the same and is honoured.
 Capturing a size runs the forward on the marked tensor itself (warmups, the capture, its check): its
 contents are saved first and put back after, which costs one copy of it for the length of the capture.
+A replay that raises after it may have written a marked argument is not answered by running the forward
+again (it would write twice): the call raises (GraphRunner.replay_raised).
 """
 from __future__ import annotations
 

@@ -732,3 +732,32 @@ def test_marked_arguments_that_cannot_be_read_in_place_are_errors_naming_them(F,
     assert report.failed is not None and "'table'" in report.failed and "same tensor for every size" in report.failed
     with pytest.raises(TypeError, match="mark_static_address takes a torch.Tensor or paddle.Tensor; got list"):
         graph_opt.mark_static_address([1.0])
+
+
+def test_another_tensor_in_a_marked_argument_at_a_new_size_is_not_captured_and_graphs_stay(F, M, level):
+    m, twin, cache, cache_twin = _cache_pair(F, M, level)
+    other, other_twin = F.randn(SLOTS, HIDDEN, seed=5), F.randn(SLOTS, HIDDEN, seed=5)
+    with F.graphs(), F.no_grad():
+        for real, c, c_twin in ((3, cache, cache_twin), (8, other, other_twin), (3, cache, cache_twin),
+                                (8, cache, cache_twin)):
+            x, _, slots = _cache_inputs(F, c, real)
+            assert F.close(m(x, c, slots), twin(x, c_twin, slots))
+            assert F.equal(F.rows(c, 0, SLOTS - 1), F.rows(c_twin, 0, SLOTS - 1))
+    s = graph_opt.stats(m)
+    if not _sot_drops_the_write(F, level):
+        assert s.disabled_reason is None and s.lazy_captures == 2 and s.fallback_reasons == {"moved": 1}, s
+
+
+def test_arguments_sharing_memory_with_a_marked_cache_the_forward_writes_never_take_the_shortcut(F, M, level):
+    m, twin, cache, cache_twin = _cache_pair(F, M, level)
+    if _sot_drops_the_write(F, level):
+        return  # no graphs (the first test of this section)
+    capture(F, m, lambda n: _cache_inputs(F, cache, n))
+    with F.no_grad():
+        x, _, slots = _cache_inputs(F, cache, 4, start=8)
+        assert F.close(m(x, cache, slots), twin(x, cache_twin, slots))  # a replay: the plan for 4 rows is kept
+        slots = F.arange(4)
+        want = twin(F.rows(cache_twin, 0, 4), cache_twin, slots)  # x is a view of the rows the forward adds to
+        assert F.close(m(F.rows(cache, 0, 4), cache, slots), want)
+        assert F.equal(F.rows(cache, 0, SLOTS - 1), F.rows(cache_twin, 0, SLOTS - 1))
+    assert graph_opt.stats(m).fallback_reasons == {"aliased": 1}

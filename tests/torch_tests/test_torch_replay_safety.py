@@ -209,3 +209,57 @@ def test_torchs_own_static_address_mark_is_read_in_place(F, level):
         assert F.close(m(x, cache, slots), twin(x, cache_twin, slots))
         assert torch.equal(cache[:15], cache_twin[:15])
     assert graph_opt.stats(m).replays == 1
+
+
+class _HiddenCacheWrite(torch.nn.Module):
+    """Writes its cache where the version counter does not see it (.data: as a kernel of its own would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, cache, slots):
+        cache.data.index_add_(0, slots, self.lin(x))
+        return cache.index_select(0, slots)
+
+
+def test_every_size_captured_on_a_marked_cache_leaves_it_as_found(F):
+    m, twin = pair(F, _HiddenCacheWrite, 0, pad_values={"slots": 15})
+    cache = graph_opt.mark_static_address(F.randn(16, HIDDEN, seed=9))
+    before = cache.clone()
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), cache, F.arange(n)))
+    assert torch.equal(cache, before), "a size's capture wrote the caller's cache"
+
+
+_FAILS = [0]
+
+
+@graph_opt.splitting_op
+def _flaky_read(q, cache):
+    if _FAILS[0]:
+        _FAILS[0] -= 1
+        raise RuntimeError("transient failure")
+    return q + cache[:15].mean(0)
+
+
+class _WritesThenSplits(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, cache, slots):
+        cache.index_add_(0, slots, self.lin(x))
+        return _flaky_read(x, cache)
+
+
+def test_a_replay_failing_after_it_wrote_a_marked_cache_is_an_error_not_a_second_write(F):
+    """The piece before the splitting op wrote the caller's cache; answering with the plain forward would
+    write it twice. The call raises, naming why, and the graphs are dropped."""
+    m, twin = pair(F, _WritesThenSplits, 0, full=False, pad_values={"slots": 15})
+    cache = graph_opt.mark_static_address(F.randn(16, HIDDEN, seed=9))
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), cache, F.arange(n)))
+    _FAILS[0] = 1
+    with torch.no_grad(), pytest.raises(graph_opt.GraphOptError, match="'cache'.*mark_static_address.*twice"):
+        m(F.randn(4, HIDDEN, seed=1), cache, F.arange(4))
+    s = graph_opt.stats(m)
+    assert "replay of size 4 failed" in s.disabled_reason and s.replay_failures == 1
