@@ -254,8 +254,8 @@ class GraphRunner(SignatureChecks, CapturePhase):
             self._warn_once(why[2] if len(why) > 2 else why[:2],
                             message if message.endswith("without graphs") else f"{message}; this call runs without graphs")
             if kind in _EAGER_KINDS:
-                # The static path would not see these either: Paddle's SOT runs its programs on the
-                # parameters it traced with, and neither translator guards every hook.
+                # Paddle's SOT runs its programs on the parameters it traced with, and neither
+                # translator guards every hook.
                 return self.eager(*args, **kwargs)
         state = self.model_state
         if state.captured:  # any other fallback (autograd on, a size above the max) after such a change too
@@ -342,7 +342,10 @@ class GraphRunner(SignatureChecks, CapturePhase):
 
 
 _WARNINGS_PER_KIND = 3
-_EAGER_KINDS = frozenset({"replaced", "converted", "hooks"})  # model changes: the plain forward answers
+# The plain forward answers these: model changes (the static path would not see them), and aliased
+# arguments (rare; a translator would compile the forward once more for the aliasing, and Inductor
+# has failed to do so: an IndexError building its shape guards, measured on an H100).
+_EAGER_KINDS = frozenset({"replaced", "converted", "hooks", "aliased"})
 _NO_BATCH = ("no_batch", "a call whose tensors have no batch dimension (dim 0, or dynamic_arg_dims) runs without graphs")
 
 
