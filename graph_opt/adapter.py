@@ -5,7 +5,7 @@ touches a tensor except through these methods.
 """
 from __future__ import annotations
 
-from typing import Any, ContextManager, Optional, Protocol, Sequence
+from typing import Any, ContextManager, Optional, Protocol, Sequence, Tuple
 
 
 class DeviceGraph(Protocol):
@@ -39,6 +39,8 @@ class Adapter(Protocol):
     def data_ptr(self, t) -> int: ...
 
     def nbytes(self, t) -> int: ...
+
+    def extent(self, t) -> Tuple[int, int]: ...  # (start, end) bytes its elements span, gaps of a view included
 
     def layout(self, t) -> Any: ...  # hashable (dtype, device): what a buffer must share to hold t
 

@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .host_outputs import SizeCopies, _pending as _pending_host_copies, land_pending_copies
+from .pytree import flatten
 from .static_address import same_memory
 
 if TYPE_CHECKING:
     from .signature import Signature
 
 _MISMATCH = object()  # CapturedSize.run could not use its graph for these inputs
-_ALIASED = object()  # two arguments share memory and the forward writes one: separate static buffers differ
+_ALIASED = object()  # an argument the forward writes shares memory with another, or with an output
 _HOST_VALUE = object()  # a host tensor argument holds another value than the level-0 graph baked
 _MOVED = object()  # a marked argument (mark_static_address) is not the tensor the graph reads in place
 
@@ -55,6 +56,7 @@ class CapturedSize:
     # scalar (x / t, t a CPU tensor) by value when it is launched, so the graph holds the capture's.
     host_values: List[tuple] = field(default_factory=list)
     restore: List[tuple] = field(default_factory=list)  # (marked argument, its contents before the capture)
+    output_spans: Optional[List[Tuple[int, int]]] = None  # the memory its replay writes outputs to, once asked
 
     def run(self, adapter, leaves: Sequence[Any], real: int):
         copies = self.copies
@@ -88,7 +90,7 @@ class CapturedSize:
                 if adapter.data_ptr(src) != ptr or adapter.shape(src) != shape or adapter.dtype(src) != dtype \
                         or adapter.stride(src) != stride:
                     return _MISMATCH
-        if sig.mutated and aliased(adapter, leaves):
+        if sig.mutated and aliased(adapter, sig, leaves, self._output_spans(adapter)):
             return _ALIASED
         if self.host_values:
             for i, value in self.host_values:
@@ -110,6 +112,12 @@ class CapturedSize:
                 adapter.copy_(leaves[i], dsts[i])
         if sig.padding is not None:
             sig.padding.touched(self.padded_size)  # the forward wrote the padding rows too
+
+    def _output_spans(self, adapter) -> List[Tuple[int, int]]:
+        spans = self.output_spans
+        if spans is None:
+            spans = self.output_spans = [adapter.extent(t) for t in flatten(self.captured.outputs, adapter.is_tensor)[0]]
+        return spans
 
     def _views_for(self, adapter, real: int):
         dsts = [t if d is None else adapter.narrow(t, d, real) for t, d in zip(self.inputs, self.dims)]
@@ -150,7 +158,29 @@ def in_place(adapter, marked, dsts, leaves):
     return leaves if same is None else same
 
 
-def aliased(adapter, leaves) -> bool:
-    """Whether two tensors share their first element's address (the same tensor, or views of it)."""
-    ptrs = [adapter.data_ptr(t) for t in leaves]
-    return len(set(ptrs)) != len(ptrs)
+def aliased(adapter, sig, leaves, outputs: Sequence[Tuple[int, int]] = ()) -> bool:
+    """Whether an argument the forward writes (sig.mutated) overlaps another argument in memory, or, where
+    it is copied back after the replay, an output (`outputs`: their (start, end) bytes). Either way the
+    graph's separate buffers would not see what eager sees. Two marked arguments may overlap: the graph
+    reads both in place, as eager does."""
+    spans = [adapter.extent(t) for t in leaves]
+    marked = sig.in_place
+    for i in sig.mutated:
+        start, end = spans[i]
+        if start == end:
+            continue
+        for j, (a, b) in enumerate(spans):
+            if j != i and a < end and start < b and not (i in marked and j in marked):
+                return True
+        if i not in marked and overlaps(outputs, spans[i]):
+            return True
+    return False
+
+
+def overlaps(spans: Sequence[Tuple[int, int]], span: Tuple[int, int]) -> bool:
+    """Whether `span`, (start, end) bytes, overlaps one of `spans`."""
+    start, end = span
+    for a, b in spans:
+        if a < end and start < b:
+            return True
+    return False

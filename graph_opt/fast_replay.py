@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
-from .captured_size import CapturedSize, aliased
+from .captured_size import CapturedSize, overlaps
 from .host_outputs import _pending as _pending_host_copies, land_pending_copies
 
 MISS = object()  # the plan does not answer this call: take the full path
@@ -40,7 +40,10 @@ class ReplayPlan:
     check: Optional[Callable[[], Any]]  # the framework's guards (level >= 1)
     padding: Any
     real: int
-    writes: bool  # the forward writes a marked argument in place: arguments must not share memory
+    # The memory of the marked arguments the forward writes, (start, end) bytes: no copied argument may
+    # overlap it (the graph would read the copy, not what the forward writes there).
+    written: Sequence[Any]
+    copied: Sequence[int]  # the arguments copied in: every one not marked
 
 
 def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan]:
@@ -56,8 +59,11 @@ def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan
     if sig.in_place:  # a marked argument must be the very tensor (the full path also takes a view of it)
         shapes = [None if i in sig.in_place else shape for i, shape in enumerate(shapes)]
     captured = entry.captured
+    adapter = runner.adapter
+    written = tuple(adapter.extent(sig.buffers[i]) for i in sig.mutated)  # marked: the caller's very tensors
+    copied = tuple(i for i in range(len(dsts)) if i not in sig.in_place)
     return ReplayPlan(entry, dsts, shapes, dtypes, output, captured.stable_outputs,
-                      captured.replay, captured.check, sig.padding, real, bool(sig.mutated))
+                      captured.replay, captured.check, sig.padding, real, written, copied)
 
 
 class FastReplay:
@@ -108,8 +114,11 @@ class FastReplay:
             for dst, want, kind, src in zip(dsts, plan.shapes, plan.dtypes, args):
                 if src is not dst and (not is_tensor(src) or shape(src) != want or dtype(src) != kind):
                     return MISS
-            if plan.writes and aliased(self.runner.adapter, args):
-                return MISS
+            if plan.written:
+                extent = self.runner.adapter.extent
+                for i in plan.copied:
+                    if overlaps(plan.written, extent(args[i])):
+                        return MISS
         real = plan.real
         padding = plan.padding
         if padding.dirty > real:  # padding.wrote(real), the call saved where no row needs a fill

@@ -172,8 +172,9 @@ class GraphRunner(SignatureChecks, CapturePhase):
         except Exception as exc:
             return self.replay_raised(exc, padded, args, kwargs, sig)
         if out is _ALIASED:
-            return self._fallback(args, kwargs, ("aliased", "two tensor arguments share memory and the forward "
-                                                 "writes one of them in place: the graph reads them from separate "
+            return self._fallback(args, kwargs, ("aliased", "the forward writes a tensor argument in place that "
+                                                 "shares memory with another argument or with the outputs of the "
+                                                 "last replay (fed back): the graph reads and writes separate "
                                                  "buffers, so this call runs without graphs"))
         if out is _HOST_VALUE:
             return self._fallback(args, kwargs, ("host_argument", _FALLBACK_REASONS["host_argument"]))

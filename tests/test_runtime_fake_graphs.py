@@ -143,6 +143,12 @@ class FakeAdapter:
     def nbytes(self, t):
         return t.a.nbytes
 
+    def extent(self, t):
+        start = self.data_ptr(t)
+        if not t.a.size:
+            return start, start
+        return start, start + sum((n - 1) * s for n, s in zip(t.a.shape, t.a.strides)) + t.a.itemsize
+
     def layout(self, t):
         return (t.a.dtype, "host")
 

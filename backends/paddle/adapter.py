@@ -179,6 +179,14 @@ class PaddleAdapter:
     def nbytes(self, t) -> int:
         return math.prod(t.shape) * t.element_size()
 
+    def extent(self, t):
+        start = t.data_ptr()
+        if t.is_contiguous():
+            return start, start + math.prod(t.shape) * t.element_size()
+        if not math.prod(t.shape):
+            return start, start
+        return start, start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.strides))) * t.element_size()
+
     def layout(self, t):
         return (t.dtype, str(t.place))
 

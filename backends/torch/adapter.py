@@ -174,6 +174,14 @@ class TorchAdapter:
     def nbytes(self, t) -> int:
         return t.numel() * t.element_size()
 
+    def extent(self, t):
+        start = t.data_ptr()
+        if t.is_contiguous():
+            return start, start + t.nbytes
+        if not t.numel():
+            return start, start
+        return start, start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
     def layout(self, t):
         return (t.dtype, t.device)
 
