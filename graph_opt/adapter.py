@@ -42,6 +42,8 @@ class Adapter(Protocol):
 
     def extent(self, t) -> Tuple[int, int]: ...  # (start, end) bytes its elements span, gaps of a view included
 
+    def same_values(self, a, b) -> bool: ...  # same shape, dtype and elements
+
     def layout(self, t) -> Any: ...  # hashable (dtype, device): what a buffer must share to hold t
 
     def weak_alias(self, t): ...  # t's memory without owning it, where the graph pool allows; else t

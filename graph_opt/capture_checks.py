@@ -135,12 +135,25 @@ def _run(runner, sig, tensors):
     sig.eager_writes and sig.eager_buffer_writes."""
     adapter = runner.adapter
     before = [adapter.version(t) for t in tensors]
+    values = snapshot(adapter, tensors, sig.in_place)
     buffers = runner.model_state.buffer_versions()
     args, kwargs = unflatten(sig.spec, tensors, template=sig.template)
     out = runner.eager(*args, **kwargs)
     sig.eager_writes.update(i for i, (t, v) in enumerate(zip(tensors, before)) if adapter.version(t) != v)
+    sig.eager_writes.update(changed(adapter, tensors, values))
     sig.eager_buffer_writes.update(written(buffers, runner.model_state.buffer_versions()))
     return out
+
+
+def snapshot(adapter, tensors, skip=frozenset()) -> list:
+    """Copies of the tensors (None for those in `skip`): a write that their version counters do not
+    show (Paddle's copy_ and set_value, torch's .data) is found by the values it changed."""
+    return [None if i in skip else adapter.clone(t) for i, t in enumerate(tensors)]
+
+
+def changed(adapter, tensors, copies) -> set:
+    """Indices of the tensors whose values differ from their snapshot()."""
+    return {i for i, (t, c) in enumerate(zip(tensors, copies)) if c is not None and not adapter.same_values(t, c)}
 
 
 def written(before, after) -> set:

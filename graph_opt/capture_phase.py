@@ -244,11 +244,14 @@ class CapturePhase:
         try:
             with _capture_phase(adapter):
                 versions = [adapter.version(t) for t in static]
+                values = capture_checks.snapshot(adapter, static, sig.in_place)
                 buffers = self.model_state.buffer_versions()
                 warm = None
                 for _ in range(self.config.cudagraph_num_of_warmups):
                     warm = self.strategy.warmup(args, kwargs, padded, sig)
                 mutated = {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
+                mutated |= capture_checks.changed(adapter, static, values)
+                del values
                 sig.static_buffer_writes |= capture_checks.written(buffers, self.model_state.buffer_versions())
                 # Before the capture, so that the first size already knows its outputs' batch dims
                 # (output sharing and host_outputs rings use them), and on the capture's branch.

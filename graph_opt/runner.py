@@ -44,6 +44,8 @@ class GraphRunner(SignatureChecks, CapturePhase):
         self.host_outputs = host_outputs  # HostOutputs whose copies captured sizes make in their graphs
         self.config = config
         self.strategy = strategy
+        # A strategy whose path without graphs cannot be trusted with autograd: such calls run the plain forward.
+        self._eager_with_grad = not getattr(strategy, "runs_autograd", True)
         # The plain forward, without the module's hooks (the decorated call runs those around the
         # runner): what runs once a capture has failed, and what capture_checks probes.
         self.eager = eager
@@ -263,6 +265,8 @@ class GraphRunner(SignatureChecks, CapturePhase):
             changed = state.check()
             if changed is not None and changed[0] in _EAGER_KINDS:
                 return self.eager(*args, **kwargs)
+        if self._eager_with_grad and self.adapter.grad_enabled():
+            return self.eager(*args, **kwargs)
         return self.strategy.run(args, kwargs)
 
     def _replay_failed(self, exc: Exception, padded: int, args, kwargs):

@@ -169,13 +169,14 @@ class SignatureChecks:
         return self._disagreement(sig, leaves)
 
     # -- signatures --------------------------------------------------------------------------------
-    def _opaque_arguments(self, spec) -> List[str]:
+    def _opaque_arguments(self, spec, any_level: bool = False) -> List[str]:
         """Level 0: non-tensor arguments that are objects a replay cannot check (a Hugging Face
         DynamicCache, a user's state object): the graph bakes whatever the forward read from them at
         capture, and they are compared by identity, so a call with the same object mutated would replay
         stale. Plain values, containers, dataclasses, enums, functions and the framework's dtypes and
-        devices are fine. Level >= 1: the framework guards what the forward reads from them."""
-        if self.config.graph_opt_level != 0:
+        devices are fine. Level >= 1: the framework guards what the forward reads from them (any_level:
+        find them there too)."""
+        if self.config.graph_opt_level != 0 and not any_level:
             return []
         value_types = self.adapter.value_types
         found = []
@@ -191,10 +192,18 @@ class SignatureChecks:
         """Why a call with a structure or non-tensor value never seen before may not get graphs of its
         own at call time, or None. Replaying a graph captured with another value would be wrong; a
         graph per value without bound would capture (and hold static buffers) at every new value."""
-        opaque = self._opaque_arguments(spec)
-        if opaque:
+        opaque = self._opaque_arguments(spec, any_level=True)
+        if opaque and self.config.graph_opt_level == 0:
             return ("object_argument", f"{_opaque_message(opaque)}; these calls run without graphs",
                     ("object_argument",))
+        if opaque:
+            # The warmups, the capture and its check would run the forward on the caller's object, which
+            # sees every run's changes (a cache object advanced several times by one call).
+            return ("object_argument", f"forward argument {', '.join(opaque)}: capturing a size at this call would "
+                    "run the forward several times on the caller's object (warmups, the capture, its check), and "
+                    "it would see every run's changes, so sizes are captured at a call only without object "
+                    "arguments (capture_model() captures with the objects make_inputs returns); these calls run "
+                    "without graphs", ("object_argument",))
         if self.capture_model_done and self.signatures:
             return ("new_signature", f"{self._new_values(spec)}: a call with a structure or non-tensor value not "
                     "seen at capture runs without graphs (capture_model() with inputs of that value captures it too)",

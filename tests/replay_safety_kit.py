@@ -278,6 +278,18 @@ def test_a_forward_that_writes_its_input_writes_the_callers_tensor(F, M, level, 
     assert graph_opt.stats(m).replays == 3
 
 
+def test_a_write_its_version_counter_does_not_show_reaches_the_callers_tensor(F, M, level):
+    """Paddle's copy_ and set_value, torch's .data: the capture finds the write by the values it changed."""
+    m, twin = pair(F, M.WritesUntracked, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.no_grad():
+        for real in (4, 3, 8):
+            x = F.randn(real, HIDDEN, seed=real)
+            x_twin = F.clone(x)
+            assert F.close(m(x), twin(x_twin))
+            assert F.equal(x, x_twin), "the caller's tensor did not see the forward's in-place write"
+
+
 def test_the_same_tensor_passed_twice_and_written_runs_without_graphs(F, M, level):
     m, twin = pair(F, M.WritesFirst, level)
     if level >= 1 and not F.static_writes_inputs:
@@ -487,6 +499,21 @@ def test_an_object_argument_is_refused_at_level_0_and_guarded_at_level_1(F, M, l
         for step in range(3):
             state.bias = F.full_like_row(x, float(step))  # mutated between calls, the same object
             assert F.close(m(x, state), twin(x, state)), f"step {step}"
+
+
+def test_an_object_the_forward_advances_is_advanced_once_per_call(F, M, level):
+    """No capture_model: a size is not captured at a call passing an object, whose state every run of the
+    forward would change (the warmups and the capture too)."""
+    m, twin = pair(F, M.AdvancesState, level)
+    with F.graphs(), F.no_grad():
+        for real in (4, 3):
+            state, state_twin = F.state_object(), F.state_object()
+            for step in range(3):
+                x = F.randn(real, HIDDEN, seed=step + 1)
+                assert F.close(m(x, state), twin(x, state_twin)), f"{real} rows, step {step}"
+                assert F.close(state.bias, state_twin.bias), f"{real} rows, step {step}: the object's state"
+    s = graph_opt.stats(m)
+    assert s.captures == 0 and s.fallback_reasons == {"object_argument": 6}, s
 
 
 # -- 12. Copies of a decorated model --------------------------------------------------------------------------

@@ -158,6 +158,9 @@ class FakeAdapter:
     def clone(self, t):
         return T(t.a.copy())
 
+    def same_values(self, a, b):
+        return a.a.shape == b.a.shape and a.a.dtype == b.a.dtype and bool(np.array_equal(a.a, b.a))
+
     def fill_(self, t, value):
         t.a[...] = value
 

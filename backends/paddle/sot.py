@@ -91,6 +91,9 @@ class SotStrategy:
     """Warm up, capture and replay a Paddle model's forward through SOT, per padded size."""
 
     describe = "Paddle's SOT (its programs do not support writing their inputs: \"not support input out tensor\")"
+    # Autograd through SOT's programs gave PaddleFormers' Llama wrong gradients (most None; bare
+    # paddle.jit.to_static(full_graph=False) too, Paddle 3.3.1): calls with autograd on run the plain forward.
+    runs_autograd = False
 
     def __init__(self, model, forward_fn, config, adapter, selection: Optional[split.SplitSelection]):
         self.model = model

@@ -181,6 +181,18 @@ class TakesState(Scaled):
         return self.lin(x) + state.bias
 
 
+class AdvancesState(Scaled):
+    def forward(self, x, state):
+        state.bias = state.bias + self.lin(x)  # a cache object the forward advances
+        return state.bias * 2.0
+
+
+class WritesUntracked(Scaled):
+    def forward(self, x):
+        x.copy_(x * 2.0 + 1.0, False)  # copy_ (and set_value) do not move the inplace version
+        return self.lin(x)
+
+
 class ArgCache(Scaled):
     """Accumulates into a cache passed as an argument, at the rows' slots (not idempotent: a second run
     of the same call would add twice), then reads those slots."""
@@ -206,7 +218,8 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                Square=Square, HostShapes=HostShapes,
                                BranchOnBatch=BranchOnBatch, WritesFirst=WritesFirst,
                                TakesContainers=TakesContainers, TakesState=TakesState,
-                               ArgCache=ArgCache, ReadsTable=ReadsTable)
+                               ArgCache=ArgCache, ReadsTable=ReadsTable, AdvancesState=AdvancesState,
+                               WritesUntracked=WritesUntracked)
 
 
 class PaddleF:
