@@ -345,10 +345,15 @@ class CapturePhase:
         what = [f"its argument {self._leaf_names(sig.spec)[i]}" for i in sorted(dropped)]
         what += [f"the model's buffer {name!r}" for name in sorted(dropped_buffers)]
         path = getattr(self.strategy, "describe", "the captured path")
+        # A write the version counters do not show (Paddle's copy_ and set_value, torch's .data) is found in
+        # the captured path by the values a warmup changed: without warmups only the plain forward's is seen.
+        unseen = ("; with cudagraph_num_of_warmups=0 a write its version counter does not show (Paddle's copy_ "
+                  "and set_value, torch's .data) is not seen in the captured path: if the forward writes that "
+                  "way, set cudagraph_num_of_warmups to 1 or more") if self.config.cudagraph_num_of_warmups == 0 else ""
         raise CaptureError(
             f"forward writes {' and '.join(what)} in place, and at graph_opt_level={self.config.graph_opt_level} "
             f"{path} does not write it back: a replay (and this level without graphs) would differ from eager. "
-            "Use graph_opt_level=0 for this model, or return the new value instead of writing in place")
+            f"Use graph_opt_level=0 for this model, or return the new value instead of writing in place{unseen}")
 
     def _capture_tail(self, captured: Captured, copies: SizeCopies) -> None:
         """A strategy that cannot end its graph with the host copies: a small graph of them after it."""

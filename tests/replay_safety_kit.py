@@ -290,6 +290,20 @@ def test_a_write_its_version_counter_does_not_show_reaches_the_callers_tensor(F,
             assert F.equal(x, x_twin), "the caller's tensor did not see the forward's in-place write"
 
 
+def test_nan_capture_inputs_are_not_taken_for_a_write(F, M, level, monkeypatch):
+    """A write is also found by the values a warmup changed: NaN compares equal to NaN there."""
+    m, twin = pair(F, M.Scaled, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n) * float("nan"))
+    with F.no_grad():
+        for seed in (1, 2):  # the full path replays once and keeps its plan: x is not written back
+            x = F.randn(4, HIDDEN, seed=seed)
+            assert same(F, level, m(x), twin(x))
+        _shortcut_taken(m, monkeypatch)
+        x = F.randn(4, HIDDEN, seed=3)
+        assert same(F, level, m(x), twin(x))
+    assert graph_opt.stats(m).replays == 3
+
+
 def test_the_same_tensor_passed_twice_and_written_runs_without_graphs(F, M, level):
     m, twin = pair(F, M.WritesFirst, level)
     if level >= 1 and not F.static_writes_inputs:

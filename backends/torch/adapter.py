@@ -169,7 +169,12 @@ class TorchAdapter:
         return getattr(t, MARK, False) or getattr(t, "_dynamo_static_input_type", None) is not None
 
     def same_values(self, a, b) -> bool:
-        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        """Same shape, dtype and elements, NaN equal to NaN (a NaN input is not a changed one)."""
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if torch.equal(a, b):
+            return True
+        return (a.is_floating_point() or a.is_complex()) and bool((a.eq(b) | (a.isnan() & b.isnan())).all())
 
     def nbytes(self, t) -> int:
         return t.numel() * t.element_size()
