@@ -24,6 +24,7 @@ from typing import List
 
 from . import output_layout
 from .captured_size import _MISMATCH, _MOVED
+from .errors import CaptureError
 from .pytree import TENSOR, flatten, leaf_paths, unflatten
 
 logger = logging.getLogger("graph_opt")
@@ -90,6 +91,13 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
     with adapter.no_grad():  # an output may be a view of a parameter, made under no_grad by the replay
         differing = _differing(adapter, got, expected, runner.config.graph_opt_level)
     if differing:
+        wrong = _captured_path_differs(runner, sig, entry) if getattr(runner.strategy, "verify_path", False) else []
+        if wrong:
+            why = (f"a replay of size {padded} gave other values than the plain forward on the same {padded} rows "
+                   f"in {', '.join(wrong)}: the captured path computes otherwise ({runner.strategy.verify_path}), "
+                   "so the model runs its plain forward. Use graph_opt_level=0 for it")
+            runner.capture_failed(CaptureError(why), padded)
+            return
         why = (f"a replay of size {padded} for a call of {rows} rows gave other values than eager in "
                f"{', '.join(differing)} (the forward reads other rows or branches on the batch size)")
         sig.block(why)
@@ -98,6 +106,29 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
                    "batch size), or capture every batch size it is called with")
         logger.warning("%s: %s", runner.name, message)
         runner.capture_notes.append(message)
+
+
+def _captured_path_differs(runner, sig, entry) -> List[str]:
+    """Where padded calls differ from eager: is it the batch (row dependence), or the captured path itself?
+    The replay of a call of exactly the padded size, on the static buffers as they are, against the plain
+    forward on copies of them: paths of the outputs that differ (none where only the batch is to blame)."""
+    adapter = runner.adapter
+    padded = entry.padded_size
+    static = [t if d is None else adapter.narrow(t, d, padded) for t, d in zip(entry.inputs, sig.dims)]
+    copies = [t if i in sig.in_place else adapter.clone(t) for i, t in enumerate(static)]
+    try:
+        with adapter.no_grad():
+            want = _clone(adapter, _run(runner, sig, copies))
+            got = entry.run(adapter, static, padded)
+    except Exception:  # the padded check's verdict stands
+        return []
+    if got is _MISMATCH or got is _MOVED:
+        return []
+    if entry.copies is not None:
+        entry.copies.owner.replays -= 1
+        _read_futures(got)
+    with adapter.no_grad():
+        return _differing(adapter, got, want, runner.config.graph_opt_level)
 
 
 def _probe_rows(adapter, leaves, dims, rows: int) -> List:

@@ -134,6 +134,8 @@ class CapturePhase:
         finally:
             for leaf, saved in kept:
                 self.adapter.copy_(leaf, saved)
+        if self.disabled_reason is not None:  # its check failed the capture: the plain forward answers
+            return None
         self.counters.lazy_captures += 1
         return entry
 
@@ -322,7 +324,7 @@ class CapturePhase:
                 pending, entry.pending_check = entry.pending_check, None
                 kept, entry.restore = entry.restore, []
                 try:
-                    if pending is not None:
+                    if pending is not None and self.disabled_reason is None:  # a check may fail the capture
                         capture_checks.validate(self, sig, entry, *pending)
                 finally:
                     static_address.restore(self.adapter, kept)

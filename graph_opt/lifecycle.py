@@ -110,6 +110,9 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
                 report.failed = runner.disabled_reason
                 break
             runner.finish_captures()
+            if runner.disabled_reason is not None:  # the size's check failed the capture
+                report.failed = runner.disabled_reason
+                break
             report.sizes.append(SizeReport(size, entry.captured.pieces, entry.captured.graphs,
                                            cfg.cudagraph_num_of_warmups, entry.capture_ms, entry.memory_bytes))
             bar.update(1)

@@ -187,6 +187,13 @@ class AdvancesState(Scaled):
         return state.bias * 2.0
 
 
+class AddsInPlace(Scaled):
+    def forward(self, x):
+        y = self.lin(x)
+        y.add_(paddle.ones_like(y))  # in place on an intermediate tensor: SOT drops it (Paddle 3.3.1)
+        return y * 2.0
+
+
 class WritesUntracked(Scaled):
     def forward(self, x):
         x.copy_(x * 2.0 + 1.0, False)  # copy_ (and set_value) do not move the inplace version
@@ -219,7 +226,7 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                BranchOnBatch=BranchOnBatch, WritesFirst=WritesFirst,
                                TakesContainers=TakesContainers, TakesState=TakesState,
                                ArgCache=ArgCache, ReadsTable=ReadsTable, AdvancesState=AdvancesState,
-                               WritesUntracked=WritesUntracked)
+                               WritesUntracked=WritesUntracked, AddsInPlace=AddsInPlace)
 
 
 class PaddleF:

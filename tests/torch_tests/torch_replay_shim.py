@@ -185,6 +185,13 @@ class AdvancesState(Scaled):
         return state.bias * 2.0
 
 
+class AddsInPlace(Scaled):
+    def forward(self, x):
+        y = self.lin(x)
+        y.add_(torch.ones_like(y))  # in place on an intermediate tensor
+        return y * 2.0
+
+
 class WritesUntracked(Scaled):
     def forward(self, x):
         x.data.mul_(2.0).add_(1.0)  # through .data: x's version counter does not move
@@ -217,7 +224,7 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                BranchOnBatch=BranchOnBatch, WritesFirst=WritesFirst,
                                TakesContainers=TakesContainers, TakesState=TakesState,
                                ArgCache=ArgCache, ReadsTable=ReadsTable, AdvancesState=AdvancesState,
-                               WritesUntracked=WritesUntracked)
+                               WritesUntracked=WritesUntracked, AddsInPlace=AddsInPlace)
 
 
 class TorchF:
