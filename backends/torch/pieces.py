@@ -106,6 +106,7 @@ class PieceGraph:
     pick: Callable = None  # args -> the tensors at tensor_slots, as a tuple
     captured: tuple = ()  # inputs at tensor_slots
     owned: Optional[List[bool]] = None  # per output leaf, once finished: owned (a forward output)
+    values: tuple = ()  # (position, value) of the Python numbers among inputs: the graph baked them
 
     def __post_init__(self):
         self.refresh()
@@ -120,6 +121,8 @@ class PieceGraph:
         else:
             self.pick = lambda args: ()
         self.captured = tuple(self.inputs[i] for i in slots)
+        self.values = tuple((i, a) for i, a in enumerate(self.inputs)
+                            if i not in slots and type(a) in (int, float, bool))
 
 
 class CapturablePiece:
@@ -143,6 +146,10 @@ class CapturablePiece:
             # one C-level identity pass, and the per-slot loop only when some input is fresh.
             if not all(map(operator.is_, entry.pick(args), entry.captured)):
                 self._copy_fresh(entry, args)
+            for i, value in entry.values:  # a dynamic int (an attribute Dynamo saw change) read afresh
+                if args[i] != value:
+                    raise ReplayDivergence(f"piece {self.name}: input {i} is {args[i]!r}, and its graph was "
+                                           f"captured with {value!r}")
             entry.graph.replay()
             return entry.outputs
         if state.mode is Mode.CAPTURE:

@@ -263,3 +263,34 @@ def test_a_replay_failing_after_it_wrote_a_marked_cache_is_an_error_not_a_second
         m(F.randn(4, HIDDEN, seed=1), cache, F.arange(4))
     s = graph_opt.stats(m)
     assert "replay of size 4 failed" in s.disabled_reason and s.replay_failures == 1
+
+
+class _Steps:
+    def __init__(self):
+        self.steps = 0
+
+
+class _CountsSteps(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, st):
+        st.steps += 1  # changes during the capture's runs: Dynamo makes it a dynamic int, no value guard
+        return self.lin(x) * st.steps
+
+
+@pytest.mark.parametrize("level", [1, pytest.param(2, marks=pytest.mark.inductor)], ids=["level1", "level2"])
+def test_a_python_number_the_graph_took_is_compared_at_replay_never_baked(F, level):
+    """The graph of a captured piece took st.steps as a Python number: a replay with another number
+    would return the capture's results (and store the capture's count back). It runs without graphs."""
+    m, twin = pair(F, _CountsSteps, level)
+    st, st_twin = _Steps(), _Steps()
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), st))
+    st_twin.steps = st.steps
+    with torch.no_grad():
+        for step in range(3):
+            x = F.randn(4, HIDDEN, seed=step)
+            assert torch.allclose(m(x, st), twin(x, st_twin)), f"step {step}"
+            assert st.steps == st_twin.steps, f"step {step}: the counter"
+    assert graph_opt.stats(m).fallback_reasons == {"divergence": 3}
