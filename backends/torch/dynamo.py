@@ -165,8 +165,10 @@ class DynamoStrategy:
         replay = _in_replay_mode(self.state, key, functools.partial(direct, self.model, *args, **kwargs))
         stores = self._stores_of.get(id(forward))
         made = None if stores is None else replay_stores(code, stores)
+        # A number the graph takes from an object's attribute (a dynamic int: no value guard) is compared
+        # by the pieces at each replay (pieces.CapturablePiece): the graph's replay() alone would not.
         if stable and _tensors_only(outputs, self.adapter.is_tensor) and made is not None \
-                and pure_replay_code(code, *stores_names(stores)):
+                and not forward.numbers_from_state and pure_replay_code(code, *stores_names(stores)):
             # The transformed code would only read the same inputs and return these very tensors: run
             # the one graph, or the split module's pieces on the inputs it gathered at capture.
             self.direct_replays += 1
@@ -250,6 +252,7 @@ class DynamoStrategy:
             else:
                 module.__dict__[piece.name] = EagerPiece(sub.forward, self.state)  # skips nn.Module.__call__
         forward = CompiledForward(graph, runners, self.state)
+        forward.numbers_from_state = _numbers_from_state(gm)
         self._stores_of[id(forward)] = constant_stores()
         self.forwards.append(forward)
         self._pending.append(forward)
@@ -373,6 +376,20 @@ def _in_replay_mode(state: GraphState, key, run):
             state.mode = eager_mode
 
     return replay
+
+
+def _numbers_from_state(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph takes a Python number that is not a tensor's size or stride (an attribute Dynamo
+    saw change while tracing, made a dynamic int or float)."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        arg = node.meta.get("grapharg")
+        if arg is None or isinstance(node.meta.get("example_value"), torch.Tensor):
+            continue
+        if type(arg.source).__name__ != "TensorPropertySource":
+            return True
+    return False
 
 
 def _traced(gm: torch.fx.GraphModule, example_inputs):

@@ -430,3 +430,42 @@ def test_a_plain_tensor_attribute_changed_after_capture_reaches_the_replay():
     m.cache.fill_(3.0)
     with torch.no_grad():
         torch.testing.assert_close(m(x), _eager(m, x), **TOL)
+
+
+class _Scale:
+    def __init__(self):
+        self.scale = 1
+
+
+@graph_opt.support_graph_optimization
+class _ScaledByState(torch.nn.Module):
+    def __init__(self, graph_opt_config=None):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, st):
+        return self.lin(x) * st.scale
+
+
+def test_a_number_the_graph_takes_from_an_objects_attribute_is_never_replayed_directly():
+    """The attribute changed while the sizes were captured: Dynamo made it a dynamic int, an input of
+    the graph with no value guard. The graph's replay() alone would keep the capture's value; the
+    pieces compare it at each replay instead."""
+    torch.manual_seed(0)
+    m = _ScaledByState(graph_opt_config=_cfg(1)).eval()
+    st = _Scale()
+
+    def make(n):
+        st.scale += 1
+        return make_x(n), st
+
+    with graph_opt.testing.simulate_cuda_graphs(), torch.no_grad():
+        graph_opt.capture_model(m, make, progress=False)
+        strategy = state_of(m).runner.strategy
+        assert any(f.numbers_from_state for f in strategy.forwards)  # the recompiled graph takes st.scale
+        assert strategy.direct_replays < len(SIZES)
+        for scale in (7, 9):
+            st.scale = scale
+            for n in SIZES:
+                x = make_x(n)
+                assert torch.allclose(m(x, st), type(m).forward(m, x, st), **TOL), f"scale {scale}, {n} rows"
