@@ -76,18 +76,14 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
     rows = smallest_call(runner, padded)
     small = _probe_rows(adapter, leaves, sig.dims, rows)
     try:
-        with adapter.no_grad():  # as replays run
-            got = entry.run(adapter, small, rows)  # as a call of `rows` rows: copied in, padded, replayed, cut
+        got = _check_replay(adapter, entry, small, rows)  # as a call of `rows` rows: copied in, padded, replayed, cut
     except Exception as exc:  # the calls will meet it too (GraphRunner._replay_failed); padded ones need not
         why = f"the replay of size {padded} for a call of {rows} rows raised {type(exc).__name__}: {exc}"
         sig.block(why)
         logger.warning("%s: %s; calls of a size that is not captured run without graphs", runner.name, why)
         return
-    if got is _MISMATCH or got is _MOVED:
+    if got is None:
         return
-    if entry.copies is not None:
-        entry.copies.owner.replays -= 1  # this check's replay is not a call: host_copies_in_graph counts calls
-        _read_futures(got)  # frees their ring slot for the calls to come
     with adapter.no_grad():  # an output may be a view of a parameter, made under no_grad by the replay
         differing = _differing(adapter, got, expected, runner.config.graph_opt_level)
     if differing:
@@ -119,16 +115,26 @@ def _captured_path_differs(runner, sig, entry) -> List[str]:
     try:
         with adapter.no_grad():
             want = _clone(adapter, _run(runner, sig, copies))
-            got = entry.run(adapter, static, padded)
+        got = _check_replay(adapter, entry, static, padded)
     except Exception:  # the padded check's verdict stands
         return []
-    if got is _MISMATCH or got is _MOVED:
+    if got is None:
         return []
-    if entry.copies is not None:
-        entry.copies.owner.replays -= 1
-        _read_futures(got)
     with adapter.no_grad():
         return _differing(adapter, got, want, runner.config.graph_opt_level)
+
+
+def _check_replay(adapter, entry, leaves, rows: int):
+    """A replay of `entry` as a call of `rows` rows would make, for a check: its outputs, or None where
+    the graph cannot take these inputs. Not counted as a call."""
+    with adapter.no_grad():  # as replays run
+        got = entry.run(adapter, leaves, rows)
+    if got is _MISMATCH or got is _MOVED:
+        return None
+    if entry.copies is not None:
+        entry.copies.owner.replays -= 1  # this check's replay is not a call: host_copies_in_graph counts calls
+        _read_futures(got)  # frees their ring slot for the calls to come
+    return got
 
 
 def _probe_rows(adapter, leaves, dims, rows: int) -> List:

@@ -14,7 +14,7 @@ import time
 from typing import Any, List, Optional, Tuple
 
 from . import capture_checks, guards, output_layout, output_sharing, ranks, static_address
-from .captured_size import Captured, CapturedSize
+from .captured_size import Captured, CapturedSize, overlaps
 from .errors import CaptureError, GraphOptInputError
 from .failures import describe
 from .host_outputs import SizeCopies
@@ -76,8 +76,8 @@ class CapturePhase:
         sig = self.signatures.get(spec)
         new = sig is None
         if new:
-            opaque = self._opaque_arguments(spec)
-            if opaque:
+            opaque = self._opaque_arguments(spec) if self.config.graph_opt_level == 0 else []
+            if opaque:  # level >= 1: capture_model captures with them, under the framework's guards
                 raise GraphOptInputError(f"{self.name}: make_inputs({size}) returned {_opaque_message(opaque)}")
             sig = self._new_signature(spec, leaves, args, kwargs)
         if sig is None:
@@ -143,18 +143,8 @@ class CapturePhase:
         """(argument, a copy of it) for each tensor argument whose memory overlaps an output of the
         signature's captured sizes."""
         adapter = self.adapter
-        spans = []
-        for entry in sig.entries.values():
-            for t in flatten(entry.captured.outputs, adapter.is_tensor)[0]:
-                start = adapter.data_ptr(t)
-                spans.append((start, start + max(adapter.nbytes(t), 1)))
-        kept = []
-        for leaf in leaves:
-            start = adapter.data_ptr(leaf)
-            end = start + max(adapter.nbytes(leaf), 1)
-            if any(start < b and a < end for a, b in spans):
-                kept.append((leaf, adapter.clone(leaf)))
-        return kept
+        spans = [span for entry in sig.entries.values() for span in entry.output_extents(adapter)]
+        return [(leaf, adapter.clone(leaf)) for leaf in leaves if overlaps(spans, adapter.extent(leaf))]
 
     def capture_failed(self, exc: Optional[BaseException], size: int, across_ranks: Optional[str] = None) -> None:
         """Drop every graph and run without them. across_ranks: why, when the ranks agreed on it

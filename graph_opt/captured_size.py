@@ -90,7 +90,7 @@ class CapturedSize:
                 if adapter.data_ptr(src) != ptr or adapter.shape(src) != shape or adapter.dtype(src) != dtype \
                         or adapter.stride(src) != stride:
                     return _MISMATCH
-        if sig.mutated and aliased(adapter, sig, leaves, self._output_spans(adapter)):
+        if sig.mutated and aliased(adapter, sig, leaves, self.output_extents(adapter)):
             return _ALIASED
         if self.host_values:
             for i, value in self.host_values:
@@ -113,7 +113,8 @@ class CapturedSize:
         if sig.padding is not None:
             sig.padding.touched(self.padded_size)  # the forward wrote the padding rows too
 
-    def _output_spans(self, adapter) -> List[Tuple[int, int]]:
+    def output_extents(self, adapter) -> List[Tuple[int, int]]:
+        """(start, end) bytes of each tensor output: the memory its replay writes."""
         spans = self.output_spans
         if spans is None:
             spans = self.output_spans = [adapter.extent(t) for t in flatten(self.captured.outputs, adapter.is_tensor)[0]]

@@ -70,7 +70,7 @@ class FastReplay:
     """The runner's shortcut for calls of its positional-tensor signature (see the module doc)."""
 
     __slots__ = ("runner", "sig", "arity", "lead", "dim", "plans", "is_tensor", "shape", "dtype", "copy_",
-                 "grad_enabled", "state", "counters")
+                 "grad_enabled", "state", "counters", "extent")
 
     def __init__(self, runner, sig):
         adapter = runner.adapter
@@ -87,6 +87,7 @@ class FastReplay:
         self.grad_enabled = adapter.grad_enabled
         self.state = runner.model_state
         self.counters = runner.counters
+        self.extent = adapter.extent
 
     def __call__(self, args: List[Any]):
         lead = args[self.lead]
@@ -115,7 +116,7 @@ class FastReplay:
                 if src is not dst and (not is_tensor(src) or shape(src) != want or dtype(src) != kind):
                     return MISS
             if plan.written:
-                extent = self.runner.adapter.extent
+                extent = self.extent
                 for i in plan.copied:
                     if overlaps(plan.written, extent(args[i])):
                         return MISS

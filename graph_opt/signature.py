@@ -169,15 +169,12 @@ class SignatureChecks:
         return self._disagreement(sig, leaves)
 
     # -- signatures --------------------------------------------------------------------------------
-    def _opaque_arguments(self, spec, any_level: bool = False) -> List[str]:
-        """Level 0: non-tensor arguments that are objects a replay cannot check (a Hugging Face
-        DynamicCache, a user's state object): the graph bakes whatever the forward read from them at
-        capture, and they are compared by identity, so a call with the same object mutated would replay
-        stale. Plain values, containers, dataclasses, enums, functions and the framework's dtypes and
-        devices are fine. Level >= 1: the framework guards what the forward reads from them (any_level:
-        find them there too)."""
-        if self.config.graph_opt_level != 0 and not any_level:
-            return []
+    def _opaque_arguments(self, spec) -> List[str]:
+        """Non-tensor arguments that are objects a replay cannot check (a Hugging Face DynamicCache, a
+        user's state object). At level 0 the graph bakes whatever the forward read from them at capture,
+        and they are compared by identity, so a call with the same object mutated would replay stale; at
+        level >= 1 the framework guards what the forward reads from them. Plain values, containers,
+        dataclasses, enums, functions and the framework's dtypes and devices are fine."""
         value_types = self.adapter.value_types
         found = []
         for path, leaf in self._named_leaves(spec):
@@ -192,7 +189,7 @@ class SignatureChecks:
         """Why a call with a structure or non-tensor value never seen before may not get graphs of its
         own at call time, or None. Replaying a graph captured with another value would be wrong; a
         graph per value without bound would capture (and hold static buffers) at every new value."""
-        opaque = self._opaque_arguments(spec, any_level=True)
+        opaque = self._opaque_arguments(spec)
         if opaque and self.config.graph_opt_level == 0:
             return ("object_argument", f"{_opaque_message(opaque)}; these calls run without graphs",
                     ("object_argument",))

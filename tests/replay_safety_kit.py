@@ -255,6 +255,16 @@ def test_requires_grad_changed_after_capture_does_not_stop_replays(F, M, level):
 
 
 # -- 8. In-place writes to inputs ---------------------------------------------------------------------------
+def _calls_write_the_callers_tensor(F, m, twin):
+    """Calls of a captured size, a padded one and the largest: outputs and the caller's written x as eager's."""
+    with F.no_grad():
+        for real in (4, 3, 8):
+            x = F.randn(real, HIDDEN, seed=real)
+            x_twin = F.clone(x)
+            assert F.close(m(x), twin(x_twin))
+            assert F.equal(x, x_twin), "the caller's tensor did not see the forward's in-place write"
+
+
 def test_a_forward_that_writes_its_input_writes_the_callers_tensor(F, M, level, logs):
     m, twin = pair(F, M.WritesInput, level)
     if level >= 1 and not F.static_writes_inputs:
@@ -269,12 +279,7 @@ def test_a_forward_that_writes_its_input_writes_the_callers_tensor(F, M, level, 
             assert F.close(m(x), twin(x_twin)) and F.equal(x, x_twin)
         return
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
-    with F.no_grad():
-        for real in (4, 3, 8):
-            x = F.randn(real, HIDDEN, seed=real)
-            x_twin = F.clone(x)
-            assert F.close(m(x), twin(x_twin))
-            assert F.equal(x, x_twin), "the caller's tensor did not see the forward's in-place write"
+    _calls_write_the_callers_tensor(F, m, twin)
     assert graph_opt.stats(m).replays == 3
 
 
@@ -282,12 +287,7 @@ def test_a_write_its_version_counter_does_not_show_reaches_the_callers_tensor(F,
     """Paddle's copy_ and set_value, torch's .data: the capture finds the write by the values it changed."""
     m, twin = pair(F, M.WritesUntracked, level)
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
-    with F.no_grad():
-        for real in (4, 3, 8):
-            x = F.randn(real, HIDDEN, seed=real)
-            x_twin = F.clone(x)
-            assert F.close(m(x), twin(x_twin))
-            assert F.equal(x, x_twin), "the caller's tensor did not see the forward's in-place write"
+    _calls_write_the_callers_tensor(F, m, twin)
 
 
 def test_an_in_place_op_on_an_intermediate_tensor_is_computed_as_eager(F, M, level, logs):
