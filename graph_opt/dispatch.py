@@ -71,6 +71,11 @@ class KindDispatch:
         full.siblings, piecewise.siblings = [piecewise], [full]  # one model state: a failure stops both
 
     # -- the call ------------------------------------------------------------------------------------
+    fast = None  # no shortcut: each call's kind is the key function's
+
+    def full_call(self, args, kwargs):
+        return self(*args, **kwargs)
+
     def __call__(self, *args, **kwargs):
         kind = self.key_fn(*args, **kwargs)
         runner = self.kinds.get(kind)

@@ -67,79 +67,93 @@ def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan
 
 
 class FastReplay:
-    """The runner's shortcut for calls of its positional-tensor signature (see the module doc)."""
+    """The runner's shortcut for calls of its positional-tensor signature (see the module doc).
 
-    __slots__ = ("runner", "sig", "arity", "lead", "dim", "plans", "is_tensor", "shape", "dtype", "copy_",
-                 "grad_enabled", "state", "counters", "extent")
+    `call(args)` answers a call or returns MISS. It is one closure over everything it reads, lock
+    included: the decorated class's __call__ runs it directly, so the common call costs two Python
+    frames (that __call__ and this one) besides the graph's replay."""
+
+    __slots__ = ("sig", "plans", "arity", "call")
 
     def __init__(self, runner, sig):
-        adapter = runner.adapter
-        self.runner = runner
         self.sig = sig
-        self.arity = len(runner.params)
-        self.lead = sig.dynamic[0]  # the first argument with a batch dim: its size picks the plan
-        self.dim = sig.dims[self.lead]
         self.plans = sig.plans
-        self.is_tensor = adapter.is_tensor
-        self.shape = adapter.shape
-        self.dtype = adapter.dtype
-        self.copy_ = adapter.copy_
-        self.grad_enabled = adapter.grad_enabled
-        self.state = runner.model_state
-        self.counters = runner.counters
-        self.extent = adapter.extent
+        self.arity = len(runner.params)
+        self.call = _shortcut(runner, sig, self.arity)
 
-    def __call__(self, args: List[Any]):
-        lead = args[self.lead]
-        if not self.is_tensor(lead):
+
+def _shortcut(runner, sig, arity: int):
+    adapter = runner.adapter
+    lead_at = sig.dynamic[0]  # the first argument with a batch dim: its size picks the plan
+    dim = sig.dims[lead_at]
+    plans_get = sig.plans.get
+    is_tensor, shape, dtype, copy_ = adapter.is_tensor, adapter.shape, adapter.dtype, adapter.copy_
+    grad_enabled, extent = adapter.grad_enabled, adapter.extent
+    state = runner.model_state
+    counters = runner.counters
+    acquire, release = runner._acquire, runner._release
+    pending = _pending_host_copies  # simulated slow copies (tests) still reading outputs land first
+    single = arity == 1  # the lead, a batch-dim argument: never the static buffer itself
+
+    def call(args):
+        if len(args) != arity or runner.disabled_reason is not None:
             return MISS
-        lead_shape = self.shape(lead)
+        # Held while the static buffers are used; a busy runner is the full path's error to raise.
+        if not acquire(False):
+            return MISS
         try:
-            plan = self.plans.get(lead_shape[self.dim])
-        except IndexError:
-            return MISS
-        if plan is None or self.grad_enabled() or self.runner.group is not None:
-            return MISS
-        state = self.state
-        if state.captured and state.check() is not None:
-            return MISS
-        if plan.check is not None and plan.check() is not None:
-            return MISS
-        # Every argument checked before any is copied: a call the plan refuses has written nothing.
-        dsts = plan.dsts
-        if self.arity == 1:  # the lead, a batch-dim argument: never the static buffer itself
-            if lead_shape != plan.shapes[0] or self.dtype(lead) != plan.dtypes[0]:
+            lead = args[lead_at]
+            if not is_tensor(lead):
                 return MISS
-        else:
-            is_tensor, shape, dtype = self.is_tensor, self.shape, self.dtype
-            for dst, want, kind, src in zip(dsts, plan.shapes, plan.dtypes, args):
-                if src is not dst and (not is_tensor(src) or shape(src) != want or dtype(src) != kind):
+            lead_shape = shape(lead)
+            try:
+                plan = plans_get(lead_shape[dim])
+            except IndexError:
+                return MISS
+            if plan is None or grad_enabled() or runner.group is not None:
+                return MISS
+            if state.captured and state.check() is not None:
+                return MISS
+            check = plan.check
+            if check is not None and check() is not None:
+                return MISS
+            # Every argument checked before any is copied: a call the plan refuses has written nothing.
+            dsts = plan.dsts
+            if single:
+                if lead_shape != plan.shapes[0] or dtype(lead) != plan.dtypes[0]:
                     return MISS
-            if plan.written:
-                extent = self.extent
-                for i in plan.copied:
-                    if overlaps(plan.written, extent(args[i])):
-                        return MISS
-        real = plan.real
-        padding = plan.padding
-        if padding.dirty > real:  # padding.wrote(real), the call saved where no row needs a fill
-            padding.wrote(real)
-        else:
-            padding.dirty = real
-        try:
-            if _pending_host_copies:  # simulated slow copies (tests) still reading outputs land first
-                land_pending_copies()
-            copy_ = self.copy_
-            if self.arity == 1:
-                copy_(dsts[0], lead)
             else:
-                for dst, src in zip(dsts, args):
-                    if src is not dst:
-                        copy_(dst, src)
-            fresh = plan.replay()
-        except Exception as exc:  # as the full path: the eager forward answers; the graphs go if it works
-            return self.runner.replay_raised(exc, plan.entry.padded_size, args, {}, self.sig)
-        self.counters.replays += 1
-        if plan.stable:
-            return plan.output
-        return plan.entry.cut_outputs(self.runner.adapter, fresh, real)
+                for dst, want, kind, src in zip(dsts, plan.shapes, plan.dtypes, args):
+                    if src is not dst and (not is_tensor(src) or shape(src) != want or dtype(src) != kind):
+                        return MISS
+                written = plan.written
+                if written:
+                    for i in plan.copied:
+                        if overlaps(written, extent(args[i])):
+                            return MISS
+            real = plan.real
+            padding = plan.padding
+            if padding.dirty > real:  # padding.wrote(real), the call saved where no row needs a fill
+                padding.wrote(real)
+            else:
+                padding.dirty = real
+            try:
+                if pending:
+                    land_pending_copies()
+                if single:
+                    copy_(dsts[0], lead)
+                else:
+                    for dst, src in zip(dsts, args):
+                        if src is not dst:
+                            copy_(dst, src)
+                fresh = plan.replay()
+            except Exception as exc:  # as the full path: the eager forward answers; the graphs go if it works
+                return runner.replay_raised(exc, plan.entry.padded_size, args, {}, sig)
+            counters.replays += 1
+            if plan.stable:
+                return plan.output
+            return plan.entry.cut_outputs(adapter, fresh, real)
+        finally:
+            release()
+
+    return call

@@ -81,12 +81,22 @@ class GraphRunner(SignatureChecks, CapturePhase):
         self._acquire = self.guard.acquire
         self._release = self.guard.release
         self.shortcut: Optional[FastReplay] = None  # the common call's shortcut, once one of its sizes replayed
+        self.fast: Optional[Callable] = None  # its call(args), or None
         # The other graph kind of the same model (graph_opt.dispatch): it shares this runner's model state,
         # which a failure here releases, so it stops with this one (disable()).
         self.siblings: List["GraphRunner"] = []
 
     # -- hot path ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        fast = self.fast
+        if fast is not None and not kwargs:
+            out = fast(args)
+            if out is not MISS:
+                return out
+        return self.full_call(args, kwargs)
+
+    def full_call(self, args, kwargs):
+        """Any call, without the shortcut (the decorated class's __call__ tried it already)."""
         if self.disabled_reason is not None:
             # After a failed capture or replay the translated path is suspect too: run the plain forward.
             self.counters.fallbacks += 1
@@ -94,11 +104,6 @@ class GraphRunner(SignatureChecks, CapturePhase):
         if not self._acquire(False):
             raise self.busy_error()
         try:
-            shortcut = self.shortcut
-            if shortcut is not None and not kwargs and len(args) == shortcut.arity:
-                out = shortcut(args)
-                if out is not MISS:
-                    return out
             return self._dispatch(args, kwargs)
         finally:
             self._release()
@@ -210,6 +215,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
             sig.plans[real] = plan
             if self.shortcut is None or self.shortcut.sig is not sig:
                 self.shortcut = FastReplay(self, sig)
+                self.fast = self.shortcut.call
 
     def replay_raised(self, exc: Exception, padded: int, args, kwargs, sig: Signature):
         """A replay raised: a guard that failed inside it or a splitting op that diverged run this call
@@ -335,7 +341,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
             sig.buffers = None
             sig.padding = None
         self.signatures.clear()
-        self.shortcut = None
+        self.shortcut = self.fast = None
         self._sig_numbers = itertools.count(1)
         self.strategy.release()
         self.model_state.release()
