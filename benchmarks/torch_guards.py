@@ -15,9 +15,10 @@ host time per call at batch 8 with and without them, on four models, each full g
 
 Columns: a hand-written CUDA graph's replay() alone and copy_ + replay(); the plugin at levels 0, 1
 and 2 with guarded_replays true (the default) and false; at level 0 also with the model-state check
-stubbed out (measurement only). Host time is the median of alternating rounds (torch_gpu.host_us).
-Every plugin column's output is checked against the hand-written graph's first. --smoke runs the
-same code on CPU with simulated graphs and tiny sizes (no meaningful timings).
+stubbed out, and its own graph's replay() called bare (measurement only). Host time is the median of
+alternating rounds (torch_gpu.host_us). Every plugin column's output is checked against the hand-written
+graph's first. --smoke runs the same code on CPU with simulated graphs and tiny sizes (no meaningful
+timings).
 
 Writes <out>/guards_bench.json and prints the table last.
 """
@@ -156,6 +157,10 @@ def measure(name: str, make, make_inputs, smoke: bool) -> Tuple[Dict[str, float]
         if graph_opt.stats(m).replays != 1:
             raise AssertionError(f"{name} {label}: the call did not replay: {graph_opt.stats(m)}")
         fns[label] = _spread(m, x)
+        if label == "L0" and not smoke:
+            # The plugin's own graph, replayed bare: the same work as the hand-written graph's replay().
+            plan = state_of(m).runner.shortcut.sig.plans[BATCH]
+            fns["L0 graph replay() alone"] = lambda t, replay=plan.replay: replay()
     with torch.no_grad():
         if smoke:
             return {k: 0.0 for k in fns}, {}
@@ -163,7 +168,8 @@ def measure(name: str, make, make_inputs, smoke: bool) -> Tuple[Dict[str, float]
         medians = host_us(fns, x, samples=samples)
     # What the targets compare, paired by round: the plugin's own work over the hand-written graph's,
     # and the translating levels over level 0.
-    gaps = {"L0 - copy_ + replay()": paired_us(samples, "L0", "copy_ + replay()")}
+    gaps = {"L0 - copy_ + replay()": paired_us(samples, "L0", "copy_ + replay()"),
+            "L0 graph replay() alone - raw replay()": paired_us(samples, "L0 graph replay() alone", "raw replay()")}
     for label in ("L1", "L1 unguarded", "L2", "L2 unguarded"):
         if label in samples:
             gaps[f"{label} - L0"] = paired_us(samples, label, "L0")

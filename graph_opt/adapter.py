@@ -44,6 +44,8 @@ class Adapter(Protocol):
 
     def same_values(self, a, b) -> bool: ...  # same shape, dtype and elements
 
+    def keep_changes(self, before, want, got): ...  # got where want differs from before, want elsewhere
+
     def layout(self, t) -> Any: ...  # hashable (dtype, device): what a buffer must share to hold t
 
     def weak_alias(self, t): ...  # t's memory without owning it, where the graph pool allows; else t

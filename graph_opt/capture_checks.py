@@ -7,6 +7,9 @@ runner runs the plain forward on q rows of the capture inputs, replays p for the
 would (copied in, padding rows holding the pad values, cut), and compares. Where they differ (a batch
 statistic, attention across the batch, `if x.shape[0] > 4`), calls of a size that is not captured run
 without graphs from then on, with one warning naming the output: never a replay that differs from eager.
+Where the model's buffers and the marked arguments fit in _STATE_BYTES, the two runs start from one copy
+of them, and what they leave there is compared as well (a step counter is no difference; a count of
+rows that padding rows would add to is).
 
 The same eager run gives the output layout its second batch size (output_layout: which dimension of
 each output is the batch), and says which arguments and model buffers the plain forward writes in
@@ -20,7 +23,7 @@ another size teaches the layout.
 from __future__ import annotations
 
 import logging
-from typing import List
+from typing import Any, List, Optional, Tuple
 
 from . import output_layout
 from .captured_size import _MISMATCH, _MOVED
@@ -75,6 +78,8 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
     padded = entry.padded_size
     rows = smallest_call(runner, padded)
     small = _probe_rows(adapter, leaves, sig.dims, rows)
+    state = _state(runner, sig, leaves)
+    before = [adapter.clone(t) for _, t in state] if state else None
     try:
         got = _check_replay(adapter, entry, small, rows)  # as a call of `rows` rows: copied in, padded, replayed, cut
     except Exception as exc:  # the calls will meet it too (GraphRunner._replay_failed); padded ones need not
@@ -86,6 +91,12 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
         return
     with adapter.no_grad():  # an output may be a view of a parameter, made under no_grad by the replay
         differing = _differing(adapter, got, expected, runner.config.graph_opt_level)
+    if before is not None and (differing or not all(map(adapter.same_values, (t for _, t in state), before))):
+        # The runs advance state the forward writes (a step counter, a cache): compared again from one
+        # copy of it, what they leave there included.
+        fair = _from_one_state(runner, sig, entry, small, rows)
+        if fair is not None:
+            differing = fair
     if differing:
         wrong = _captured_path_differs(runner, sig, entry) if getattr(runner.strategy, "verify_path", False) else []
         if wrong:
@@ -95,7 +106,8 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
             runner.capture_failed(CaptureError(why), padded)
             return
         why = (f"a replay of size {padded} for a call of {rows} rows gave other values than eager in "
-               f"{', '.join(differing)} (the forward reads other rows or branches on the batch size)")
+               f"{', '.join(differing)} (the forward reads other rows or branches on the batch size"
+               f"{_PADDING_STATE if any(d.startswith(_STATE_NAMES) for d in differing) else ''})")
         sig.block(why)
         message = (f"{why}: calls of a size that is not captured run without graphs. Keep the forward "
                    "row-independent (no batch statistics, no attention across the batch, no branch on the "
@@ -107,21 +119,72 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
 def _captured_path_differs(runner, sig, entry) -> List[str]:
     """Where padded calls differ from eager: is it the batch (row dependence), or the captured path itself?
     The replay of a call of exactly the padded size, on the static buffers as they are, against the plain
-    forward on copies of them: paths of the outputs that differ (none where only the batch is to blame)."""
+    forward on copies of them, each from the same state: what differs (none where only the batch is to
+    blame)."""
     adapter = runner.adapter
     padded = entry.padded_size
     static = [t if d is None else adapter.narrow(t, d, padded) for t, d in zip(entry.inputs, sig.dims)]
-    copies = [t if i in sig.in_place else adapter.clone(t) for i, t in enumerate(static)]
+    return _from_one_state(runner, sig, entry, static, padded) or []
+
+
+_STATE_BYTES = 64 << 20  # what a check copies aside to start two runs from one state, at most
+_STATE_NAMES = ("buffer ", "argument ")
+_PADDING_STATE = (", or its padding rows change state the real rows do not, such as a count of the rows "
+                  "seen: padded calls would change it otherwise than eager")
+
+
+def _state(runner, sig, leaves) -> Optional[List[Tuple[str, Any]]]:
+    """(name, tensor) of what a run of the forward may advance: the model's buffers and the arguments
+    read in place (mark_static_address). None where they hold more than _STATE_BYTES."""
+    adapter = runner.adapter
+    names = runner._leaf_names(sig.spec)
+    found, seen = [], set()
+    for name, t in [(f"buffer {n!r}", t) for n, t in runner.model_state.buffers()] + \
+                   [(f"argument {names[i]}", leaves[i]) for i in sorted(sig.in_place)]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            found.append((name, t))
+    if sum(adapter.nbytes(t) for _, t in found) > _STATE_BYTES:
+        return None
+    return found
+
+
+def _from_one_state(runner, sig, entry, inputs, rows: int) -> Optional[List[str]]:
+    """The plain forward on `inputs` (copies of those not read in place) and the replay of `entry` for a
+    call of `rows` rows of them, each started from the state as it is now (the model's buffers, the
+    arguments read in place; put back after): the output paths and the state that end otherwise. None
+    where the state is too large to copy aside or the runs cannot take these inputs."""
+    adapter = runner.adapter
+    state = _state(runner, sig, inputs)
+    if state is None:
+        return None
+    saved = [adapter.clone(t) for _, t in state]
+
+    def put_back():
+        for (_, t), s in zip(state, saved):
+            adapter.copy_(t, s)
+
+    copies = [t if i in sig.in_place else adapter.clone(t) for i, t in enumerate(inputs)]
     try:
         with adapter.no_grad():
             want = _clone(adapter, _run(runner, sig, copies))
-        got = _check_replay(adapter, entry, static, padded)
-    except Exception:  # the padded check's verdict stands
-        return []
-    if got is None:
-        return []
-    with adapter.no_grad():
-        return _differing(adapter, got, want, runner.config.graph_opt_level)
+            after = [adapter.clone(t) for _, t in state]
+            put_back()
+            got = _check_replay(adapter, entry, inputs, rows)
+            if got is None:
+                return None
+            level = runner.config.graph_opt_level
+            differing = _differing(adapter, got, want, level)
+            # Where this run changed the state, the replay must leave what eager does; elsewhere only its
+            # padding rows wrote (a KV-cache slot reserved for padding), which calls allow.
+            differing += [name for (name, t), b, a in zip(state, saved, after)
+                          if adapter.max_abs_diff(adapter.keep_changes(b, a, t), a) > _tolerance(adapter, a, level)]
+    except Exception:  # the first check's verdict stands
+        return None
+    finally:
+        with adapter.no_grad():
+            put_back()
+    return differing
 
 
 def _check_replay(adapter, entry, leaves, rows: int):
@@ -212,11 +275,14 @@ def _differing(adapter, got, expected, level: int) -> List[str]:
         have = mine.get(path)
         if have is None:
             continue
-        scale = max(1.0, adapter.max_abs(want))
-        tolerance = _ULPS * adapter.eps(want) * scale * (_FUSED if level >= 2 else 1)
-        if adapter.max_abs_diff(have, want) > tolerance:
+        if adapter.max_abs_diff(have, want) > _tolerance(adapter, want, level):
             found.append(path)
     return found
+
+
+def _tolerance(adapter, want, level: int) -> float:
+    scale = max(1.0, adapter.max_abs(want))
+    return _ULPS * adapter.eps(want) * scale * (_FUSED if level >= 2 else 1)
 
 
 def _paths(adapter, tree) -> List[str]:

@@ -114,6 +114,10 @@ class ModelState:
         version = self.adapter.version
         return [(name, version(t)) for name, t in self.adapter.named_buffers(self.model)]
 
+    def buffers(self) -> list:
+        """(name, tensor) of every buffer of the model."""
+        return self.adapter.named_buffers(self.model)
+
     # -- the attribute watch (level 0): called by the decorated class's __setattr__ ----------------------
     @property
     def watching(self) -> bool:
@@ -231,4 +235,7 @@ class Unwatched:
         return None
 
     def buffer_versions(self) -> list:
+        return []
+
+    def buffers(self) -> list:
         return []

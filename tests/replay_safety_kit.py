@@ -429,6 +429,37 @@ def test_a_forward_whose_real_rows_depend_on_other_rows_replays_only_captured_si
     assert not warned(logs, "other values than eager")
 
 
+def test_a_step_counter_the_forward_advances_replays_padded_calls_and_counts_as_eager(F, M, level, logs):
+    """The check's two runs each advance the counter: compared from one state, they agree."""
+    m, twin = pair(F, M.CountsSteps, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    assert not warned(logs, "other values than eager")
+    F.copy_weights(twin, m)  # the counter as the capture left it
+    with F.no_grad():
+        for real in (3, 8, 5, 1, 4):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x)), f"a call of {real} rows"
+    assert F.equal(m.steps, twin.steps)
+    s = graph_opt.stats(m)
+    assert s.replays == 5 and not s.fallback_reasons
+
+
+def test_a_count_of_rows_seen_replays_only_captured_sizes_and_counts_as_eager(F, M, level, logs):
+    """Padding rows run through the forward: a count of rows would count them. The check compares the
+    state the two runs leave, and padded calls run without graphs."""
+    m, twin = pair(F, M.TalliesRows, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    assert warned(logs, "buffer 'rows_seen'", "padding rows change state")
+    F.copy_weights(twin, m)
+    with F.no_grad():
+        for real in (3, 8, 5, 1, 4):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x)), f"a call of {real} rows"
+            assert F.equal(m.rows_seen, twin.rows_seen), f"after a call of {real} rows"
+    s = graph_opt.stats(m)
+    assert s.replays == 2 and s.fallback_reasons == {"outputs": 3}  # 8 and 4 replay
+
+
 def test_dummy_capture_inputs_of_zeros_do_not_hide_a_forward_that_mixes_rows(F, M, level, logs):
     """Captured with all-zero inputs (a serving engine's dummy run): padding rows hold the pad value 0
     too, so the check must probe with rows that differ from them."""

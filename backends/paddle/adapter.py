@@ -182,6 +182,14 @@ class PaddleAdapter:
             same = same | (paddle.isnan(a) & paddle.isnan(b))
         return bool(same.all())
 
+    def keep_changes(self, before, want, got):
+        """got where want differs from before, want elsewhere (NaN equal to NaN): the elements one run
+        changed, as another run left them."""
+        same = before == want
+        if before.is_floating_point():
+            same = same | (paddle.isnan(before) & paddle.isnan(want))
+        return paddle.where(same, want, got)
+
     def nbytes(self, t) -> int:
         return math.prod(t.shape) * t.element_size()
 

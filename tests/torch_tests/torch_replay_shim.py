@@ -198,6 +198,30 @@ class WritesUntracked(Scaled):
         return self.lin(x)
 
 
+class CountsSteps(Scaled):
+    """A step counter the forward advances and reads (as a decoder's position buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(1))
+
+    def forward(self, x):
+        self.steps += 1
+        return self.lin(x) + self.steps
+
+
+class TalliesRows(Scaled):
+    """Counts the rows it has seen: padding rows would count too."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rows_seen", torch.zeros(1))
+
+    def forward(self, x):
+        self.rows_seen += x.shape[0]
+        return self.lin(x)
+
+
 class ArgCache(Scaled):
     """Accumulates into a cache passed as an argument, at the rows' slots (not idempotent: a second run
     of the same call would add twice), then reads those slots."""
@@ -224,7 +248,8 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                BranchOnBatch=BranchOnBatch, WritesFirst=WritesFirst,
                                TakesContainers=TakesContainers, TakesState=TakesState,
                                ArgCache=ArgCache, ReadsTable=ReadsTable, AdvancesState=AdvancesState,
-                               WritesUntracked=WritesUntracked, AddsInPlace=AddsInPlace)
+                               WritesUntracked=WritesUntracked, AddsInPlace=AddsInPlace,
+                               CountsSteps=CountsSteps, TalliesRows=TalliesRows)
 
 
 class TorchF:
