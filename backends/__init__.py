@@ -57,3 +57,22 @@ def private_copy(fn: types.FunctionType) -> types.FunctionType:
     copy.__qualname__ = fn.__qualname__
     copy.__module__ = fn.__module__
     return copy
+
+
+def frame_locals(fn: types.FunctionType, arguments: dict):
+    """(locals, refresh) of a frame of fn called with these bound arguments, as a framework's guards read
+    them in a check before a replay: the arguments and fn's closure variables (zero-argument super()
+    makes one, __class__). refresh() reads the closure's cells again, as a new frame would; None when fn
+    has no closure."""
+    frame = dict(arguments)
+    cells = tuple(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+
+    def refresh() -> None:
+        for name, cell in cells:
+            try:
+                frame[name] = cell.cell_contents
+            except ValueError:  # an empty cell: the frame would not hold it either
+                frame.pop(name, None)
+
+    refresh()
+    return frame, (refresh if cells else None)

@@ -35,7 +35,7 @@ from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecu
 from paddle.jit.sot.utils import StepInfoManager
 
 from ... import split
-from .. import private_copy
+from .. import frame_locals as frame_of, private_copy
 from ...captured_size import Captured
 from ...errors import CaptureError, GuardFailed, ReplayDivergence
 from ...guards import as_captured
@@ -292,13 +292,21 @@ class SotStrategy:
         guard = record.frames[0][3]
         bound = inspect.signature(self.forward_fn).bind(self.model, *args, **kwargs)
         bound.apply_defaults()
-        frame = _FrameView(dict(bound.arguments), self.forward_fn.__globals__, self.forward_fn.__code__)
+        # The static buffers and values the capture ran with, and the closure's variables as they are now.
+        f_locals, refresh = frame_of(self.forward_fn, bound.arguments)
+        frame = _FrameView(f_locals, self.forward_fn.__globals__, self.forward_fn.__code__)
         scope = _Scope(self.hook, self.split_names, min_graph_size=False)
 
         def check():
+            if refresh is not None:
+                refresh()
             with scope:
-                if as_captured(guard, frame):
-                    return None
+                try:
+                    if as_captured(guard, frame):
+                        return None
+                except Exception as exc:  # a guard that cannot read the frame: this call runs eagerly
+                    return ("guard", f"SOT's guard of the forward could not be evaluated ({type(exc).__name__}: "
+                                     f"{exc})")
                 return ("guard", _failed_guard(guard, frame))
 
         return check

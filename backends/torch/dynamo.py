@@ -42,7 +42,7 @@ from torch._dynamo.utils import counters
 
 from ... import split
 from ...guards import as_captured
-from .. import private_copy
+from .. import frame_locals as frame_of, private_copy
 from ...captured_size import Captured
 from ...errors import CaptureError
 from ...pytree import flatten
@@ -316,10 +316,13 @@ def _guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook)
                            "without that check)")
     bound = inspect.signature(graph_fn).bind(model, *args, **kwargs)
     bound.apply_defaults()
-    frame_locals = dict(bound.arguments)  # the static buffers and values the capture ran with
+    # The static buffers and values the capture ran with, and the closure's variables as they are now.
+    frame_locals, refresh = frame_of(graph_fn, bound.arguments)
     is_inference = torch.is_inference_mode_enabled
 
     def holds(f_locals):
+        if refresh is not None:
+            refresh()
         saved = split._split_hook
         split._split_hook = trace_hook
         try:
