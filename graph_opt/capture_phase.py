@@ -19,7 +19,7 @@ from .errors import CaptureError, GraphOptInputError
 from .failures import describe
 from .host_outputs import SizeCopies
 from .padding import Padding
-from .pytree import flatten, tensor_leaf_owners, unflatten
+from .pytree import flatten, objects_holding_tensors, tensor_leaf_owners, unflatten
 from .signature import Signature, _opaque_message
 from .static_address import same_memory
 from .testing import simulation_enabled
@@ -270,6 +270,12 @@ class CapturePhase:
                 mutated |= {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
                 sig.static_buffer_writes |= capture_checks.written(buffers, self.model_state.buffer_versions())
                 adapter.synchronize()
+                held = objects_holding_tensors(captured.outputs, adapter.is_tensor)
+                if held:
+                    raise CaptureError(
+                        f"forward returns {', '.join(held)}: an object graph_opt cannot rebuild, holding tensors; "
+                        "a replay would return the capture's object and its tensors, not this call's. Return the "
+                        "tensors (a torch.distributions object's logits), or a dict, tuple or dataclass of them")
                 sig.observe(output_layout.observe(adapter, captured.outputs, padded))
         finally:
             self.model_state.paused = False

@@ -35,6 +35,7 @@ class ReplayPlan:
     shapes: Sequence[Any]
     dtypes: Sequence[Any]
     output: Any  # the outputs' views, when the replay writes them in place (stable)
+    copier: Optional[Callable[[], Any]]  # a copy of output's dicts and lists per call (pytree.shallow_copier)
     stable: bool
     replay: Callable[[], Any]
     check: Optional[Callable[[], Any]]  # the framework's guards (level >= 1)
@@ -55,14 +56,14 @@ def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan
     views = entry.views.get(real)
     if views is None:
         return None
-    dsts, shapes, dtypes, _, output = views
+    dsts, shapes, dtypes, _, output, copier = views
     if sig.in_place:  # a marked argument must be the very tensor (the full path also takes a view of it)
         shapes = [None if i in sig.in_place else shape for i, shape in enumerate(shapes)]
     captured = entry.captured
     adapter = runner.adapter
     written = tuple(adapter.extent(sig.buffers[i]) for i in sig.mutated)  # marked: the caller's very tensors
     copied = tuple(i for i in range(len(dsts)) if i not in sig.in_place)
-    return ReplayPlan(entry, dsts, shapes, dtypes, output, captured.stable_outputs,
+    return ReplayPlan(entry, dsts, shapes, dtypes, output, copier, captured.stable_outputs,
                       captured.replay, captured.check, sig.padding, real, written, copied)
 
 
@@ -151,7 +152,8 @@ def _shortcut(runner, sig, arity: int):
                 return runner.replay_raised(exc, plan.entry.padded_size, args, {}, sig)
             counters.replays += 1
             if plan.stable:
-                return plan.output
+                copier = plan.copier
+                return plan.output if copier is None else copier()
             return plan.entry.cut_outputs(adapter, fresh, real)
         finally:
             release()

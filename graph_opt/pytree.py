@@ -8,6 +8,7 @@ dispatch key.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 from typing import Any, Callable, List, Tuple
@@ -229,3 +230,77 @@ def leaf_paths(spec: Any, root: str = "output") -> List[Tuple[str, Any]]:
 
     walk(spec, root)
     return out
+
+
+def objects_holding_tensors(tree: Any, is_tensor: Callable[[Any], bool]) -> List[str]:
+    """Paths of the values in `tree` that it keeps as constants (objects it cannot rebuild, as a
+    torch.distributions object) although they hold tensors among their attributes: a replay would hand
+    back the capture's object and its tensors, not this call's."""
+    found = []
+    for path, node in leaf_paths(flatten(tree, is_tensor)[1]):
+        if node is TENSOR:
+            continue
+        obj = node.obj if isinstance(node, _ById) else node.value
+        held = getattr(obj, "__dict__", None)
+        if isinstance(held, dict) and any(is_tensor(v) for v in held.values()):
+            found.append(f"{path} (a {type(obj).__name__} object)")
+    return found
+
+
+def shallow_copier(tree: Any) -> Any:
+    """A function returning `tree` with every container a caller could change (dict, list, a dataclass
+    or Hugging Face ModelOutput object) a new one, the leaves shared; None where `tree` holds no such
+    container (a tensor, a tuple of them). A replay returns its stored outputs through it: a caller that
+    changes one call's dict must not change the next call's."""
+    return _copier(tree)
+
+
+def _copier(x):
+    kind = type(x)
+    if kind is tuple or (isinstance(x, tuple) and hasattr(x, "_fields")):
+        parts = [_copier(v) for v in x]
+        if not any(parts):
+            return None
+        make = tuple if kind is tuple else (lambda values, _kind=kind: _kind(*values))
+        return lambda: make([p() if p else v for p, v in zip(parts, x)])
+    if kind is list:
+        parts = [_copier(v) for v in x]
+        return lambda: [p() if p else v for p, v in zip(parts, x)]
+    if kind is dict:
+        parts = {k: _copier(v) for k, v in x.items()}
+        if not any(parts.values()):
+            return x.copy
+        return lambda: {k: (p() if p else x[k]) for k, p in parts.items()}
+    if isinstance(x, collections.OrderedDict) or (dataclasses.is_dataclass(x) and not isinstance(x, type)) \
+            or isinstance(x, dict):
+        return _object_copier(x)
+    return None
+
+
+def _object_copier(x):
+    """A dict subclass or dataclass object: a new one of its class with its items and attributes; the
+    ones that are containers themselves copied too (an OrderedDict subclass keeps its own order)."""
+    kind = type(x)
+    items = list(x.items()) if isinstance(x, dict) else []
+    attrs = dict(getattr(x, "__dict__", {}))
+    if hasattr(kind, "__slots__") and not attrs and not items:
+        return lambda: copy.copy(x)
+    item_parts = [(k, _copier(v), v) for k, v in items]
+    attr_parts = [(k, _copier(v), v) for k, v in attrs.items()]
+    set_item = collections.OrderedDict.__setitem__ if isinstance(x, collections.OrderedDict) else dict.__setitem__
+
+    def make():
+        new = kind.__new__(kind)
+        made = {}
+        for k, p, v in item_parts:
+            value = made[k] = p() if p else v
+            set_item(new, k, value)
+        state = new.__dict__
+        for k, p, v in attr_parts:
+            if p is None:
+                state[k] = v
+            else:  # the same object as the item of that name (a ModelOutput field) stays the same object
+                state[k] = made[k] if k in made and v is x.get(k) else p()
+        return new
+
+    return make

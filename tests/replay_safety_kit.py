@@ -113,6 +113,25 @@ def test_a_changed_global_is_guarded_at_level_1(F, M, logs):
         F.set_global_scale(1.0)
 
 
+def test_a_forward_with_a_closure_replays_and_its_changed_variable_is_guarded_above_level_0(F, M, level, logs):
+    """The guards before a replay read the forward's frame: its closure variables (super()'s __class__,
+    a variable of the function that made the class) are part of it."""
+    m, twin = pair(F, M.ScaledByClosure, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    try:
+        with F.no_grad():
+            assert same(F, level, m(x), twin(x)) and graph_opt.stats(m).replays == 1
+            if level >= 1:  # level 0 bakes the value (docs/calls-and-captures.md, "What a replay assumes")
+                F.set_closure_scale(3.0)
+                assert F.close(m(x), twin(x)), "a replay ignored the changed closure variable"
+                assert graph_opt.stats(m).replays == 1 and warned(logs, "scale")
+                F.set_closure_scale(1.0)
+                assert same(F, level, m(x), twin(x)) and graph_opt.stats(m).replays == 2
+    finally:
+        F.set_closure_scale(1.0)
+
+
 def test_a_parameter_set_where_there_was_none_is_seen(F, M, level, logs):
     m, twin = pair(F, M.OptionalBias, level)
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
@@ -531,6 +550,36 @@ def test_host_outputs_are_cut_on_their_learned_batch_dimension(F, M, level):
 
 
 # -- containers and objects as arguments ----------------------------------------------------------------------
+def test_a_dict_or_list_a_caller_changes_is_not_the_next_calls(F, M, level):
+    """Each call gets its own containers: the replay's stored outputs are never handed out themselves."""
+    m, twin = pair(F, M.ReturnsContainers, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.no_grad():
+        for real in (3, 4, 3, 8):
+            out = m(F.randn(real, HIDDEN, seed=real))
+            out["y"] = F.scale(out["y"], 3.0)
+            del out["parts"][0]
+            x = F.randn(real, HIDDEN, seed=10 + real)
+            got, want = m(x), twin(x)
+            assert sorted(got) == ["parts", "y"] and len(got["parts"]) == 1, f"a call of {real} rows"
+            assert same(F, level, got["y"], want["y"]) and same(F, level, got["parts"][0], want["parts"][0])
+    assert graph_opt.stats(m).replays == 8
+
+
+def test_an_output_object_holding_tensors_runs_without_graphs_with_one_warning(F, M, level, logs):
+    """An object graph_opt cannot rebuild would come back as the capture's own, with its tensors."""
+    m, twin = pair(F, M.ReturnsObject, level)
+    with F.graphs():
+        report = graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
+    assert report.failed and "Result object" in report.failed
+    assert warned(logs, "output (a Result object)", "Return the tensors")
+    with F.no_grad():
+        for real in (4, 3, 4):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.equal(m(x).y, twin(x).y), f"a call of {real} rows"
+    assert graph_opt.stats(m).replays == 0
+
+
 def test_dataclasses_model_outputs_and_dict_subclasses_carry_every_call_s_tensors(F, M, level):
     m, twin = pair(F, M.TakesContainers, level)
     with F.graphs():

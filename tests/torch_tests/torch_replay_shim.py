@@ -30,6 +30,23 @@ class ScaledByGlobal(Scaled):
         return self.lin(x) * GLOBAL_SCALE
 
 
+def _closure_model():
+    scale = 1.0
+
+    class ScaledByClosure(Scaled):
+        def forward(self, x):
+            return super().forward(x) * scale  # super() puts __class__ in the closure too
+
+    def set_scale(value):
+        nonlocal scale
+        scale = value
+
+    return ScaledByClosure, set_scale
+
+
+ScaledByClosure, _set_closure_scale = _closure_model()
+
+
 class OptionalBias(Scaled):
     def __init__(self):
         super().__init__()
@@ -198,6 +215,24 @@ class WritesUntracked(Scaled):
         return self.lin(x)
 
 
+class ReturnsContainers(Scaled):
+    def forward(self, x):
+        y = self.lin(x)
+        return {"y": y, "parts": [y * 2.0]}
+
+
+class Result:
+    """A user's result object (not a dataclass): graph_opt cannot rebuild it."""
+
+    def __init__(self, y):
+        self.y = y
+
+
+class ReturnsObject(Scaled):
+    def forward(self, x):
+        return Result(self.lin(x))
+
+
 class CountsSteps(Scaled):
     """A step counter the forward advances and reads (as a decoder's position buffer)."""
 
@@ -249,7 +284,9 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                TakesContainers=TakesContainers, TakesState=TakesState,
                                ArgCache=ArgCache, ReadsTable=ReadsTable, AdvancesState=AdvancesState,
                                WritesUntracked=WritesUntracked, AddsInPlace=AddsInPlace,
-                               CountsSteps=CountsSteps, TalliesRows=TalliesRows)
+                               CountsSteps=CountsSteps, TalliesRows=TalliesRows,
+                               ScaledByClosure=ScaledByClosure, ReturnsContainers=ReturnsContainers,
+                               ReturnsObject=ReturnsObject)
 
 
 class TorchF:
@@ -381,6 +418,10 @@ class TorchF:
     def set_global_scale(value):
         global GLOBAL_SCALE
         GLOBAL_SCALE = value
+
+    @staticmethod
+    def set_closure_scale(value):
+        _set_closure_scale(value)
 
     def picklable_model(self, level):
         torch.manual_seed(0)
