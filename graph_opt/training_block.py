@@ -169,7 +169,7 @@ class GraphedBlock(ModuleWatch):
             outs = self.bridge.apply(self, graphs, leaves + self.params + graphs.outside)
         else:
             outs = self.forward_replay(graphs, leaves)
-        return unflatten(graphs.out_spec, list(outs))
+        return unflatten(graphs.out_spec, list(outs), template=graphs.out_template)
 
     def forward_replay(self, graphs: StepGraphs, tensors):
         """Copy the inputs in, replay the forward graph, return copies of the outputs (a caller may keep
@@ -349,7 +349,7 @@ class GraphedBlock(ModuleWatch):
             if self.pool is None and not simulated:
                 self.pool = adapter.new_pool()
             with guards.state_lock, frozen_gc(collect=False), guards.capture_custom_allreduce(), adapter.capture_stream():
-                graphs = _capture_key(self, state.run, leaves, spec, needs_grad, simulated, rng)
+                graphs = _capture_key(self, state.run, leaves, spec, needs_grad, simulated, rng, (args, kwargs))
         except Exception as exc:  # noqa: BLE001 - any failure leaves the key eager, with one warning
             bridge.set_rng_state(rng)
             self._capture_failed(state, exc)

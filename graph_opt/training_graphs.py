@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import CaptureError
-from .pytree import flatten, unflatten
+from .pytree import flatten, objects_holding_tensors, unflatten
 
 if TYPE_CHECKING:
     from .training_block import GraphedBlock
@@ -24,6 +24,7 @@ class StepGraphs:
     static_inputs: List[Any]  # one per input tensor leaf, in flatten order
     out_buffers: List[Any]  # one per output tensor leaf
     out_spec: Any
+    out_template: Any  # the outputs with None for tensors: what unflatten copies dataclass nodes from
     differentiable: List[bool]  # per output leaf: does it carry a gradient
     grad_out_buffers: List[Any]  # one per differentiable output
     grad_buffers: List[Any]  # one per apply() input: a buffer, or None where no grad flows
@@ -92,7 +93,7 @@ class PendingBackward:
 
 
 def _capture_key(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, simulated: bool,
-                 rng) -> StepGraphs:
+                 rng, template=None) -> StepGraphs:
     """Record one key's graphs. On a device: one private warmup of forward and backward on the capture
     stream (libraries allocate workspaces on first use, which a capture must not do), then the forward
     graph, then the backward graph. Simulated: the same calls, kept as host closures."""
@@ -103,11 +104,11 @@ def _capture_key(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: b
     # (alive while that step's loss is) would make the captured backward wait on the caller's stream.
     real = not simulated and params
     with bridge.parameters_for_capture(block.module, params) if real else contextlib.nullcontext(params) as p:
-        return _record(block, run, leaves, spec, needs_grad, simulated, rng, p)
+        return _record(block, run, leaves, spec, needs_grad, simulated, rng, p, template)
 
 
 def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, simulated: bool, rng,
-            params) -> StepGraphs:
+            params, template) -> StepGraphs:
     bridge, adapter = block.bridge, block.adapter
     # One static copy per distinct tensor: code may test `query is key` (attention takes another path)
     copies, static_inputs, first = {}, [], []  # first: False for a repeat, which gets no gradient of its own
@@ -117,7 +118,7 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
         if s is None:
             s = copies[id(t)] = bridge.static_input(t)
         static_inputs.append(s)
-    args, kwargs = unflatten(spec, static_inputs)
+    args, kwargs = unflatten(spec, static_inputs, template=template)  # template: the call's (args, kwargs)
     grad_inputs = [t for t, f in zip(static_inputs, first) if f and bridge.requires_grad(t)] + list(params)
 
     def forward():
@@ -150,6 +151,14 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
     finally:
         fwd.capture_end()
     out_leaves, out_spec = flatten(outs, bridge.is_tensor)
+    held = objects_holding_tensors(outs, bridge.is_tensor)
+    if held:
+        raise CaptureError(
+            f"{block.name}: forward returns {', '.join(held)}: an object graph_opt cannot rebuild, holding tensors; "
+            "a replay would return the capture's object and its tensors, not this step's. Return the tensors "
+            "(a torch.distributions object's logits), or a dict, tuple or dataclass of them")
+    # What the replays rebuild their outputs from (dataclasses, ModelOutput), without the capture's tensors
+    out_template = unflatten(out_spec, [None] * len(out_leaves), template=outs)
     differentiable = [needs_grad and bridge.requires_grad(o) for o in out_leaves]
     diff_outs = [o for o, d in zip(out_leaves, differentiable) if d]
     if run is not block.call and len(diff_outs) > 1:
@@ -217,7 +226,8 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
         out_buffers = [weak(t) for t in out_buffers]
         grad_buffers = [None if g is None else weak(g) for g in grad_buffers]
     return StepGraphs(forward=fwd, backward=bwd, static_inputs=static_inputs, out_buffers=out_buffers,
-                      out_spec=out_spec, differentiable=differentiable, grad_out_buffers=grad_out_buffers,
+                      out_spec=out_spec, out_template=out_template, differentiable=differentiable,
+                      grad_out_buffers=grad_out_buffers,
                       grad_buffers=grad_buffers, buffer_bytes=buffer_bytes, outside=outside,
                       reached_from=reached_from, grad_inputs=grad_inputs if needs_grad else [], flows=flows,
                       kept_outs=kept_outs)

@@ -2,6 +2,7 @@
 with the torch shim below (tests/gpu/test_gpu_training.py runs it on real graphs), and torch's own cases.
 """
 import copy
+import dataclasses
 
 import pytest
 
@@ -299,3 +300,65 @@ def test_attributes_the_forward_writes_are_not_watched_and_a_class_default_shado
         assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
     s = graph_opt.stats(m)
     assert (s.captures, s.recaptures) == (4, 1), s
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Out:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class _DataclassModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, batch):
+        logits = self.lin(batch.x)
+        return _Out(torch.nn.functional.cross_entropy(logits, batch.y), logits)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_dataclass_inputs_and_outputs_replay_as_eager(level):
+    """A batch object in and a ModelOutput-like object out, as Hugging Face models take and return."""
+    torch.manual_seed(0)
+    ref = _DataclassModel()
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level)
+    with graph_opt.testing.simulate_cuda_graphs():
+        for step in range(4):
+            batch = _Batch(torch.randn(2, 4), torch.tensor([0, 2]))
+            got, want = m(batch), ref(batch)
+            assert isinstance(got, _Out) and torch.equal(got.loss, want.loss) and torch.equal(got.logits, want.logits)
+            got.loss.backward()
+            want.loss.backward()
+            assert torch.equal(m.lin.weight.grad, ref.lin.weight.grad), f"step {step}"
+    s = graph_opt.stats(m)
+    assert s.replays >= 2 and not s.fallback_reasons
+
+
+class _Policy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, obs):
+        return torch.distributions.Categorical(logits=self.lin(obs))
+
+
+def test_an_output_object_holding_tensors_runs_eagerly_with_one_warning(caplog):
+    """A replay could only hand back the capture's object, with the capture's probabilities."""
+    torch.manual_seed(0)
+    ref = _Policy()
+    m = graph_opt.autocudagraph(copy.deepcopy(ref))
+    with graph_opt.testing.simulate_cuda_graphs(), torch.no_grad():
+        for step in range(4):
+            obs = torch.full((1, 4), float(step))
+            assert torch.equal(m(obs).probs, ref(obs).probs), f"step {step}"
+    assert [r for r in graph_warnings(caplog) if "Categorical object" in r.getMessage()]
+    assert graph_opt.stats(m).replays == 0
