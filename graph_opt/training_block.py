@@ -63,6 +63,10 @@ class GraphedBlock(ModuleWatch):
         self.attr_keys: tuple = ()
         self.attr_count = 0
         self.attr_written: set = set()  # plain attributes the forward itself writes: not watched
+        # Parameters an eager run of the forward wrote in place (an EMA codebook kept as a frozen
+        # Parameter): a capture runs the forward, and puts them back after, as it does the buffers.
+        self.params_written: List[Any] = []
+        self.ran_eagerly = False
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
         self.all_params: List[Any] = []  # every parameter, and whether each was trainable at capture
         self.trainable: List[bool] = []
@@ -211,6 +215,12 @@ class GraphedBlock(ModuleWatch):
                 f"{self.name}: backward through a graphed forward whose activations a later forward replay "
                 "overwrote (or whose graphs were cleared); run each step's backward before the next forward "
                 "of this block")
+        if sum(map(self.adapter.version, self.params)) != pending.versions:
+            raise RuntimeError(
+                f"{self.name}: one of the variables needed for gradient computation has been modified by an inplace "
+                "operation: a parameter of the graphed block changed in place (an optimizer step) between this "
+                "forward and its backward, which eager autograd refuses too. Run the backward before the "
+                "parameters change")
         if self.lent:
             self._reclaim()
         copy_ = self.adapter.copy_
@@ -338,7 +348,7 @@ class GraphedBlock(ModuleWatch):
             self.lazy = False
             self.params = bridge.trainable_parameters(self.module)
             self._watch()
-            buffers = bridge.snapshot_buffers(self.module)
+            buffers = bridge.snapshot_buffers(self.module) + self._written_parameters()
         attrs_before = self._plain_attributes() if self.module is not None else None
         targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
         grads_before = bridge.snapshot_grads(targets)

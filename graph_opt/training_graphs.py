@@ -72,7 +72,7 @@ class PendingBackward:
     """Handed to the autograd node of one forward replay; released when its backward runs or its
     autograd graph is freed (the node drops it) without one."""
 
-    __slots__ = ("block", "generation", "epoch", "inputs", "open")
+    __slots__ = ("block", "generation", "epoch", "inputs", "open", "versions")
 
     def __init__(self, block: "GraphedBlock", inputs):
         self.block = block
@@ -80,6 +80,9 @@ class PendingBackward:
         self.epoch = block.epoch
         self.inputs = inputs  # the apply() inputs: which leaves still have no .grad is read at backward
         self.open = True
+        # The parameters' version counters, summed (they only grow): the backward replay reads the
+        # parameters as they are then, where eager's saved-tensor checks refuse a changed one.
+        self.versions = sum(map(block.adapter.version, block.params))
         block.pending += 1
 
     def release(self) -> None:

@@ -85,10 +85,27 @@ class ModuleWatch:
         if self.module is None or self.bridge is None:
             return run(*args, **kwargs)
         before = self._plain_attributes()
+        version = self.adapter.version
+        versions = [(p, version(p)) for p in self.bridge.all_parameters(self.module)]
         try:
             return run(*args, **kwargs)
         finally:
             self._note_writes(before)
+            self.ran_eagerly = True
+            for p, v in versions:
+                if version(p) != v and not any(p is q for q in self.params_written):
+                    self.params_written.append(p)
+
+    def _written_parameters(self) -> list:
+        """(parameter, copy) of those the forward writes in place, for a capture to put back; before any
+        eager run showed which (warmup_steps=0), of every frozen one."""
+        bridge = self.bridge
+        if self.ran_eagerly:
+            chosen = self.params_written
+        else:
+            chosen = [p for p in bridge.all_parameters(self.module) if not bridge.requires_grad(p)]
+        with self.adapter.no_grad():
+            return [(p, self.adapter.clone(p)) for p in chosen]
 
     def _attributes_changed(self) -> bool:
         """A plain value (number, string, bool, None) of the module's own attributes set to another since

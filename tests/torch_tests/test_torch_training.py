@@ -362,3 +362,58 @@ def test_an_output_object_holding_tensors_runs_eagerly_with_one_warning(caplog):
             assert torch.equal(m(obs).probs, ref(obs).probs), f"step {step}"
     assert [r for r in graph_warnings(caplog) if "Categorical object" in r.getMessage()]
     assert graph_opt.stats(m).replays == 0
+
+
+class _EmaCodebook(torch.nn.Module):
+    """Updates a frozen Parameter in place from the batch (a VQ codebook's moving average)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.codebook = torch.nn.Parameter(torch.randn(8, 4), requires_grad=False)
+
+    def forward(self, x):
+        z = self.proj(x)
+        idx = torch.cdist(z, self.codebook).argmin(-1)
+        with torch.no_grad():
+            onehot = torch.nn.functional.one_hot(idx, 8).to(z.dtype)
+            self.codebook.mul_(0.9).add_(0.1 * (onehot.t() @ z) / onehot.sum(0).clamp(min=1)[:, None])
+        q = self.codebook[idx]
+        return (z - q).pow(2).mean() + (z + (q - z).detach()).pow(2).mean()
+
+
+@pytest.mark.parametrize("level", [0, 1])
+@pytest.mark.parametrize("warmup_steps", [0, 1])
+def test_a_frozen_parameter_the_forward_updates_is_updated_once_per_step(level, warmup_steps):
+    torch.manual_seed(0)
+    ref = _EmaCodebook()
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level, warmup_steps=warmup_steps)
+    with graph_opt.testing.simulate_cuda_graphs():
+        for step in range(5):
+            x = torch.randn(16, 4)
+            ref(x).backward()
+            m(x).backward()
+            assert torch.equal(m.codebook, ref.codebook), f"step {step}"
+            assert torch.equal(m.proj.weight.grad, ref.proj.weight.grad), f"step {step}"
+    assert graph_opt.stats(m).replays >= 3
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_backward_after_the_parameters_changed_in_place_raises_as_eager(level):
+    """An optimizer step between a forward and a second backward through it: eager autograd refuses;
+    the captured backward would read the stepped parameters against the old activations."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    x = torch.randn(3, 4)
+    with graph_opt.testing.simulate_cuda_graphs():
+        for step in range(4):
+            out = m(x)
+            out.sum().backward(retain_graph=True)
+            opt.step()
+            opt.zero_grad()
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out[:, 1].sum().backward()
+            opt.zero_grad()
+    assert graph_opt.stats(m).backward_replays >= 1
