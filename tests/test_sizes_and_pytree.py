@@ -4,7 +4,7 @@ from collections import namedtuple
 
 import pytest
 
-from graph_opt.pytree import TENSOR, flatten, tensor_leaf_owners, unflatten
+from graph_opt.pytree import TENSOR, flatten, objects_holding_tensors, shallow_copier, tensor_leaf_owners, unflatten
 from graph_opt.sizes import PaddingTable, default_capture_sizes
 
 
@@ -83,3 +83,46 @@ def test_leaf_owners_map_tensors_to_top_level_arguments():
     leaves, spec = flatten(((a, [b, 5]), {"meta": {"x": c}}), is_t)
     assert tensor_leaf_owners(spec) == [0, 1, "meta"]
     assert spec[1][0][1][0] is TENSOR
+
+
+@dataclasses.dataclass(slots=True)
+class _Slotted:
+    y: object
+    extras: list
+
+
+def test_shallow_copies_give_each_call_its_own_containers_and_share_the_leaves():
+    import collections
+
+    t = T(1)
+    outputs = {"d": {"y": t, "parts": [t]}, "slotted": _Slotted(t, [t]), "nt": Pair(t, [t]),
+               "dd": collections.defaultdict(list, y=t), "od": collections.OrderedDict(y=t)}
+    copy = shallow_copier(outputs)
+    mine = copy()
+    mine["d"]["parts"].append(1)
+    mine["slotted"].extras.append(1)
+    mine["nt"].b.append(1)
+    mine["dd"]["new"].append(1)
+    del mine["od"]["y"]
+    theirs = copy()
+    assert theirs["d"]["parts"] == [t] and theirs["slotted"].extras == [t] and theirs["nt"].b == [t]
+    assert list(theirs["dd"]) == ["y"] and theirs["dd"].default_factory is list and list(theirs["od"]) == ["y"]
+    assert theirs["d"]["y"] is t and theirs["slotted"].y is t and theirs is not outputs
+    assert shallow_copier(t) is None and shallow_copier((t, (t,))) is None
+
+
+def test_objects_holding_tensors_are_found_in_attributes_slots_and_their_containers():
+    class Holder:
+        def __init__(self, value):
+            self.value = value
+
+    class Slots:
+        __slots__ = ("value",)
+
+        def __init__(self, value):
+            self.value = value
+
+    t = T(1)
+    found = objects_holding_tensors({"a": Holder([t]), "b": Slots(t), "c": Holder("text"), "d": 3},
+                                    is_t)
+    assert found == ["output['a'] (a Holder object)", "output['b'] (a Slots object)"]
