@@ -97,13 +97,15 @@ class ModuleWatch:
                     self.params_written.append(p)
 
     def _written_parameters(self) -> list:
-        """(parameter, copy) of those the forward writes in place, for a capture to put back; before any
-        eager run showed which (warmup_steps=0), of every frozen one."""
+        """(parameter, copy) of those the forward may write in place, for a capture to put back: every
+        frozen one (a write through .data moves no version counter) and the trainable ones an eager run
+        was seen writing; before any eager run (warmup_steps=0), every one."""
         bridge = self.bridge
+        everything = bridge.all_parameters(self.module)
         if self.ran_eagerly:
-            chosen = self.params_written
+            chosen = [p for p in everything if not bridge.requires_grad(p) or any(p is q for q in self.params_written)]
         else:
-            chosen = [p for p in bridge.all_parameters(self.module) if not bridge.requires_grad(p)]
+            chosen = everything
         with self.adapter.no_grad():
             return [(p, self.adapter.clone(p)) for p in chosen]
 

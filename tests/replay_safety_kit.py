@@ -123,13 +123,13 @@ def test_a_forward_with_a_closure_replays_and_its_changed_variable_is_guarded_ab
         with F.no_grad():
             assert same(F, level, m(x), twin(x)) and graph_opt.stats(m).replays == 1
             if level >= 1:  # level 0 bakes the value (docs/calls-and-captures.md, "What a replay assumes")
-                F.set_closure_scale(3.0)
+                F.set_closure_scale(3)
                 assert F.close(m(x), twin(x)), "a replay ignored the changed closure variable"
                 assert graph_opt.stats(m).replays == 1 and warned(logs, "scale")
-                F.set_closure_scale(1.0)
+                F.set_closure_scale(1)
                 assert same(F, level, m(x), twin(x)) and graph_opt.stats(m).replays == 2
     finally:
-        F.set_closure_scale(1.0)
+        F.set_closure_scale(1)
 
 
 def test_a_parameter_set_where_there_was_none_is_seen(F, M, level, logs):

@@ -33,7 +33,8 @@ class ScaledByGlobal(Scaled):
 
 
 def _closure_model():
-    scale = 1.0
+    scale = 1  # an int: Dynamo traces a float closure variable as a symbolic float, which Inductor's CUDA
+    # code generation of torch 2.11 failed on ("zf69 is not defined"; the capture fell back, one warning)
 
     class ScaledByClosure(Scaled):
         def forward(self, x):

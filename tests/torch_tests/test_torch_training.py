@@ -365,10 +365,12 @@ def test_an_output_object_holding_tensors_runs_eagerly_with_one_warning(caplog):
 
 
 class _EmaCodebook(torch.nn.Module):
-    """Updates a frozen Parameter in place from the batch (a VQ codebook's moving average)."""
+    """Updates a frozen Parameter in place from the batch (a VQ codebook's moving average): in place,
+    through .data (no version counter moves), or a trainable weight under no_grad."""
 
-    def __init__(self):
+    def __init__(self, how):
         super().__init__()
+        self.how = how
         self.proj = torch.nn.Linear(4, 4)
         self.codebook = torch.nn.Parameter(torch.randn(8, 4), requires_grad=False)
 
@@ -377,23 +379,28 @@ class _EmaCodebook(torch.nn.Module):
         idx = torch.cdist(z, self.codebook).argmin(-1)
         with torch.no_grad():
             onehot = torch.nn.functional.one_hot(idx, 8).to(z.dtype)
-            self.codebook.mul_(0.9).add_(0.1 * (onehot.t() @ z) / onehot.sum(0).clamp(min=1)[:, None])
+            update = 0.1 * (onehot.t() @ z) / onehot.sum(0).clamp(min=1)[:, None]
+            if self.how == "trainable":
+                self.proj.weight.mul_(0.95)
+            else:
+                (self.codebook.data if self.how == "data" else self.codebook).mul_(0.9).add_(update)
         q = self.codebook[idx]
         return (z - q).pow(2).mean() + (z + (q - z).detach()).pow(2).mean()
 
 
 @pytest.mark.parametrize("level", [0, 1])
 @pytest.mark.parametrize("warmup_steps", [0, 1])
-def test_a_frozen_parameter_the_forward_updates_is_updated_once_per_step(level, warmup_steps):
+@pytest.mark.parametrize("how", ["in_place", "data", "trainable"])
+def test_a_parameter_the_forward_updates_is_updated_once_per_step(level, warmup_steps, how):
     torch.manual_seed(0)
-    ref = _EmaCodebook()
+    ref = _EmaCodebook(how)
     m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level, warmup_steps=warmup_steps)
     with graph_opt.testing.simulate_cuda_graphs():
         for step in range(5):
             x = torch.randn(16, 4)
             ref(x).backward()
             m(x).backward()
-            assert torch.equal(m.codebook, ref.codebook), f"step {step}"
+            assert torch.equal(m.codebook, ref.codebook) and torch.equal(m.proj.weight, ref.proj.weight), f"step {step}"
             assert torch.equal(m.proj.weight.grad, ref.proj.weight.grad), f"step {step}"
     assert graph_opt.stats(m).replays >= 3
 
