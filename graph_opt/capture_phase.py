@@ -275,7 +275,8 @@ class CapturePhase:
                     raise CaptureError(
                         f"forward returns {', '.join(held)}: an object graph_opt cannot rebuild, holding tensors; "
                         "a replay would return the capture's object and its tensors, not this call's. Return the "
-                        "tensors (a torch.distributions object's logits), or a dict, tuple or dataclass of them")
+                        "tensors (a torch.distributions object's logits; a Hugging Face model's cache object goes "
+                        "with use_cache=False), or a dict, tuple or dataclass of them")
                 sig.observe(output_layout.observe(adapter, captured.outputs, padded))
         finally:
             self.model_state.paused = False

@@ -370,7 +370,11 @@ class GraphedBlock(ModuleWatch):
                 # The capture ran the forward (a private warmup, or the simulated capture): its in-place
                 # updates of buffers (batch norm's running stats) are undone; the replay that follows
                 # makes this call's.
-                bridge.restore_buffers(buffers)
+                # Only those it changed: putting back the same values would still move their version
+                # counters, and an eager call earlier in this step that saved one for its backward
+                # (a frozen weight of a tower applied twice) would refuse its backward.
+                same = adapter.same_values
+                bridge.restore_buffers([(t, saved) for t, saved in buffers if not same(t, saved)])
         if simulated:
             bridge.set_rng_state(rng)  # a simulated capture ran the block; the replay must draw as eager would
         else:

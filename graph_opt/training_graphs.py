@@ -68,6 +68,12 @@ class KeyState:
     run: Optional[Callable] = None  # the forward its calls and capture run: eager, or traced (levels 1, 2)
 
 
+class _Placeholder:
+    """Stands for an output tensor in the outputs' template."""
+
+    __slots__ = ()
+
+
 class PendingBackward:
     """Handed to the autograd node of one forward replay; released when its backward runs or its
     autograd graph is freed (the node drops it) without one."""
@@ -159,9 +165,13 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
         raise CaptureError(
             f"{block.name}: forward returns {', '.join(held)}: an object graph_opt cannot rebuild, holding tensors; "
             "a replay would return the capture's object and its tensors, not this step's. Return the tensors "
-            "(a torch.distributions object's logits), or a dict, tuple or dataclass of them")
-    # What the replays rebuild their outputs from (dataclasses, ModelOutput), without the capture's tensors
-    out_template = unflatten(out_spec, [None] * len(out_leaves), template=outs)
+            "(a torch.distributions object's logits; a Hugging Face model's cache object goes with "
+            "use_cache=False), or a dict, tuple or dataclass of them")
+    # What the replays rebuild their outputs from (dataclasses, ModelOutput), without the capture's tensors.
+    # A placeholder, not None: a ModelOutput drops None fields from its keys, and would list them again
+    # after the others (outputs[0] would no longer be the loss).
+    placeholder = _Placeholder()
+    out_template = unflatten(out_spec, [placeholder] * len(out_leaves), template=outs)
     differentiable = [needs_grad and bridge.requires_grad(o) for o in out_leaves]
     diff_outs = [o for o, d in zip(out_leaves, differentiable) if d]
     if run is not block.call and len(diff_outs) > 1:

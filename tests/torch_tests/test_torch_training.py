@@ -424,3 +424,47 @@ def test_a_backward_after_the_parameters_changed_in_place_raises_as_eager(level)
                 out[:, 1].sum().backward()
             opt.zero_grad()
     assert graph_opt.stats(m).backward_replays >= 1
+
+
+def test_a_tower_with_a_frozen_weight_applied_twice_per_step_gives_eager_s_gradients():
+    """The first call of a step runs eagerly and saves the frozen weight for its backward; the second
+    captures. The capture must not move that weight's version counter (it puts back only what it changed)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    ref[2].requires_grad_(False)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref))
+    with graph_opt.testing.simulate_cuda_graphs():
+        for step in range(3):
+            for model in (ref, m):
+                torch.manual_seed(step)
+                x1, x2 = torch.randn(4, 8), torch.randn(4, 8)
+                (model(x1) - model(x2)).square().sum().backward()
+            assert torch.equal(m[0].weight.grad, ref[0].weight.grad), f"step {step}"
+    assert graph_opt.stats(m).replays >= 3
+
+
+def test_a_model_output_keeps_its_keys_in_order_on_replay():
+    """outputs[0] is the loss, as Hugging Face training loops read it."""
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return outputs.CausalLMOutputWithPast(loss=h.square().mean(), logits=h, hidden_states=(x, h))
+
+    torch.manual_seed(0)
+    ref = Model()
+    m = graph_opt.autocudagraph(copy.deepcopy(ref))
+    with graph_opt.testing.simulate_cuda_graphs():
+        for step in range(3):
+            x = torch.randn(2, 4)
+            got, want = m(x), ref(x)
+            assert list(got.keys()) == list(want.keys()) == ["loss", "logits", "hidden_states"], f"step {step}"
+            assert torch.equal(got[0], want[0]) and torch.equal(got.hidden_states[1], want.hidden_states[1])
+            got.loss.backward()
+            want.loss.backward()
+    assert graph_opt.stats(m).replays >= 2
