@@ -226,13 +226,15 @@ class CapturePhase:
         args, kwargs = unflatten(sig.spec, static, template=sig.template)
         if self.pool is None and self.config.use_unique_memory_pool:
             self.pool = adapter.new_pool() if not simulation_enabled() else None
-        if not self.model_state.captured:
+        first = not self.model_state.captured
+        if first:
             self.model_state.snapshot()  # training flags and autocast, as every replay must find them
         mem_before = None if simulation_enabled() else adapter.memory_in_use()
         start = time.perf_counter()
         host = self.host_outputs
         copies = None
         self.model_state.paused = True
+        hooks_before = self.model_state.hook_count()
         try:
             with _capture_phase(adapter):
                 versions = [adapter.version(t) for t in static]
@@ -280,6 +282,10 @@ class CapturePhase:
                 sig.observe(output_layout.observe(adapter, captured.outputs, padded))
         finally:
             self.model_state.paused = False
+        if first and self.model_state.hook_count() != hooks_before:  # no graph was captured without them
+            self.model_state.settle_hooks()
+            logger.info("%s: the forward registered or removed hooks while size %d was captured; the graphs ran "
+                        "them, and replays expect them as they are now", self.name, padded)
         if mutated:
             sig.mutated = sorted(set(sig.mutated) | mutated)
         self._check_writes_kept(sig)

@@ -118,6 +118,16 @@ class ModelState:
         """(name, tensor) of every buffer of the model."""
         return self.adapter.named_buffers(self.model)
 
+    def hook_count(self) -> int:
+        return self.hooked[0]
+
+    def settle_hooks(self) -> None:
+        """Hooks the forward registered itself while it was captured (transformers installs its output
+        capturing at the first call that asks for hidden states): the graphs ran them, so replays expect
+        them."""
+        self.hooks = self.adapter.hooks_fingerprint(self.dicts)
+        self.hook_changes = self.hooked[0]
+
     # -- the attribute watch (level 0): called by the decorated class's __setattr__ ----------------------
     @property
     def watching(self) -> bool:
@@ -239,3 +249,9 @@ class Unwatched:
 
     def buffers(self) -> list:
         return []
+
+    def hook_count(self) -> int:
+        return 0
+
+    def settle_hooks(self) -> None:
+        pass

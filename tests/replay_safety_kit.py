@@ -262,6 +262,21 @@ def test_hooks_registered_or_removed_on_a_submodule_after_capture_are_never_skip
     assert s.replays == 1 and s.fallbacks == 1
 
 
+def test_hooks_the_forward_registers_while_captured_are_expected_by_the_replays(F, M, logs):
+    """Level 0 (a traced level cannot trace the registration: its capture fails, one warning)."""
+    level = 0
+    m, twin = pair(F, M.InstallsHook, level)
+    with F.no_grad():
+        twin(F.randn(2, HIDDEN, seed=0))  # its own first call registers its hook too
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.no_grad():
+        for real in (3, 8, 4):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert same(F, level, m(x), twin(x)), f"a call of {real} rows"
+    s = graph_opt.stats(m)
+    assert s.replays == 3 and not s.fallback_reasons
+
+
 def test_requires_grad_changed_after_capture_does_not_stop_replays(F, M, level):
     m, twin = pair(F, M.Scaled, level)
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))

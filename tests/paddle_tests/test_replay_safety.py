@@ -218,6 +218,16 @@ class WritesUntracked(Scaled):
         return self.lin(x)
 
 
+class InstallsHook(Scaled):
+    """Registers a hook on a submodule at its first call, as transformers installs its output capturing."""
+
+    def forward(self, x):
+        if not getattr(self, "hooked", False):
+            self.lin.register_forward_post_hook(lambda module, inputs, output: output * 2.0)
+            self.hooked = True
+        return self.lin(x)
+
+
 class ReturnsContainers(Scaled):
     def forward(self, x):
         y = self.lin(x)
@@ -290,7 +300,7 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                WritesUntracked=WritesUntracked, AddsInPlace=AddsInPlace,
                                CountsSteps=CountsSteps, TalliesRows=TalliesRows,
                                ScaledByClosure=ScaledByClosure, ReturnsContainers=ReturnsContainers,
-                               ReturnsObject=ReturnsObject)
+                               ReturnsObject=ReturnsObject, InstallsHook=InstallsHook)
 
 
 class PaddleF:
