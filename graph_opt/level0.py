@@ -177,6 +177,7 @@ class EagerStrategy:
     """Level 0: capture the eager forward, whole (full_cuda_graph) or split at splitting ops."""
 
     folds_tail = True  # capture(tail=, share=) records those copies at the end of the last graph
+    records_the_plain_forward = True  # its graphs are the eager forward's own kernels, writes included
 
     def __init__(self, call: Callable, adapter, selection: Optional[split.SplitSelection]):
         self.call = call

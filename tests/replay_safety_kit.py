@@ -494,6 +494,21 @@ def test_a_count_of_rows_seen_replays_only_captured_sizes_and_counts_as_eager(F,
     assert s.replays == 2 and s.fallback_reasons == {"outputs": 3}  # 8 and 4 replay
 
 
+def test_a_buffer_written_only_at_small_sizes_keeps_captured_sizes_and_counts_as_eager_at_level_0(F, M, logs):
+    """A padded call of 3 rows would replay size 4, whose graph never writes the buffer."""
+    m, twin = pair(F, M.CountsSmallBatches, 0)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    assert warned(logs, "buffer 'small_batches'")
+    F.copy_weights(twin, m)
+    with F.no_grad():
+        for real in (4, 8, 3, 2, 5):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x)), f"a call of {real} rows"
+            assert F.equal(m.small_batches, twin.small_batches), f"after a call of {real} rows"
+    s = graph_opt.stats(m)
+    assert s.replays == 3 and s.fallback_reasons == {"outputs": 2}  # 4, 8 and 2 replay; 3 and 5 do not
+
+
 def test_dummy_capture_inputs_of_zeros_do_not_hide_a_forward_that_mixes_rows(F, M, level, logs):
     """Captured with all-zero inputs (a serving engine's dummy run): padding rows hold the pad value 0
     too, so the check must probe with rows that differ from them."""

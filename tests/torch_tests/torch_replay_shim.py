@@ -216,6 +216,19 @@ class WritesUntracked(Scaled):
         return self.lin(x)
 
 
+class CountsSmallBatches(Scaled):
+    """Writes a buffer only for batches of fewer than 4 rows: a size-4 graph never writes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("small_batches", torch.zeros(1))
+
+    def forward(self, x):
+        if x.shape[0] < 4:
+            self.small_batches += 1
+        return self.lin(x)
+
+
 class InstallsHook(Scaled):
     """Registers a hook on a submodule at its first call, as transformers installs its output capturing."""
 
@@ -297,7 +310,8 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                WritesUntracked=WritesUntracked, AddsInPlace=AddsInPlace,
                                CountsSteps=CountsSteps, TalliesRows=TalliesRows,
                                ScaledByClosure=ScaledByClosure, ReturnsContainers=ReturnsContainers,
-                               ReturnsObject=ReturnsObject, InstallsHook=InstallsHook)
+                               ReturnsObject=ReturnsObject, InstallsHook=InstallsHook,
+                               CountsSmallBatches=CountsSmallBatches)
 
 
 class TorchF:
