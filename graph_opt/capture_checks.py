@@ -94,7 +94,7 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
         # The runs may advance state the forward writes (a step counter, a cache), or write it at one size
         # and not the other: compared again from one copy of it, what they leave there included. (Whether
         # the first eager run wrote it is not known: a write through Paddle's set_value moves no counter.)
-        fair = _from_one_state(runner, sig, entry, small, rows)
+        fair = _from_one_state(runner, sig, entry, small, rows, state)
         if fair is not None:
             differing = fair
     if differing:
@@ -124,7 +124,10 @@ def _captured_path_differs(runner, sig, entry) -> List[str]:
     adapter = runner.adapter
     padded = entry.padded_size
     static = [t if d is None else adapter.narrow(t, d, padded) for t, d in zip(entry.inputs, sig.dims)]
-    return _from_one_state(runner, sig, entry, static, padded) or []
+    state = _state(runner, sig, static)
+    if state is None:  # too large to copy aside: the padded check's verdict stands
+        return []
+    return _from_one_state(runner, sig, entry, static, padded, state) or []
 
 
 _STATE_BYTES = 64 << 20  # what a check copies aside to start two runs from one state, at most
@@ -149,15 +152,12 @@ def _state(runner, sig, leaves) -> Optional[List[Tuple[str, Any]]]:
     return found
 
 
-def _from_one_state(runner, sig, entry, inputs, rows: int) -> Optional[List[str]]:
+def _from_one_state(runner, sig, entry, inputs, rows: int, state) -> Optional[List[str]]:
     """The plain forward on `inputs` (copies of those not read in place) and the replay of `entry` for a
-    call of `rows` rows of them, each started from the state as it is now (the model's buffers, the
-    arguments read in place; put back after): the output paths and the state that end otherwise. None
-    where the state is too large to copy aside or the runs cannot take these inputs."""
+    call of `rows` rows of them, each started from `state` (_state: the model's buffers, the arguments
+    read in place) as it is now, put back after: the output paths and the state that end otherwise.
+    None where the runs cannot take these inputs."""
     adapter = runner.adapter
-    state = _state(runner, sig, inputs)
-    if state is None:
-        return None
     saved = [adapter.clone(t) for _, t in state]
 
     def put_back():

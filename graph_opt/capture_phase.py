@@ -19,7 +19,7 @@ from .errors import CaptureError, GraphOptInputError
 from .failures import describe
 from .host_outputs import SizeCopies
 from .padding import Padding
-from .pytree import flatten, objects_holding_tensors, tensor_leaf_owners, unflatten
+from .pytree import flatten, holding_tensors_message, objects_holding_tensors, tensor_leaf_owners, unflatten
 from .signature import Signature, _opaque_message
 from .static_address import same_memory
 from .testing import simulation_enabled
@@ -274,11 +274,7 @@ class CapturePhase:
                 adapter.synchronize()
                 held = objects_holding_tensors(captured.outputs, adapter.is_tensor)
                 if held:
-                    raise CaptureError(
-                        f"forward returns {', '.join(held)}: an object graph_opt cannot rebuild, holding tensors; "
-                        "a replay would return the capture's object and its tensors, not this call's. Return the "
-                        "tensors (a torch.distributions object's logits; a Hugging Face model's cache object goes "
-                        "with use_cache=False), or a dict, tuple or dataclass of them")
+                    raise CaptureError(holding_tensors_message(held, "call"))
                 sig.observe(output_layout.observe(adapter, captured.outputs, padded))
         finally:
             self.model_state.paused = False

@@ -74,17 +74,17 @@ class FastReplay:
     included: the decorated class's __call__ runs it directly, so the common call costs two Python
     frames (that __call__ and this one) besides the graph's replay."""
 
-    __slots__ = ("sig", "plans", "arity", "call")
+    __slots__ = ("sig", "plans", "call")
 
     def __init__(self, runner, sig):
         self.sig = sig
         self.plans = sig.plans
-        self.arity = len(runner.params)
-        self.call = _shortcut(runner, sig, self.arity)
+        self.call = _shortcut(runner, sig)
 
 
-def _shortcut(runner, sig, arity: int):
+def _shortcut(runner, sig):
     adapter = runner.adapter
+    arity = len(runner.params)
     lead_at = sig.dynamic[0]  # the first argument with a batch dim: its size picks the plan
     dim = sig.dims[lead_at]
     plans_get = sig.plans.get

@@ -246,6 +246,14 @@ def objects_holding_tensors(tree: Any, is_tensor: Callable[[Any], bool]) -> List
     return found
 
 
+def holding_tensors_message(held: List[str], when: str) -> str:
+    """The capture error for objects_holding_tensors' findings; `when`: "call" or "step"."""
+    return (f"forward returns {', '.join(held)}: an object graph_opt cannot rebuild, holding tensors; a replay "
+            f"would return the capture's object and its tensors, not this {when}'s. Return the tensors (a "
+            "torch.distributions object's logits; a Hugging Face model's cache object goes with use_cache=False), "
+            "or a dict, tuple or dataclass of them")
+
+
 def _holds_tensor(obj, is_tensor, depth: int) -> bool:
     """Whether a tensor is among obj's attributes (in __dict__ or __slots__), or in the lists, tuples,
     dicts and objects they hold, `depth` levels down."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import CaptureError
-from .pytree import flatten, objects_holding_tensors, unflatten
+from .pytree import flatten, holding_tensors_message, objects_holding_tensors, unflatten
 
 if TYPE_CHECKING:
     from .training_block import GraphedBlock
@@ -24,7 +24,7 @@ class StepGraphs:
     static_inputs: List[Any]  # one per input tensor leaf, in flatten order
     out_buffers: List[Any]  # one per output tensor leaf
     out_spec: Any
-    out_template: Any  # the outputs with None for tensors: what unflatten copies dataclass nodes from
+    out_template: Any  # the outputs with a placeholder for each tensor: what unflatten copies dataclass nodes from
     differentiable: List[bool]  # per output leaf: does it carry a gradient
     grad_out_buffers: List[Any]  # one per differentiable output
     grad_buffers: List[Any]  # one per apply() input: a buffer, or None where no grad flows
@@ -68,10 +68,7 @@ class KeyState:
     run: Optional[Callable] = None  # the forward its calls and capture run: eager, or traced (levels 1, 2)
 
 
-class _Placeholder:
-    """Stands for an output tensor in the outputs' template."""
-
-    __slots__ = ()
+_PLACEHOLDER = object()  # stands for an output tensor in the outputs' template
 
 
 class PendingBackward:
@@ -162,16 +159,11 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
     out_leaves, out_spec = flatten(outs, bridge.is_tensor)
     held = objects_holding_tensors(outs, bridge.is_tensor)
     if held:
-        raise CaptureError(
-            f"{block.name}: forward returns {', '.join(held)}: an object graph_opt cannot rebuild, holding tensors; "
-            "a replay would return the capture's object and its tensors, not this step's. Return the tensors "
-            "(a torch.distributions object's logits; a Hugging Face model's cache object goes with "
-            "use_cache=False), or a dict, tuple or dataclass of them")
+        raise CaptureError(f"{block.name}: {holding_tensors_message(held, 'step')}")
     # What the replays rebuild their outputs from (dataclasses, ModelOutput), without the capture's tensors.
     # A placeholder, not None: a ModelOutput drops None fields from its keys, and would list them again
     # after the others (outputs[0] would no longer be the loss).
-    placeholder = _Placeholder()
-    out_template = unflatten(out_spec, [placeholder] * len(out_leaves), template=outs)
+    out_template = unflatten(out_spec, [_PLACEHOLDER] * len(out_leaves), template=outs)
     differentiable = [needs_grad and bridge.requires_grad(o) for o in out_leaves]
     diff_outs = [o for o, d in zip(out_leaves, differentiable) if d]
     if run is not block.call and len(diff_outs) > 1:

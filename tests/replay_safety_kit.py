@@ -463,17 +463,23 @@ def test_a_forward_whose_real_rows_depend_on_other_rows_replays_only_captured_si
     assert not warned(logs, "other values than eager")
 
 
+def _calls_keep_the_buffer_as_eager(F, m, twin, name, sizes):
+    """Calls of these sizes against the twin (given the buffers as the capture left them): the outputs,
+    and the buffer `name` after each call."""
+    F.copy_weights(twin, m)
+    with F.no_grad():
+        for real in sizes:
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x)), f"a call of {real} rows"
+            assert F.equal(getattr(m, name), getattr(twin, name)), f"after a call of {real} rows"
+
+
 def test_a_step_counter_the_forward_advances_replays_padded_calls_and_counts_as_eager(F, M, level, logs):
     """The check's two runs each advance the counter: compared from one state, they agree."""
     m, twin = pair(F, M.CountsSteps, level)
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     assert not warned(logs, "other values than eager")
-    F.copy_weights(twin, m)  # the counter as the capture left it
-    with F.no_grad():
-        for real in (3, 8, 5, 1, 4):
-            x = F.randn(real, HIDDEN, seed=real)
-            assert F.close(m(x), twin(x)), f"a call of {real} rows"
-    assert F.equal(m.steps, twin.steps)
+    _calls_keep_the_buffer_as_eager(F, m, twin, "steps", (3, 8, 5, 1, 4))
     s = graph_opt.stats(m)
     assert s.replays == 5 and not s.fallback_reasons
 
@@ -484,12 +490,7 @@ def test_a_count_of_rows_seen_replays_only_captured_sizes_and_counts_as_eager(F,
     m, twin = pair(F, M.TalliesRows, level)
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     assert warned(logs, "buffer 'rows_seen'", "padding rows change state")
-    F.copy_weights(twin, m)
-    with F.no_grad():
-        for real in (3, 8, 5, 1, 4):
-            x = F.randn(real, HIDDEN, seed=real)
-            assert F.close(m(x), twin(x)), f"a call of {real} rows"
-            assert F.equal(m.rows_seen, twin.rows_seen), f"after a call of {real} rows"
+    _calls_keep_the_buffer_as_eager(F, m, twin, "rows_seen", (3, 8, 5, 1, 4))
     s = graph_opt.stats(m)
     assert s.replays == 2 and s.fallback_reasons == {"outputs": 3}  # 8 and 4 replay
 
@@ -499,12 +500,7 @@ def test_a_buffer_written_only_at_small_sizes_keeps_captured_sizes_and_counts_as
     m, twin = pair(F, M.CountsSmallBatches, 0)
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     assert warned(logs, "buffer 'small_batches'")
-    F.copy_weights(twin, m)
-    with F.no_grad():
-        for real in (4, 8, 3, 2, 5):
-            x = F.randn(real, HIDDEN, seed=real)
-            assert F.close(m(x), twin(x)), f"a call of {real} rows"
-            assert F.equal(m.small_batches, twin.small_batches), f"after a call of {real} rows"
+    _calls_keep_the_buffer_as_eager(F, m, twin, "small_batches", (4, 8, 3, 2, 5))
     s = graph_opt.stats(m)
     assert s.replays == 3 and s.fallback_reasons == {"outputs": 2}  # 4, 8 and 2 replay; 3 and 5 do not
 

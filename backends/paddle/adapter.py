@@ -177,18 +177,12 @@ class PaddleAdapter:
         """Same shape, dtype and elements, NaN equal to NaN (a NaN input is not a changed one)."""
         if list(a.shape) != list(b.shape) or a.dtype != b.dtype:
             return False
-        same = a == b
-        if a.is_floating_point():
-            same = same | (paddle.isnan(a) & paddle.isnan(b))
-        return bool(same.all())
+        return bool(_equal_elements(a, b).all())
 
     def keep_changes(self, before, want, got):
         """got where want differs from before, want elsewhere (NaN equal to NaN): the elements one run
         changed, as another run left them."""
-        same = before == want
-        if before.is_floating_point():
-            same = same | (paddle.isnan(before) & paddle.isnan(want))
-        return paddle.where(same, want, got)
+        return paddle.where(_equal_elements(before, want), want, got)
 
     def nbytes(self, t) -> int:
         return math.prod(t.shape) * t.element_size()
@@ -434,4 +428,13 @@ def _install_mode_counter() -> None:
     _mode_counter_installed = True
 
 
+def _equal_elements(a, b):
+    """a == b elementwise, NaN equal to NaN."""
+    same = a == b
+    if a.is_floating_point():
+        same = same | (paddle.isnan(a) & paddle.isnan(b))
+    return same
+
+
 ADAPTER = PaddleAdapter()
+

@@ -174,15 +174,12 @@ class TorchAdapter:
             return False
         if torch.equal(a, b):
             return True
-        return (a.is_floating_point() or a.is_complex()) and bool((a.eq(b) | (a.isnan() & b.isnan())).all())
+        return (a.is_floating_point() or a.is_complex()) and bool(_equal_elements(a, b).all())
 
     def keep_changes(self, before, want, got):
         """got where want differs from before, want elsewhere (NaN equal to NaN): the elements one run
         changed, as another run left them."""
-        same = before == want
-        if before.is_floating_point() or before.is_complex():
-            same |= before.isnan() & want.isnan()
-        return torch.where(same, want, got)
+        return torch.where(_equal_elements(before, want), want, got)
 
     def nbytes(self, t) -> int:
         return t.numel() * t.element_size()
@@ -467,4 +464,13 @@ def _alias(t, device):
     return torch.empty(0, dtype=t.dtype, device=device).set_(alias, t.storage_offset(), t.shape, t.stride())
 
 
+def _equal_elements(a, b):
+    """a == b elementwise, NaN equal to NaN."""
+    same = a == b
+    if a.is_floating_point() or a.is_complex():
+        same |= a.isnan() & b.isnan()
+    return same
+
+
 ADAPTER = TorchAdapter()
+
