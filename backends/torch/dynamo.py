@@ -242,11 +242,14 @@ class DynamoStrategy:
                     self.selection.mark_seen(name)
         compiled = _inductor_pieces(graph, example_inputs) if self.level >= 2 else {}
         module = graph.module
+        sources = _source_names(gm)
         runners = []
         for piece in graph.pieces:
             sub = getattr(module, piece.name)
             if piece.capturable:
-                runner = CapturablePiece(piece.name, compiled.get(piece.name, sub.forward), self.state, self.adapter)
+                names = [sources.get(n.name, n.name) for n in sub.graph.nodes if n.op == "placeholder"]
+                runner = CapturablePiece(piece.name, compiled.get(piece.name, sub.forward), self.state, self.adapter,
+                                         names)
                 runners.append(runner)
                 module.__dict__[piece.name] = runner  # the split module's forward calls self.<name>
             else:
@@ -379,6 +382,20 @@ def _in_replay_mode(state: GraphState, key, run):
             state.mode = eager_mode
 
     return replay
+
+
+def _source_names(gm: torch.fx.GraphModule) -> Dict[str, str]:
+    """Placeholder name -> where the forward read it (Dynamo's source, `L['self'].steps`), where known."""
+    names = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            try:
+                name = source.name if source is not None else node.name
+                names[node.name] = name() if callable(name) else name  # a method before torch 2.12
+            except Exception:  # a source kind that cannot name itself: the placeholder's name
+                names[node.name] = node.name
+    return names
 
 
 def _numbers_from_state(gm: torch.fx.GraphModule) -> bool:

@@ -22,7 +22,7 @@ import functools
 import operator
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -128,9 +128,10 @@ class PieceGraph:
 class CapturablePiece:
     """A piece of the split graph that gets one graph per padded size."""
 
-    def __init__(self, name: str, fn: Callable, state: GraphState, adapter):
+    def __init__(self, name: str, fn: Callable, state: GraphState, adapter, input_names: Sequence[str] = ()):
         self.name = name
         self.fn = fn
+        self.input_names = input_names  # per input, what the forward read it from (Dynamo's source), for messages
         self.state = state
         self.adapter = adapter
         self.entries: Dict[Any, PieceGraph] = {}
@@ -148,13 +149,18 @@ class CapturablePiece:
                 self._copy_fresh(entry, args)
             for i, value in entry.values:  # a dynamic int (an attribute Dynamo saw change) read afresh
                 if args[i] != value:
-                    raise ReplayDivergence(f"piece {self.name}: input {i} is {args[i]!r}, and its graph was "
-                                           f"captured with {value!r}")
+                    raise ReplayDivergence(f"piece {self.name}: {self._input_name(i)} is {args[i]!r}, and its "
+                                           f"graph was captured with {value!r}")
             entry.graph.replay()
             return entry.outputs
         if state.mode is Mode.CAPTURE:
             return self._capture(args)
         return self.fn(*args)
+
+    def _input_name(self, i: int) -> str:
+        if i < len(self.input_names):
+            return f"input {i} ({self.input_names[i]}, a number Dynamo took as a graph input)"
+        return f"input {i}"
 
     def _copy_fresh(self, entry: PieceGraph, args) -> None:
         captured = entry.inputs

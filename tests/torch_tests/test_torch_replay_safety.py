@@ -281,9 +281,10 @@ class _CountsSteps(torch.nn.Module):
 
 
 @pytest.mark.parametrize("level", [1, pytest.param(2, marks=pytest.mark.inductor)], ids=["level1", "level2"])
-def test_a_python_number_the_graph_took_is_compared_at_replay_never_baked(F, level):
+def test_a_python_number_the_graph_took_is_compared_at_replay_never_baked(F, level, logs):
     """The graph of a captured piece took st.steps as a Python number: a replay with another number
-    would return the capture's results (and store the capture's count back). It runs without graphs."""
+    would return the capture's results (and store the capture's count back). It runs without graphs,
+    and the warning names where the forward read the number."""
     m, twin = pair(F, _CountsSteps, level)
     st, st_twin = _Steps(), _Steps()
     capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), st))
@@ -294,3 +295,4 @@ def test_a_python_number_the_graph_took_is_compared_at_replay_never_baked(F, lev
             assert torch.allclose(m(x, st), twin(x, st_twin)), f"step {step}"
             assert st.steps == st_twin.steps, f"step {step}: the counter"
     assert graph_opt.stats(m).fallback_reasons == {"divergence": 3}
+    assert warned(logs, "L['st'].steps", "runs without graphs")
