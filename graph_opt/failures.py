@@ -32,6 +32,18 @@ _REMEDIES: List[Tuple[re.Pattern, str]] = [
     (re.compile(r"current_seed|get_rng_state|set_rng_state|generator", re.I),
      "the forward reads or sets a random generator's state: a graph replays the device generator's draws "
      "itself; seed outside the forward"),
+    (re.compile(r"maybe_install_capturing_hooks|_hook_installation_lock"),
+     "transformers installs its output-capturing hooks at the first call that asks for hidden states or "
+     "attentions, and the tracer cannot enter its lock: make one such call before capture_model, on the Hugging "
+     "Face model itself (model.lm(input_ids, output_hidden_states=True)); the hooks stay installed"),
+    (re.compile(r"as_proxy|convert args/kwargs to proxy"),
+     "a function the graph calls as one node (a splitting op) got an argument a graph cannot hold (a module, "
+     "another object): at graph_opt_level>=1 a splitting op's arguments must be tensors, numbers, strings, "
+     "None, or lists, tuples and dicts of them; pass the values it reads (module.scaling) instead"),
+    (re.compile(r"maximum recursion depth", re.I),
+     "the translator recursed without end in a function the forward calls (PaddleFormers' "
+     "PretrainedConfig.get under Paddle's dy2static): keep that function out of the translation (Paddle: "
+     "paddle.jit.not_to_static(fn), docs/paddle.md; torch: torch.compiler.disable(fn)), or use graph_opt_level=0"),
     (re.compile(r"out of memory", re.I),
      "the device ran out of memory while capturing: capture fewer or smaller batch sizes "
      "(cudagraph_capture_sizes), or free memory before capture"),

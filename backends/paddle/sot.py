@@ -33,11 +33,13 @@ from paddle.jit.sot.opcode_translator import eval_frame_callback
 from paddle.jit.sot.opcode_translator.custom_code import CustomCode
 from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
 from paddle.jit.sot.utils import StepInfoManager
+from paddle.jit.sot.utils.exceptions import InnerError
 
 from ... import split
 from .. import frame_locals as frame_of, private_copy
 from ...captured_size import Captured
-from ...errors import CaptureError, GuardFailed, ReplayDivergence
+from ...errors import CaptureError, GraphOptError, GuardFailed, ReplayDivergence
+from ...failures import describe
 from ...guards import as_captured
 from ...pytree import flatten
 from ...testing import simulation_enabled
@@ -142,6 +144,14 @@ class SotStrategy:
         try:
             with self._scope:
                 return static_fn(self.model, *args, **kwargs)
+        except InnerError as exc:  # the translator's own failure, not the forward's: say what to do
+            _undo_static_forwards(self.model, self._forwards)
+            raise GraphOptError(
+                f"{type(self.model).__name__}: this call runs without graphs (a size, shape or non-tensor value "
+                f"that was not captured), which at graph_opt_level>=1 is SOT's translation of forward, and SOT "
+                f"could not translate it: {describe(exc)}. Capture with these values (capture_model's make_inputs), "
+                "keep the function SOT fails in out of the translation (paddle.jit.not_to_static(fn)), or use "
+                "graph_opt_level=0") from exc
         except BaseException:
             _undo_static_forwards(self.model, self._forwards)
             raise

@@ -70,3 +70,31 @@ def test_a_capture_sot_cannot_translate_leaves_every_sublayer_s_eager_forward():
         for bs in (1, 3, 4):
             x = paddle.randn([bs, 16])
             np.testing.assert_array_equal(m(x).numpy(), twin(x).numpy())
+    assert "fix:" in report.failed and "not_to_static" in report.failed  # the known cause, its remedy
+
+
+class Branches(Plain):
+    def forward(self, x, normed=False):
+        y = self.fc(x)
+        return self.norm(y) if normed else y
+
+
+@graph_opt.support_graph_optimization
+class DecoratedBranches(Branches):
+    pass
+
+
+def test_a_call_without_graphs_sot_cannot_translate_is_a_clear_error_and_the_model_keeps_working():
+    """Captured with normed=False; normed=True is a value not captured, so that call runs through SOT's
+    translation, which fails: the error names SOT, the model line and what to do."""
+    m = DecoratedBranches(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=1, cudagraph_capture_sizes=[1, 2, 4]))
+    twin = Branches()
+    with graph_opt.testing.simulate_cuda_graphs(), paddle.no_grad():
+        report = graph_opt.capture_model(m, make_inputs=lambda bs: paddle.randn([bs, 16]), progress=False)
+        assert report.failed is None, report.failed
+        x = paddle.randn([3, 16])
+        with pytest.raises(graph_opt.GraphOptError, match="SOT could not translate it.*not_to_static"):
+            m(x, True)
+        assert not isinstance(m.norm.__dict__.get("forward"), StaticFunction)
+        np.testing.assert_array_equal(m(x).numpy(), twin(x).numpy())
+        assert graph_opt.stats(m).replays == 1
