@@ -87,7 +87,16 @@ def op_names(node: torch.fx.Node) -> List[str]:
         return [op.name, op.qualified_name]
     qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
     module = getattr(target, "__module__", None)
-    return [f"{module}.{qualname}", qualname] if module else [qualname]
+    names = [f"{module}.{qualname}", qualname] if module else [qualname]
+    # The public names of a builtin defined elsewhere: torch.nn.functional.scaled_dot_product_attention
+    # is torch._C._nn.scaled_dot_product_attention
+    for public in _PUBLIC_MODULES:
+        if module != public.__name__ and getattr(public, qualname, None) is target:
+            names.append(f"{public.__name__}.{qualname}")
+    return names
+
+
+_PUBLIC_MODULES = (torch.nn.functional, torch)
 
 
 def splitting_op_matcher(selection: Optional[split_mod.SplitSelection]) -> Callable[[torch.fx.Node], Optional[str]]:

@@ -139,3 +139,15 @@ def test_op_names_of_a_custom_op_node():
     names = fx_split.op_names(node)
     assert "graph_opt_test::row_scale" in names
     assert graph_opt.GraphOptConfig(cudagraph_splitting_ops=names).cudagraph_splitting_ops == names
+
+
+def test_a_builtin_is_named_by_its_public_name_too():
+    """torch.nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention:
+    a config naming it as users write it splits there."""
+    q = torch.randn(2, 2, 3, 4)
+    gm = _traced(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q), q)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    names = fx_split.op_names(node)
+    assert "torch.nn.functional.scaled_dot_product_attention" in names
+    match = fx_split.splitting_op_matcher(split.SplitSelection(["torch.nn.functional.scaled_dot_product_attention"]))
+    assert match(node) == "torch.nn.functional.scaled_dot_product_attention"
