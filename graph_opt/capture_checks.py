@@ -7,7 +7,7 @@ runner runs the plain forward on q rows of the capture inputs, replays p for the
 would (copied in, padding rows holding the pad values, cut), and compares. Where they differ (a batch
 statistic, attention across the batch, `if x.shape[0] > 4`), calls of a size that is not captured run
 without graphs from then on, with one warning naming the output: never a replay that differs from eager.
-Where the model's buffers and the marked arguments fit in _STATE_BYTES, the two runs start from one copy
+Where the model's buffers and the marked arguments fit in STATE_BYTES, the two runs start from one copy
 of them, and what they leave there is compared as well (a step counter is no difference; a count of
 rows that padding rows would add to is).
 
@@ -23,6 +23,7 @@ another size teaches the layout.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 from . import output_layout
@@ -56,28 +57,55 @@ def expect(runner, sig, static: List, leaves: List, padded: int, warm=None):
             if not sig.layout.known:
                 _observe_other_size(runner, sig, static, padded)
             return None
-        small = _probe_rows(adapter, leaves, sig.dims, rows)
+        small = _probe_rows(runner, leaves, sig.dims, rows)
         runner._copy_in(sig, static, small, padded)
         own = [t if d is None else adapter.narrow(t, d, rows) for t, d in zip(static, sig.dims)]
         expected = _clone(adapter, _run(runner, sig, own))
-    except Exception as exc:  # the forward cannot run these rows: learn from the next size instead
-        logger.info("%s: the forward could not run %d rows of the capture inputs (%s: %s); only calls of a "
-                    "captured size replay until another size is captured", runner.name, rows, type(exc).__name__,
-                    exc)
-        return None
+    except Exception as exc:  # the forward cannot run these rows: nothing checks the padded calls
+        if rows >= padded:  # the layout's probe at another size only: learn it from the next size instead
+            logger.info("%s: the forward could not run the capture inputs at another size (%s: %s); only calls of "
+                        "a captured size replay until another size is captured", runner.name, type(exc).__name__, exc)
+            return None
+        return Unchecked(f"the plain forward could not run a call of {rows} rows of the capture inputs "
+                         f"({type(exc).__name__}: {exc})")
     sig.observe(output_layout.observe(adapter, expected, rows))
     return expected
 
 
+@dataclass(frozen=True)
+class Unchecked:
+    """expect's answer where the padded calls could not be checked: validate blocks them."""
+
+    why: str
+
+
 def validate(runner, sig, entry, leaves: List, expected) -> None:
     """After the capture phase: the replay of `entry` for the smallest call it serves, compared with
-    `expected` (see expect). Blocks calls of sizes that are not captured where they differ."""
+    `expected` (see expect). Blocks calls of sizes that are not captured where they differ, or where
+    the check itself fails: a padded call nothing checked must not replay."""
+    if isinstance(expected, Unchecked):
+        why = f"padded calls of size {entry.padded_size} could not be checked: {expected.why}"
+        sig.block(why)
+        logger.warning("%s: %s; calls of a size that is not captured run without graphs", runner.name, why)
+        runner.capture_notes.append(why)
+        return
     if expected is None or not sig.layout.known or sig.layout.exact_only:
         return
+    try:
+        _validate(runner, sig, entry, leaves, expected)
+    except Exception as exc:
+        why = (f"the check of padded calls for size {entry.padded_size} failed: {type(exc).__name__}: {exc} "
+               "(a bug of graph_opt's: please report it)")
+        sig.block(why)
+        logger.warning("%s: %s; calls of a size that is not captured run without graphs", runner.name, why)
+        runner.capture_notes.append(why)
+
+
+def _validate(runner, sig, entry, leaves: List, expected) -> None:
     adapter = runner.adapter
     padded = entry.padded_size
     rows = smallest_call(runner, padded)
-    small = _probe_rows(adapter, leaves, sig.dims, rows)
+    small = _probe_rows(runner, leaves, sig.dims, rows)
     state = _state(runner, sig, leaves)
     try:
         got = _check_replay(adapter, entry, small, rows)  # as a call of `rows` rows: copied in, padded, replayed, cut
@@ -130,24 +158,24 @@ def _captured_path_differs(runner, sig, entry) -> List[str]:
     return _from_one_state(runner, sig, entry, static, padded, state) or []
 
 
-_STATE_BYTES = 64 << 20  # what a check copies aside to start two runs from one state, at most
-_STATE_NAMES = ("buffer ", "argument ")
+STATE_BYTES = 64 << 20  # what a check (or a capture at a call) copies aside to start from one state, at most
+_STATE_NAMES = ("buffer ", "attribute ", "argument ")
 _PADDING_STATE = (", or its padding rows change state the real rows do not, such as a count of the rows "
                   "seen: padded calls would change it otherwise than eager")
 
 
 def _state(runner, sig, leaves) -> Optional[List[Tuple[str, Any]]]:
-    """(name, tensor) of what a run of the forward may advance: the model's buffers and the arguments
-    read in place (mark_static_address). None where they hold more than _STATE_BYTES."""
+    """(name, tensor) of what a run of the forward may advance: the model's buffers, the tensors its
+    modules hold in other attributes, and the arguments read in place (mark_static_address). None where
+    they hold more than STATE_BYTES."""
     adapter = runner.adapter
     names = runner._leaf_names(sig.spec)
     found, seen = [], set()
-    for name, t in [(f"buffer {n!r}", t) for n, t in runner.model_state.buffers()] + \
-                   [(f"argument {names[i]}", leaves[i]) for i in sorted(sig.in_place)]:
+    for name, t in runner._held_state() + [(f"argument {names[i]}", leaves[i]) for i in sorted(sig.in_place)]:
         if id(t) not in seen:
             seen.add(id(t))
             found.append((name, t))
-    if sum(adapter.nbytes(t) for _, t in found) > _STATE_BYTES:
+    if sum(adapter.nbytes(t) for _, t in found) > STATE_BYTES:
         return None
     return found
 
@@ -200,12 +228,17 @@ def _check_replay(adapter, entry, leaves, rows: int):
     return got
 
 
-def _probe_rows(adapter, leaves, dims, rows: int) -> List:
+def _probe_rows(runner, leaves, dims, rows: int) -> List:
     """The first `rows` rows of the capture inputs, for the check. A floating input whose elements are
     all equal (zeros: a dummy input) is replaced by one whose rows differ: padding rows hold the pad
     value, and a forward that mixes rows gives the same real rows with them as without only if real
-    and padding rows are alike. (Both runs of the check see the same replacement.)"""
-    return [t if d is None else adapter.varied(adapter.narrow(t, d, rows)) for t, d in zip(leaves, dims)]
+    and padding rows are alike. So is an integer one (dummy token ids) where capture_model's make_inputs
+    gave it, not at a call: a real call's ids may choose where the forward writes (a KV-cache slot).
+    (Both runs of the check see the same replacement.)"""
+    adapter = runner.adapter
+    ints = runner.capturing_model
+    return [t if d is None else adapter.varied(adapter.narrow(t, d, rows), d if ints else None)
+            for t, d in zip(leaves, dims)]
 
 
 def _read_futures(tree) -> None:

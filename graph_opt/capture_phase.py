@@ -111,6 +111,18 @@ class CapturePhase:
         # (output_sharing): an argument that is a view of an earlier call's output (x = m(x)[:n]) would
         # be overwritten before this call copies it in. Such arguments are kept and put back.
         kept = self._arguments_in_outputs(sig, leaves)
+        # The capture runs the forward several times (warmups, the capture, its check): state it advances
+        # (a step counter, a cache object's tensors) is put back, so that the call advances it once.
+        held = [(t, self.adapter.clone(t)) for _, t in self._held_state()]
+        try:
+            return self._capture_lazily_kept(sig, padded, leaves, kept)
+        finally:
+            adapter = self.adapter
+            for t, saved in held:
+                if not adapter.same_values(t, saved):
+                    adapter.copy_(t, saved)
+
+    def _capture_lazily_kept(self, sig: Signature, padded: int, leaves, kept) -> Optional[CapturedSize]:
         error = None
         try:
             with frozen_gc():
@@ -138,6 +150,24 @@ class CapturePhase:
             return None
         self.counters.lazy_captures += 1
         return entry
+
+    def lazy_capture_refusal(self) -> Optional[Tuple[str, str]]:
+        """Why a size may not be captured at a call, or None: the model's state is too large to put back
+        after the capture's runs of the forward (_capture_lazily). Found once per runner."""
+        if self._lazy_refusal is None:
+            held = self._held_state()
+            size = sum(self.adapter.nbytes(t) for _, t in held)
+            self._lazy_refusal = (False,) if size <= capture_checks.STATE_BYTES else (
+                "lazy_state",
+                f"a size that capture_model() did not capture is captured at a call only where the model's state "
+                f"(its buffers and the tensors its modules hold: {size / 2**20:.0f} MiB here, the largest "
+                f"{max(held, key=lambda h: self.adapter.nbytes(h[1]))[0]}) can be copied aside and put back ({capture_checks.STATE_BYTES >> 20} MiB at most): each "
+                "of the capture's runs of the forward may advance it. Capture the sizes with capture_model(), "
+                "and reset that state after it; this call runs without graphs")
+        return None if self._lazy_refusal == (False,) else self._lazy_refusal
+
+    def _held_state(self) -> List[Tuple[str, Any]]:
+        return self.model_state.held_state()
 
     def _arguments_in_outputs(self, sig: Signature, leaves) -> List[Tuple[Any, Any]]:
         """(argument, a copy of it) for each tensor argument whose memory overlaps an output of the
@@ -216,6 +246,8 @@ class CapturePhase:
 
     def _capture_static(self, sig: Signature, padded: int, leaves, static) -> CapturedSize:
         adapter = self.adapter
+        if self.config.graph_opt_level >= 1:
+            self._check_no_decorated_submodule()
         if not self.config.cudagraph_copy_inputs:
             for t, d in zip(static, sig.dims):
                 if d is not None and adapter.shape(t)[d] != padded:
@@ -315,6 +347,17 @@ class CapturePhase:
         if memory is not None:
             self.memory_bytes = (self.memory_bytes or 0) + memory
         return entry
+
+    def _check_no_decorated_submodule(self) -> None:
+        """Level >= 1 traces forward as the framework's graph, which cannot trace into another decorated
+        model's call (its lock, its replays): say so, not the tracer's message from inside graph_opt."""
+        nested = self.model_state.decorated_submodules()
+        if nested:
+            raise CaptureError(
+                f"{self.name}.{nested[0]} is itself a model decorated with @support_graph_optimization: at "
+                f"graph_opt_level={self.config.graph_opt_level} the outer forward is traced by the framework's "
+                "translator, which cannot trace into another decorated model's call. Decorate only one of them (the outer one "
+                "captures the inner one's work too), or use graph_opt_level=0 for the outer one")
 
     def finish_captures(self) -> None:
         """Check each size captured since the last call against eager (capture_checks.validate)."""

@@ -15,14 +15,13 @@ from .errors import GraphOptConfigError, GraphOptInputError
 from .fast_replay import MISS
 from .host_outputs import HostOutputs
 from .level0 import EagerStrategy
-from .replay_guards import ModelState
+from .replay_guards import STATE_ATTR as _STATE_ATTR, ModelState
 from .runner import GraphRunner
 from .signature import REQUIRED
 from .testing import simulation_enabled
 
 logger = logging.getLogger("graph_opt")
 
-_STATE_ATTR = "_graph_opt_state"
 
 
 class GraphOptState:

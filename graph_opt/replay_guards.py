@@ -32,7 +32,9 @@ from __future__ import annotations
 import operator
 from typing import Any, Dict, List, Optional, Tuple
 
-from .pytree import value_key
+from .pytree import tensors_held, value_key
+
+STATE_ATTR = "_graph_opt_state"  # the instance attribute where the decorator keeps a model's state
 
 _MISSING = object()
 _training = operator.itemgetter("training")  # every nn.Module / Layer keeps its flag in its __dict__
@@ -117,6 +119,30 @@ class ModelState:
     def buffers(self) -> list:
         """(name, tensor) of every buffer of the model."""
         return self.adapter.named_buffers(self.model)
+
+    def held_state(self) -> List[Tuple[str, Any]]:
+        """(name, tensor) of what a forward may advance besides its arguments: the model's buffers, and the
+        tensors its modules hold in other attributes (a cache object's, a list's)."""
+        adapter = self.adapter
+        found, seen = [], set()
+        for name, t in self.buffers():
+            if id(t) not in seen:
+                seen.add(id(t))
+                found.append((f"buffer {name!r}", t))
+        skip = adapter.framework_attributes
+        for path, d in adapter.module_dicts(self.model):
+            for key, value in d.items():
+                if key in skip or key.startswith("_graph_opt"):  # the module's own, graph_opt's state
+                    continue
+                for t in tensors_held(value, adapter.is_tensor, 3):
+                    if id(t) not in seen:
+                        seen.add(id(t))
+                        found.append((f"attribute {(path + '.' if path else '') + key!r}", t))
+        return found
+
+    def decorated_submodules(self) -> List[str]:
+        """Paths of the submodules that are models decorated on their own."""
+        return [path for path, d in self.adapter.module_dicts(self.model) if path and d.get(STATE_ATTR) is not None]
 
     def hook_count(self) -> int:
         return self.hooked[0]
@@ -248,6 +274,12 @@ class Unwatched:
         return []
 
     def buffers(self) -> list:
+        return []
+
+    def held_state(self) -> list:
+        return []
+
+    def decorated_submodules(self) -> list:
         return []
 
     def hook_count(self) -> int:

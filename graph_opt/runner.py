@@ -68,6 +68,8 @@ class GraphRunner(SignatureChecks, CapturePhase):
         self.memory_bytes: Optional[int] = None
         self.disabled_reason: Optional[str] = None
         self.capture_model_done = False
+        self.capturing_model = False  # inside capture_model: its capture inputs are make_inputs', not a call's
+        self._lazy_refusal = None  # lazy_capture_refusal's verdict, once found
         self.pool = None
         self.group = None  # the ranks that agree on every replay (graph_opt.ranks), set when capturing
         self._warned: set = set()
@@ -100,6 +102,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         if self.disabled_reason is not None:
             # After a failed capture or replay the translated path is suspect too: run the plain forward.
             self.counters.fallbacks += 1
+            self.fallback_reasons["disabled"] = self.fallback_reasons.get("disabled", 0) + 1
             return self.eager(*args, **kwargs)
         if not self._acquire(False):
             raise self.busy_error()
@@ -154,10 +157,14 @@ class GraphRunner(SignatureChecks, CapturePhase):
                 if misfit[0] != "shape":
                     raise self._bad_call(sig, leaves, misfit)
                 return self._fallback(args, kwargs, ("mismatch", _FALLBACK_REASONS["mismatch"]))
+            refusal = self.lazy_capture_refusal()
+            if refusal is not None:
+                return self._fallback(args, kwargs, refusal)
             entry = self._capture_lazily(sig, padded, real, leaves)
             if entry is None:
                 if self.disabled_reason is not None:  # the capture failed: the translated path is suspect too
                     self.counters.fallbacks += 1
+                    self.fallback_reasons["disabled"] = self.fallback_reasons.get("disabled", 0) + 1
                     return self.eager(*args, **kwargs)
                 return self._fallback(args, kwargs, None)
         if blocked is None:
@@ -349,6 +356,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         self.pool = None
         self.memory_bytes = None
         self.capture_model_done = False
+        self._lazy_refusal = None
         self.adapter.release_memory()
 
 

@@ -484,6 +484,42 @@ def test_a_step_counter_the_forward_advances_replays_padded_calls_and_counts_as_
     assert s.replays == 5 and not s.fallback_reasons
 
 
+def test_sizes_captured_at_calls_advance_a_step_counter_once_per_call(F, M, level):
+    """No capture_model: each new size is captured at its first call, which runs the forward several
+    times (warmups, the capture, its check); the counter is put back, and the call advances it once."""
+    m, twin = pair(F, M.CountsSteps, level)
+    with F.graphs():
+        _calls_keep_the_buffer_as_eager(F, m, twin, "steps", (4, 3, 8, 4, 2, 8))
+    s = graph_opt.stats(m)
+    assert s.lazy_captures == 3 and s.replays == 6 and not s.fallback_reasons
+
+
+def test_sizes_captured_at_calls_advance_a_counter_held_in_an_object_once_per_call(F, M, level):
+    m, twin = pair(F, M.CountsInObject, level)
+    with F.graphs(), F.no_grad():
+        for real in (4, 3, 8, 4):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x)), f"a call of {real} rows"
+            assert F.equal(m.state.steps, twin.state.steps), f"after a call of {real} rows"
+    assert graph_opt.stats(m).lazy_captures == 2
+
+
+def test_a_model_holding_more_state_than_a_call_copies_aside_is_captured_only_by_capture_model(F, M, level, logs):
+    m, twin = pair(F, M.HoldsLargeBuffer, level)
+    with F.graphs(), F.no_grad():
+        for real in (4, 3):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x)), f"a call of {real} rows"
+    assert warned(logs, "captured at a call only where", "buffer 'table'", "capture_model()")
+    s = graph_opt.stats(m)
+    assert s.lazy_captures == 0 and s.fallback_reasons == {"lazy_state": 2}
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.no_grad():
+        x = F.randn(4, HIDDEN, seed=4)
+        assert same(F, level, m(x), twin(x))
+    assert graph_opt.stats(m).replays == 1
+
+
 def test_a_count_of_rows_seen_replays_only_captured_sizes_and_counts_as_eager(F, M, level, logs):
     """Padding rows run through the forward: a count of rows would count them. The check compares the
     state the two runs leave, and padded calls run without graphs."""
@@ -516,6 +552,64 @@ def test_dummy_capture_inputs_of_zeros_do_not_hide_a_forward_that_mixes_rows(F, 
             x = F.randn(real, HIDDEN, seed=real)
             assert F.close(m(x), twin(x)), f"a call of {real} rows"
     assert graph_opt.stats(m).fallback_reasons == {"outputs": 2}
+
+
+def test_dummy_token_ids_of_zeros_do_not_hide_a_forward_that_mixes_rows(F, M, level, logs):
+    """make_inputs gives all-zero ids, as the padding rows hold: capture_model's check varies their rows."""
+    m, twin = pair(F, M.EmbedsBatchMean, level)
+    capture(F, m, lambda n: F.arange(n) * 0)
+    assert warned(logs, "other values than eager")
+    with F.no_grad():
+        for real in (3, 5, 4):
+            ids = F.arange(real, start=1)
+            assert F.close(m(ids), twin(ids)), f"a call of {real} rows"
+    s = graph_opt.stats(m)
+    assert s.fallback_reasons == {"outputs": 2} and s.replays == 1
+
+
+def test_dummy_token_ids_of_zeros_keep_padded_replays_of_a_row_independent_forward(F, M, level, logs):
+    m, twin = pair(F, M.Embeds, level)
+    capture(F, m, lambda n: F.arange(n) * 0)
+    assert not warned(logs, "other values than eager")
+    with F.no_grad():
+        for real in (3, 5, 4, 1):
+            ids = F.arange(real, start=1)
+            assert F.close(m(ids), twin(ids)), f"a call of {real} rows"  # padded: other kernels' rounding
+    s = graph_opt.stats(m)
+    assert s.fallback_reasons == {} and s.replays == 4
+
+
+def test_a_scalar_output_of_a_batch_statistic_blocks_padded_calls(F, M, level, logs):
+    """A 0-d loss beside the rows: the padded check compares it too (Paddle's comparison of 0-d arrays
+    used to raise and leave the size captured and unchecked)."""
+    m, twin = pair(F, M.MeanLoss, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    assert warned(logs, "other values than eager")
+    with F.no_grad():
+        for real in (3, 4, 5):
+            x = F.randn(real, HIDDEN, seed=real)
+            (y, loss), (want_y, want_loss) = m(x), twin(x)
+            assert F.close(y, want_y) and F.close(loss, want_loss), f"a call of {real} rows"
+    s = graph_opt.stats(m)
+    assert s.fallback_reasons == {"outputs": 2} and s.replays == 1
+
+
+def test_padded_calls_the_check_cannot_run_do_not_replay(F, M, level, logs):
+    """The plain forward cannot run 3 rows (it pairs rows): nothing checked size 4's padded calls, so a
+    call of 3 rows runs eagerly and fails as eager does, instead of replaying size 4."""
+    m, twin = pair(F, M.PairsRows, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    assert warned(logs, "could not be checked", "3 rows")
+    x3 = F.randn(3, HIDDEN, seed=3)
+    with F.no_grad():
+        with pytest.raises(Exception):
+            twin(x3)
+        with pytest.raises(Exception):
+            m(x3)
+        for real in (4, 2, 8):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x)), f"a call of {real} rows"
+    assert graph_opt.stats(m).replays == 3
 
 
 def test_a_forward_that_branches_on_the_batch_size_replays_only_captured_sizes(F, M, level, logs):
@@ -968,3 +1062,21 @@ def test_arguments_sharing_memory_with_a_marked_cache_the_forward_writes_never_t
     s = graph_opt.stats(m)
     assert s.fallback_reasons == {"aliased": 2}
     assert s.translations == translations  # the plain forward answers it: nothing compiled for the aliasing
+
+
+def check_a_decorated_submodule_fails_the_capture_clearly(F, M, level, logs):
+    """Level >= 1 cannot trace into another decorated model's call: one warning that says so and what to
+    do, and the model answers as its undecorated twin (an undecorated inner one included)."""
+    outer = graph_opt.support_graph_optimization(type("HoldsDecorated", (M.HoldsDecorated,), {}))
+    F.seed(0)
+    m = F.place(outer(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=level, cudagraph_capture_sizes=SIZES)))
+    twin = F.place(M.HoldsDecorated(inner=M.Scaled()))
+    F.copy_weights(twin, m)
+    with F.graphs():
+        report = graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
+    assert "HoldsDecorated.inner is itself a model decorated" in report.failed
+    assert warned(logs, "Decorate only one of them")
+    with F.no_grad():
+        for real in (3, 4):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x)), f"a call of {real} rows"

@@ -185,7 +185,7 @@ class FakeAdapter:
     def compact(self, t):
         return t
 
-    def varied(self, t):
+    def varied(self, t, dim=None):
         a = t.a
         if a.dtype.kind != "f" or a.size < 2 or not (a == a.flat[0]).all():
             return t

@@ -95,14 +95,25 @@ class PaddleAdapter:
     def compact(self, t):
         return t  # Paddle's expand copies: no broadcast views
 
-    def varied(self, t):
+    def varied(self, t, dim=None):
         """t, or where it is floating with every element equal (zeros, a dummy input), a tensor of its
-        shape and dtype whose elements all differ: capture_checks compares rows with padding rows."""
-        if not t.is_floating_point() or t.size < 2:
+        shape and dtype whose elements all differ: capture_checks compares rows with padding rows. With
+        `dim`, an integer tensor with every element equal (dummy token ids) too: its rows along `dim`
+        alternate between that value and the next."""
+        if t.size < 2 or t.dtype == paddle.bool or t.is_complex():
             return t
         flat = t.flatten()
         if not bool((flat == flat[0]).all()):
             return t
+        if not t.is_floating_point():
+            if dim is None or t.shape[dim] < 2:
+                return t
+            value = int(flat[0])
+            step = 1 if self.fits(value + 1, t.dtype) else -1
+            shape = [1] * len(t.shape)
+            shape[dim] = t.shape[dim]
+            rows = (paddle.arange(t.shape[dim], dtype="int64") % 2 * step).reshape(shape)
+            return (t.astype("int64") + rows).astype(t.dtype)
         ramp = (paddle.arange(t.size, dtype="float64") * 0.6180339887498949) % 1.0 - 0.5
         return ramp.reshape(t.shape).astype(t.dtype)
 
@@ -115,8 +126,8 @@ class PaddleAdapter:
             return 0.0 if (x == y).all() else float("inf")
         import numpy as np
 
-        diff = np.abs(x.astype(np.float64) - y.astype(np.float64))
-        diff[np.isnan(x) & np.isnan(y)] = 0
+        diff = np.atleast_1d(np.abs(x.astype(np.float64) - y.astype(np.float64)))  # 0-d: a numpy scalar otherwise
+        diff[np.atleast_1d(np.isnan(x) & np.isnan(y))] = 0
         return float(diff.max()) if diff.size else 0.0
 
     def fits(self, value, dtype) -> bool:

@@ -114,11 +114,23 @@ class TorchAdapter:
                 t = t.narrow(dim, 0, 1)
         return t
 
-    def varied(self, t):
+    def varied(self, t, dim=None):
         """t, or where it is floating with every element equal (zeros, a dummy input), a tensor of its
-        shape and dtype whose elements all differ: capture_checks compares rows with padding rows."""
-        if not t.is_floating_point() or t.numel() < 2 or not bool((t == t.reshape(-1)[0]).all()):
+        shape and dtype whose elements all differ: capture_checks compares rows with padding rows. With
+        `dim`, an integer tensor with every element equal (dummy token ids) too: its rows along `dim`
+        alternate between that value and the next."""
+        if t.numel() < 2 or t.dtype == torch.bool or t.is_complex() or not bool((t == t.reshape(-1)[0]).all()):
             return t
+        if not t.is_floating_point():
+            if dim is None or t.shape[dim] < 2:
+                return t
+            value = int(t.reshape(-1)[0])
+            step = 1 if self.fits(value + 1, t.dtype) else -1
+            shape = [1] * t.dim()
+            shape[dim] = t.shape[dim]
+            with torch.inference_mode(False):
+                rows = (torch.arange(t.shape[dim], device=t.device) % 2 * step).reshape(shape)
+            return (t + rows).to(t.dtype)
         with torch.inference_mode(False):
             ramp = (torch.arange(t.numel(), dtype=torch.float64, device=t.device) * _GOLDEN).remainder_(1.0) - 0.5
         return ramp.reshape(t.shape).to(t.dtype)
@@ -251,7 +263,7 @@ class TorchAdapter:
         """The hooks that run inside the forward: those of every submodule (dicts[1:]; the model's own
         run around the plugin) and the global module hooks."""
         keys = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-        return (tuple(tuple(tuple(d[k]) for k in keys) for d in dicts[1:]),
+        return (tuple(tuple(_acting_hooks(d[k]) for k in keys) for d in dicts[1:]),
                 tuple(tuple(g) for g in (_module_mod._global_forward_hooks, _module_mod._global_forward_pre_hooks,
                                          _module_mod._global_backward_hooks, _module_mod._global_backward_pre_hooks)))
 
@@ -470,6 +482,15 @@ def _equal_elements(a, b):
     if a.is_floating_point() or a.is_complex():
         same |= a.isnan() & b.isnan()
     return same
+
+
+def _acting_hooks(hooks: dict) -> tuple:
+    """The handles of the hooks that can change what the forward computes. transformers' output-capturing
+    hooks, installed at the first call that asks for hidden states or attentions, return at once unless
+    that call's collector asks for their key: a graph without them computes what they would."""
+    return tuple(k for k, fn in hooks.items()
+                 if not (getattr(fn, "__name__", "") == "output_capturing_hook"
+                         and getattr(fn, "__module__", "") == "transformers.utils.output_capturing"))
 
 
 ADAPTER = TorchAdapter()

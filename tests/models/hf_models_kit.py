@@ -54,6 +54,14 @@ class Logits(torch.nn.Module):
         return self.model(input_ids=input_ids).logits
 
 
+class LogitsOrHidden(Logits):
+    """A serving wrapper whose callers sometimes ask for the last hidden state (a debugging call)."""
+
+    def forward(self, input_ids, output_hidden_states=False):
+        out = self.model(input_ids=input_ids, use_cache=False, output_hidden_states=output_hidden_states)
+        return (out.logits, out.hidden_states[-1]) if output_hidden_states else out.logits
+
+
 class Loss(torch.nn.Module):
     """A user's training block: token ids and labels in, the model's loss out."""
 
@@ -210,3 +218,27 @@ def test_traced_training_of_bert_with_eager_attention(env, steps=4):
             _sgd_steps(env, ref, m, steps, check)
         s = graph_opt.stats(m)
         assert s.captures == 1 and s.replays == steps - 2 and s.fallbacks == 0, s
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_call_asking_for_hidden_states_leaves_the_other_calls_replaying(env, level):
+    """transformers installs its output-capturing hooks at the first call that asks for hidden states,
+    here one that runs without graphs (a value capture_model did not capture). The hooks do nothing
+    unless a call asks: the graphs keep replaying, and every call equals eager."""
+    torch.manual_seed(0)
+    twin = LogitsOrHidden("llama").eval().to(env.device)
+    cls = graph_opt.support_graph_optimization(type("GraphedHidden", (LogitsOrHidden,), {}))
+    m = cls("llama", graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=level, cudagraph_capture_sizes=SIZES))
+    m = m.eval().to(env.device)
+    m.load_state_dict(twin.state_dict())
+    with env.graphs():
+        assert graph_opt.capture_model(m, lambda n: tokens(env, n, n), progress=False).failed is None
+    with torch.no_grad():
+        for step in range(3):
+            x = tokens(env, 4, step)
+            assert same(env, m(x), twin(x)), f"step {step}"
+            logits, hidden = m(x, output_hidden_states=True)
+            want_logits, want_hidden = twin(x, output_hidden_states=True)
+            assert same(env, logits, want_logits) and same(env, hidden, want_hidden), f"step {step}, hidden states"
+    s = graph_opt.stats(m)
+    assert s.replays == 3 and s.fallback_reasons == {"new_signature": 3}, s.fallback_reasons

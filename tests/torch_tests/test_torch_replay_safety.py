@@ -5,7 +5,8 @@ import torch
 
 import graph_opt
 from replay_safety_kit import *  # noqa: F401,F403  the shared tests, collected here
-from replay_safety_kit import HIDDEN, capture, pair, warned  # noqa: F401
+from replay_safety_kit import (HIDDEN, capture, check_a_decorated_submodule_fails_the_capture_clearly, pair,  # noqa: F401
+                               warned)
 from graph_opt.decorator import state_of
 from torch_replay_shim import Scaled, TorchF
 
@@ -296,3 +297,30 @@ def test_a_python_number_the_graph_took_is_compared_at_replay_never_baked(F, lev
             assert st.steps == st_twin.steps, f"step {step}: the counter"
     assert graph_opt.stats(m).fallback_reasons == {"divergence": 3}
     assert warned(logs, "L['st'].steps", "runs without graphs")
+
+
+def test_a_padded_check_that_raises_blocks_padded_calls_and_keeps_captured_sizes(F, M, monkeypatch, logs):
+    """A failure inside the check itself (it was Paddle's comparison of 0-d arrays) must not leave a
+    size captured with its padded calls unchecked."""
+    from graph_opt.backends.torch.adapter import ADAPTER
+
+    m, twin = pair(F, M.Scaled, 0)
+
+    def broken(a, b):
+        raise TypeError("broken comparison")
+
+    monkeypatch.setattr(ADAPTER, "max_abs_diff", broken)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    monkeypatch.undo()
+    assert warned(logs, "check of padded calls for size", "broken comparison")
+    with torch.no_grad():
+        for real in (3, 4, 5):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x)), f"a call of {real} rows"
+    s = graph_opt.stats(m)
+    assert s.replays == 1 and s.fallback_reasons == {"outputs": 2}
+
+
+@pytest.mark.parametrize("level", [1, pytest.param(2, marks=pytest.mark.inductor)], ids=["level1", "level2"])
+def test_a_decorated_submodule_fails_the_capture_clearly(F, M, level, logs):
+    check_a_decorated_submodule_fails_the_capture_clearly(F, M, level, logs)

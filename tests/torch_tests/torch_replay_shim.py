@@ -300,6 +300,76 @@ class Picklable(Scaled):
     """Defined at module level: pickling needs the class importable."""
 
 
+class MeanLoss(Scaled):
+    """Returns a 0-d statistic over the batch beside the rows: a loss."""
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, (y * y).mean()
+
+
+class Embeds(Scaled):
+    """Token ids in: a dummy batch of them is all zeros, as the padding rows are."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, HIDDEN)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids))
+
+
+class EmbedsBatchMean(Embeds):
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.lin(h - h.mean(0, keepdim=True))
+
+
+class PairsRows(Scaled):
+    """Runs only an even number of rows, as eager does."""
+
+    def forward(self, x):
+        return self.lin(x.reshape(-1, 2, HIDDEN)).reshape(x.shape)
+
+
+class HoldsDecorated(Scaled):
+    """Holds a model decorated on its own (or, for the eager twin, the inner model given)."""
+
+    def __init__(self, inner=None):
+        super().__init__()
+        self.inner = inner if inner is not None else _DecoratedInner(
+            graph_opt_config=graph_opt.GraphOptConfig(cudagraph_capture_sizes=[2, 4, 8]))
+
+    def forward(self, x):
+        return self.lin(self.inner(x))
+
+
+_DecoratedInner = graph_opt.support_graph_optimization(type("DecoratedInner", (Scaled,), {}))
+
+
+class CountsInObject(Scaled):
+    """A step counter held in a plain object (as a cache object holds its tensors), not a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.state = types.SimpleNamespace(steps=torch.zeros(1))
+
+    def forward(self, x):
+        self.state.steps.add_(1)
+        return self.lin(x) + self.state.steps
+
+
+class HoldsLargeBuffer(Scaled):
+    """More state than a capture at a call copies aside (capture_checks.STATE_BYTES)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.zeros(17 << 20))
+
+    def forward(self, x):
+        return self.lin(x) + self.table[:HIDDEN]
+
+
 MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
@@ -311,7 +381,10 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                CountsSteps=CountsSteps, TalliesRows=TalliesRows,
                                ScaledByClosure=ScaledByClosure, ReturnsContainers=ReturnsContainers,
                                ReturnsObject=ReturnsObject, InstallsHook=InstallsHook,
-                               CountsSmallBatches=CountsSmallBatches)
+                               CountsSmallBatches=CountsSmallBatches,
+                               MeanLoss=MeanLoss, Embeds=Embeds, EmbedsBatchMean=EmbedsBatchMean,
+                               PairsRows=PairsRows, HoldsDecorated=HoldsDecorated,
+                               CountsInObject=CountsInObject, HoldsLargeBuffer=HoldsLargeBuffer)
 
 
 class TorchF:
