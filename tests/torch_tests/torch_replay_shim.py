@@ -354,6 +354,11 @@ class CountsInObject(Scaled):
         super().__init__()
         self.state = types.SimpleNamespace(steps=torch.zeros(1))
 
+    def _apply(self, fn, *args, **kwargs):  # to(device) moves the object's tensor too, as a cache object's owner would
+        super()._apply(fn, *args, **kwargs)
+        self.state.steps = fn(self.state.steps)
+        return self
+
     def forward(self, x):
         self.state.steps.add_(1)
         return self.lin(x) + self.state.steps
