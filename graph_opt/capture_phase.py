@@ -113,14 +113,39 @@ class CapturePhase:
         kept = self._arguments_in_outputs(sig, leaves)
         # The capture runs the forward several times (warmups, the capture, its check): state it advances
         # (a step counter, a cache object's tensors) is put back, so that the call advances it once.
-        held = [(t, self.adapter.clone(t)) for _, t in self._held_state()]
+        adapter = self.adapter
+        held = self.model_state.held_state()
+        copies = [(t, adapter.clone(t)) for _, t in held.tensors]
+        entry = None
         try:
-            return self._capture_lazily_kept(sig, padded, leaves, kept)
+            entry = self._capture_lazily_kept(sig, padded, leaves, kept)
         finally:
-            adapter = self.adapter
-            for t, saved in held:
+            rebound = held.rebound()
+            for t, saved in copies:
                 if not adapter.same_values(t, saved):
                     adapter.copy_(t, saved)
+        if rebound and entry is not None and self._replays_graphs_alone():
+            self._rebinding_captures += 1
+            if self._rebinding_captures > 1:  # again: the forward binds anew at every call
+                self.capture_failed(CaptureError(_rebinds_message(rebound)), padded)
+                return None
+            # Once: state made at the first call (transformers' StaticCache makes its tensors then). The
+            # size is dropped; the plain forward answers and makes it, and a later call captures.
+            logger.info("%s: size %d is captured at a later call: %s", self.name, padded, _rebinds_message(rebound))
+            self._drop_size(sig, padded)
+            self.counters.captures -= 1
+            self.counters.lazy_captures -= 1
+            return None
+        return entry
+
+    def _drop_size(self, sig: Signature, padded: int) -> None:
+        entry = sig.entries.pop(padded, None)
+        if entry is not None:
+            static_address.restore(self.adapter, entry.restore)
+            entry.release()
+        sig.plans.clear()
+        if not any(other.entries for other in self.signatures.values()):
+            self.model_state.release()  # the next capture takes the model's state afresh, as the first did
 
     def _capture_lazily_kept(self, sig: Signature, padded: int, leaves, kept) -> Optional[CapturedSize]:
         error = None
@@ -152,22 +177,32 @@ class CapturePhase:
         return entry
 
     def lazy_capture_refusal(self) -> Optional[Tuple[str, str]]:
-        """Why a size may not be captured at a call, or None: the model's state is too large to put back
-        after the capture's runs of the forward (_capture_lazily). Found once per runner."""
-        if self._lazy_refusal is None:
-            held = self._held_state()
-            size = sum(self.adapter.nbytes(t) for _, t in held)
-            self._lazy_refusal = (False,) if size <= capture_checks.STATE_BYTES else (
-                "lazy_state",
-                f"a size that capture_model() did not capture is captured at a call only where the model's state "
-                f"(its buffers and the tensors its modules hold: {size / 2**20:.0f} MiB here, the largest "
-                f"{max(held, key=lambda h: self.adapter.nbytes(h[1]))[0]}) can be copied aside and put back ({capture_checks.STATE_BYTES >> 20} MiB at most): each "
-                "of the capture's runs of the forward may advance it. Capture the sizes with capture_model(), "
-                "and reset that state after it; this call runs without graphs")
-        return None if self._lazy_refusal == (False,) else self._lazy_refusal
+        """Why a size may not be captured at a call, or None: the model's state is too large to copy aside
+        and put back after the capture's runs of the forward (_capture_lazily). Found again until it
+        refuses (a cache may make its tensors at its first call), then kept."""
+        if self._lazy_refusal is not None:
+            return self._lazy_refusal
+        held = self._held_state()
+        size = sum(self.adapter.nbytes(t) for _, t in held)
+        if size <= capture_checks.STATE_BYTES:
+            return None
+        largest = max(held, key=lambda h: self.adapter.nbytes(h[1]))[0]
+        self._lazy_refusal = (
+            "lazy_state",
+            f"a size that capture_model() did not capture is captured at a call only where the model's state "
+            f"(its buffers and the tensors its modules hold: {size / 2**20:.0f} MiB here, the largest {largest}) "
+            f"can be copied aside and put back ({capture_checks.STATE_BYTES >> 20} MiB at most): each of the "
+            "capture's runs of the forward may advance it. Capture the sizes with capture_model(), and reset "
+            "that state after it; this call runs without graphs")
+        return self._lazy_refusal
+
+    def _replays_graphs_alone(self) -> bool:
+        """Level 0: a replay is the graphs alone, so a binding the forward makes is not made again. At
+        level >= 1 the translated code around the graphs makes it (Dynamo's, SOT's stores)."""
+        return getattr(self.strategy, "records_the_plain_forward", False)
 
     def _held_state(self) -> List[Tuple[str, Any]]:
-        return self.model_state.held_state()
+        return self.model_state.held_state().tensors
 
     def _arguments_in_outputs(self, sig: Signature, leaves) -> List[Tuple[Any, Any]]:
         """(argument, a copy of it) for each tensor argument whose memory overlaps an output of the
@@ -285,6 +320,8 @@ class CapturePhase:
                 self._copy_in(sig, static, leaves, padded)
                 versions = [adapter.version(t) for t in static]
                 buffers = self.model_state.buffer_versions()
+                # What the captured run binds, which a level-0 replay (the graphs alone) would not
+                bindings = self.model_state.held_state() if self._replays_graphs_alone() else None
                 folds = getattr(self.strategy, "folds_tail", False)
                 if folds:
                     # The output copies into a larger size's storage and the host copies become the last
@@ -303,6 +340,10 @@ class CapturePhase:
                             self._capture_tail(captured, copies)
                 mutated |= {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
                 sig.static_buffer_writes |= capture_checks.written(buffers, self.model_state.buffer_versions())
+                if bindings is not None:
+                    rebound = bindings.rebound()
+                    if rebound:
+                        raise CaptureError(_rebinds_message(rebound))
                 adapter.synchronize()
                 held = objects_holding_tensors(captured.outputs, adapter.is_tensor)
                 if held:
@@ -425,3 +466,11 @@ class CapturePhase:
                 main()
                 tail()
         captured.replay = replay
+
+
+def _rebinds_message(rebound: List[str]) -> str:
+    return (f"forward binds new tensors where its state was ({', '.join(rebound[:3])}), as "
+            "`self.cache = torch.zeros(...)` made at the first call or `st.steps = st.steps + 1` do; a replay "
+            "cannot, so it would not leave that state as eager does. Write the state in place (copy_, add_, "
+            "index_copy_), make it before the first call, or capture_model() once it exists")
+

@@ -127,14 +127,6 @@ class KindDispatch:
         self.full.capture_model_done = self.piecewise.capture_model_done = value
 
     @property
-    def capturing_model(self) -> bool:
-        return self.full.capturing_model
-
-    @capturing_model.setter
-    def capturing_model(self, value: bool) -> None:
-        self.full.capturing_model = self.piecewise.capturing_model = value
-
-    @property
     def pool(self):
         return self.full.pool
 

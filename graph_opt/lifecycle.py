@@ -92,7 +92,7 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
     translations_before = _translations(state)
     from tqdm import tqdm
 
-    with _guarded(runner), _capturing_model(runner), frozen_gc(), tqdm(total=len(order), desc=f"graph_opt capture {state.name}", unit="size",
+    with _guarded(runner), frozen_gc(), tqdm(total=len(order), desc=f"graph_opt capture {state.name}", unit="size",
                            disable=not progress, leave=False) as bar:
         for size in order:
             # Inputs that cannot be captured are the caller's error: raised before anything of this
@@ -170,15 +170,6 @@ def clear_graphs(model) -> None:
         with _guarded(state.runner):
             state.runner.release()
             state.runner.disabled_reason = None
-
-
-@contextlib.contextmanager
-def _capturing_model(runner: GraphRunner):
-    runner.capturing_model = True
-    try:
-        yield
-    finally:
-        runner.capturing_model = False
 
 
 @contextlib.contextmanager

@@ -254,40 +254,6 @@ def holding_tensors_message(held: List[str], when: str) -> str:
             "or a dict, tuple or dataclass of them")
 
 
-def tensors_held(obj, is_tensor, depth: int) -> List[Any]:
-    """The tensors among obj's attributes (in __dict__ or __slots__), or in the lists, tuples, dicts and
-    objects they hold, `depth` levels down; modules are not entered (their own are found as theirs)."""
-    found = []
-    _collect(obj, is_tensor, depth, found, set())
-    return found
-
-
-def _collect(obj, is_tensor, depth: int, found: list, seen: set) -> None:
-    if depth < 0 or id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if is_tensor(obj):
-        found.append(obj)
-        return
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        values = obj
-    elif isinstance(obj, dict):
-        values = obj.values()
-    elif isinstance(obj, (str, bytes, int, float, complex, type)) or obj is None:
-        return
-    else:
-        attributes = getattr(obj, "__dict__", None)
-        if isinstance(attributes, dict) and "_parameters" in attributes:  # a module (torch's, Paddle's)
-            return
-        values = list(attributes.values()) if isinstance(attributes, dict) else []
-        for cls in type(obj).__mro__:
-            for name in cls.__dict__.get("__slots__", ()):
-                if isinstance(name, str) and hasattr(obj, name) and name not in ("__dict__", "__weakref__"):
-                    values.append(getattr(obj, name))
-    for value in values:
-        _collect(value, is_tensor, depth - 1, found, seen)
-
-
 def _holds_tensor(obj, is_tensor, depth: int) -> bool:
     """Whether a tensor is among obj's attributes (in __dict__ or __slots__), or in the lists, tuples,
     dicts and objects they hold, `depth` levels down."""

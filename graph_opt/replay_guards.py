@@ -32,7 +32,8 @@ from __future__ import annotations
 import operator
 from typing import Any, Dict, List, Optional, Tuple
 
-from .pytree import tensors_held, value_key
+from .held_state import NOTHING_HELD, HeldState
+from .pytree import value_key
 
 STATE_ATTR = "_graph_opt_state"  # the instance attribute where the decorator keeps a model's state
 
@@ -120,25 +121,9 @@ class ModelState:
         """(name, tensor) of every buffer of the model."""
         return self.adapter.named_buffers(self.model)
 
-    def held_state(self) -> List[Tuple[str, Any]]:
-        """(name, tensor) of what a forward may advance besides its arguments: the model's buffers, and the
-        tensors its modules hold in other attributes (a cache object's, a list's)."""
-        adapter = self.adapter
-        found, seen = [], set()
-        for name, t in self.buffers():
-            if id(t) not in seen:
-                seen.add(id(t))
-                found.append((f"buffer {name!r}", t))
-        skip = adapter.framework_attributes
-        for path, d in adapter.module_dicts(self.model):
-            for key, value in d.items():
-                if key in skip or key.startswith("_graph_opt"):  # the module's own, graph_opt's state
-                    continue
-                for t in tensors_held(value, adapter.is_tensor, 3):
-                    if id(t) not in seen:
-                        seen.add(id(t))
-                        found.append((f"attribute {(path + '.' if path else '') + key!r}", t))
-        return found
+    def held_state(self) -> HeldState:
+        """What a forward may advance besides its arguments (held_state.py), as it is now."""
+        return HeldState(self.adapter, self.model, self.buffers(), self.adapter.framework_attributes)
 
     def decorated_submodules(self) -> List[str]:
         """Paths of the submodules that are models decorated on their own."""
@@ -276,8 +261,8 @@ class Unwatched:
     def buffers(self) -> list:
         return []
 
-    def held_state(self) -> list:
-        return []
+    def held_state(self) -> "HeldState":
+        return NOTHING_HELD
 
     def decorated_submodules(self) -> list:
         return []

@@ -68,8 +68,8 @@ class GraphRunner(SignatureChecks, CapturePhase):
         self.memory_bytes: Optional[int] = None
         self.disabled_reason: Optional[str] = None
         self.capture_model_done = False
-        self.capturing_model = False  # inside capture_model: its capture inputs are make_inputs', not a call's
         self._lazy_refusal = None  # lazy_capture_refusal's verdict, once found
+        self._rebinding_captures = 0  # captures at calls dropped because the forward bound new state
         self.pool = None
         self.group = None  # the ranks that agree on every replay (graph_opt.ranks), set when capturing
         self._warned: set = set()
@@ -357,6 +357,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         self.memory_bytes = None
         self.capture_model_done = False
         self._lazy_refusal = None
+        self._rebinding_captures = 0
         self.adapter.release_memory()
 
 

@@ -95,27 +95,19 @@ class PaddleAdapter:
     def compact(self, t):
         return t  # Paddle's expand copies: no broadcast views
 
-    def varied(self, t, dim=None):
+    def varied(self, t):
         """t, or where it is floating with every element equal (zeros, a dummy input), a tensor of its
-        shape and dtype whose elements all differ: capture_checks compares rows with padding rows. With
-        `dim`, an integer tensor with every element equal (dummy token ids) too: its rows along `dim`
-        alternate between that value and the next."""
-        if t.size < 2 or t.dtype == paddle.bool or t.is_complex():
+        shape and dtype whose elements all differ: capture_checks compares rows with padding rows."""
+        if not t.is_floating_point() or t.size < 2:
             return t
         flat = t.flatten()
         if not bool((flat == flat[0]).all()):
             return t
-        if not t.is_floating_point():
-            if dim is None or t.shape[dim] < 2:
-                return t
-            value = int(flat[0])
-            step = 1 if self.fits(value + 1, t.dtype) else -1
-            shape = [1] * len(t.shape)
-            shape[dim] = t.shape[dim]
-            rows = (paddle.arange(t.shape[dim], dtype="int64") % 2 * step).reshape(shape)
-            return (t.astype("int64") + rows).astype(t.dtype)
         ramp = (paddle.arange(t.size, dtype="float64") * 0.6180339887498949) % 1.0 - 0.5
         return ramp.reshape(t.shape).astype(t.dtype)
+
+    def all_equal_to(self, t, value) -> bool:
+        return bool((t == value).all()) if t.size else True
 
     def max_abs_diff(self, a, b) -> float:
         """The largest |a - b| (NaN where both are NaN counts as equal); inf where shapes or dtypes differ."""

@@ -114,26 +114,17 @@ class TorchAdapter:
                 t = t.narrow(dim, 0, 1)
         return t
 
-    def varied(self, t, dim=None):
+    def varied(self, t):
         """t, or where it is floating with every element equal (zeros, a dummy input), a tensor of its
-        shape and dtype whose elements all differ: capture_checks compares rows with padding rows. With
-        `dim`, an integer tensor with every element equal (dummy token ids) too: its rows along `dim`
-        alternate between that value and the next."""
-        if t.numel() < 2 or t.dtype == torch.bool or t.is_complex() or not bool((t == t.reshape(-1)[0]).all()):
+        shape and dtype whose elements all differ: capture_checks compares rows with padding rows."""
+        if not t.is_floating_point() or t.numel() < 2 or not bool((t == t.reshape(-1)[0]).all()):
             return t
-        if not t.is_floating_point():
-            if dim is None or t.shape[dim] < 2:
-                return t
-            value = int(t.reshape(-1)[0])
-            step = 1 if self.fits(value + 1, t.dtype) else -1
-            shape = [1] * t.dim()
-            shape[dim] = t.shape[dim]
-            with torch.inference_mode(False):
-                rows = (torch.arange(t.shape[dim], device=t.device) % 2 * step).reshape(shape)
-            return (t + rows).to(t.dtype)
         with torch.inference_mode(False):
             ramp = (torch.arange(t.numel(), dtype=torch.float64, device=t.device) * _GOLDEN).remainder_(1.0) - 0.5
         return ramp.reshape(t.shape).to(t.dtype)
+
+    def all_equal_to(self, t, value) -> bool:
+        return bool((t == value).all())
 
     def max_abs_diff(self, a, b) -> float:
         """The largest |a - b| (NaN where both are NaN counts as equal); inf where shapes or dtypes differ."""

@@ -107,6 +107,7 @@ class PieceGraph:
     captured: tuple = ()  # inputs at tensor_slots
     owned: Optional[List[bool]] = None  # per output leaf, once finished: owned (a forward output)
     values: tuple = ()  # (position, value) of the Python numbers among inputs: the graph baked them
+    written: tuple = ()  # positions of the tensor inputs the graph writes in place (a buffer the forward advances)
 
     def __post_init__(self):
         self.refresh()
@@ -145,13 +146,16 @@ class CapturablePiece:
                 raise ReplayDivergence(f"piece {self.name} has no graph for {state.key!r}")
             # Parameters, static inputs and earlier pieces' outputs are the captured objects themselves:
             # one C-level identity pass, and the per-slot loop only when some input is fresh.
-            if not all(map(operator.is_, entry.pick(args), entry.captured)):
+            fresh = not all(map(operator.is_, entry.pick(args), entry.captured))
+            if fresh:
                 self._copy_fresh(entry, args)
             for i, value in entry.values:  # a dynamic int (an attribute Dynamo saw change) read afresh
                 if args[i] != value:
                     raise ReplayDivergence(f"piece {self.name}: {self._input_name(i)} is {args[i]!r}, and its "
                                            f"graph was captured with {value!r}")
             entry.graph.replay()
+            if fresh and entry.written:
+                self._copy_back(entry, args)
             return entry.outputs
         if state.mode is Mode.CAPTURE:
             return self._capture(args)
@@ -161,6 +165,15 @@ class CapturablePiece:
         if i < len(self.input_names):
             return f"input {i} ({self.input_names[i]}, a number Dynamo took as a graph input)"
         return f"input {i}"
+
+    @staticmethod
+    def _copy_back(entry: PieceGraph, args) -> None:
+        """A tensor the graph writes, given anew (a buffer replaced since capture: `m.cache = torch.zeros(...)`):
+        the graph wrote its captured copy; the forward writes the new one."""
+        for i in entry.written:
+            src, dst = args[i], entry.inputs[i]
+            if src is not dst:
+                src.copy_(dst)
 
     def _copy_fresh(self, entry: PieceGraph, args) -> None:
         captured = entry.inputs
@@ -183,6 +196,7 @@ class CapturablePiece:
             if where is not None:
                 inputs[i] = self._land(i, inputs[i])
         share = self._sharing()
+        versions = {i: inputs[i]._version for i in slots}
         if state.simulate:
             outputs = self.fn(*inputs)
             if share is not None:
@@ -208,7 +222,8 @@ class CapturablePiece:
         # Held through aliases from here on (module doc); the split module goes on with the tensors.
         held = [state.known_alias(a) if i in slots else a for i, a in enumerate(inputs)]
         leaves, spec = flatten(outputs, _is_tensor)
-        entry = PieceGraph(graph, held, slots, unflatten(spec, [state.alias(t, self.adapter) for t in leaves]))
+        entry = PieceGraph(graph, held, slots, unflatten(spec, [state.alias(t, self.adapter) for t in leaves]),
+                           written=tuple(i for i in slots if inputs[i]._version != versions[i]))
         self.entries[state.key] = entry
         for i, where in made.items():  # for the replay plan: an eager piece's result lands in entry.inputs[i]
             if where is not None:

@@ -370,6 +370,14 @@ class HoldsLargeBuffer(Scaled):
         self.register_buffer("table", paddle.zeros([17 << 20]))
 
     def forward(self, x):
+        self.table[-1:] = self.table[-1:] + 1  # a step count at its end
+        return self.lin(x) + self.table[:HIDDEN] + self.table[-1]
+
+
+class ReadsLargeBuffer(HoldsLargeBuffer):
+    """The same large state, read only (a rope table)."""
+
+    def forward(self, x):
         return self.lin(x) + self.table[:HIDDEN]
 
 
@@ -387,7 +395,9 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                CountsSmallBatches=CountsSmallBatches,
                                MeanLoss=MeanLoss, Embeds=Embeds, EmbedsBatchMean=EmbedsBatchMean,
                                PairsRows=PairsRows, HoldsDecorated=HoldsDecorated,
-                               CountsInObject=CountsInObject, HoldsLargeBuffer=HoldsLargeBuffer)
+                               CountsInObject=CountsInObject, HoldsLargeBuffer=HoldsLargeBuffer,
+                               ReadsLargeBuffer=ReadsLargeBuffer,
+                               AdvancesInPlace=CountsSteps)  # set_value: in place, no assignment
 
 
 class PaddleF:

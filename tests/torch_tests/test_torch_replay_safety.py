@@ -1,5 +1,8 @@
 """Inference replays never silently wrong, on torch: tests/replay_safety_kit.py with simulated graphs
 on CPU, plus the torch-only cases (autocast, inference_mode, a replaced parameter at level 0)."""
+import collections
+import types
+
 import pytest
 import torch
 
@@ -324,3 +327,88 @@ def test_a_padded_check_that_raises_blocks_padded_calls_and_keeps_captured_sizes
 @pytest.mark.parametrize("level", [1, pytest.param(2, marks=pytest.mark.inductor)], ids=["level1", "level2"])
 def test_a_decorated_submodule_fails_the_capture_clearly(F, M, level, logs):
     check_a_decorated_submodule_fails_the_capture_clearly(F, M, level, logs)
+
+
+def test_a_large_state_the_forward_only_reads_is_refused_at_calls_too(F, M, logs):
+    """Over 64 MiB of buffers (a rope table): whether a forward writes them cannot be known soundly from a
+    call (a write on some calls only, through .data), so sizes are captured only by capture_model."""
+    m, twin = pair(F, M.ReadsLargeBuffer, 0)
+    with F.graphs(), torch.no_grad():
+        for real in (4, 3):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x)), f"a call of {real} rows"
+    s = graph_opt.stats(m)
+    assert s.lazy_captures == 0 and s.fallback_reasons == {"lazy_state": 2}
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with torch.no_grad():
+        x = F.randn(3, HIDDEN, seed=3)
+        assert F.close(m(x), twin(x)) and graph_opt.stats(m).replays == 1
+
+
+class _InDeque(Scaled):
+    def __init__(self):
+        super().__init__()
+        self.history = collections.deque([torch.zeros(1)])  # a container the walk must enter
+
+    def forward(self, x):
+        self.history[0].add_(1)
+        return self.lin(x) + self.history[0]
+
+
+class _Rebinds(Scaled):
+    def __init__(self):
+        super().__init__()
+        self.state = types.SimpleNamespace(steps=torch.zeros(1))
+
+    def forward(self, x):
+        self.state.steps = self.state.steps + 1  # a new tensor at every call: a replay would not bind it
+        return self.lin(x) + self.state.steps
+
+
+class _MadeAtFirstCall(Scaled):
+    def __init__(self):
+        super().__init__()
+        self.cache = None
+
+    def forward(self, x):
+        if self.cache is None:
+            self.cache = torch.zeros(1)
+        self.cache.add_(1)
+        return self.lin(x) + self.cache
+
+
+def _state_of(m):
+    return m.history[0] if isinstance(m, _InDeque) else m.state.steps if isinstance(m, _Rebinds) else m.cache
+
+
+@pytest.mark.parametrize("cls", [_InDeque, _Rebinds, _MadeAtFirstCall])
+def test_state_held_anywhere_advances_once_per_call_or_the_capture_fails(F, level, cls, logs):
+    """Sizes captured at calls: the state is put back after the capture's runs, or, where the forward
+    binds new tensors (which a replay cannot), the capture fails and the plain forward answers."""
+    m, twin = pair(F, cls, level)
+    with F.graphs(), torch.no_grad():
+        for real in (4, 3, 8, 4, 2):
+            x = F.randn(real, HIDDEN, seed=real)
+            assert F.close(m(x), twin(x)), f"a call of {real} rows"
+            assert F.equal(_state_of(m), _state_of(twin)), f"the state after a call of {real} rows"
+    s = graph_opt.stats(m)
+    if cls is _InDeque:
+        assert s.replays == 5 and s.lazy_captures == 3
+    elif cls is _MadeAtFirstCall and level >= 1:
+        # The translated code makes the binding; the first call (the cache put back to None) fails a guard
+        assert s.replays == 4 and s.fallback_reasons == {"guard": 1}
+    elif cls is _MadeAtFirstCall:  # the first call makes the cache without graphs; the next ones capture
+        assert s.replays == 4 and s.lazy_captures == 3 and not warned(logs, "binds new tensors")
+    else:  # level >= 1: Dynamo refuses to trace the binding itself
+        assert s.replays == 0 and warned(logs, "capture of size", "binds new tensors" if level == 0 else "")
+
+
+def test_a_forward_that_rebinds_its_state_fails_capture_model_too(F, level, logs):
+    m, twin = pair(F, _Rebinds, level)
+    with F.graphs():
+        report = graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
+    assert report.failed and ("binds new tensors" in report.failed or level >= 1)  # level >= 1: Dynamo refuses
+    twin.state.steps = m.state.steps.clone()
+    with torch.no_grad():
+        x = F.randn(4, HIDDEN, seed=4)
+        assert F.close(m(x), twin(x)) and F.equal(m.state.steps, twin.state.steps)

@@ -372,7 +372,23 @@ class HoldsLargeBuffer(Scaled):
         self.register_buffer("table", torch.zeros(17 << 20))
 
     def forward(self, x):
+        self.table[-1:].add_(1)  # a step count at its end
+        return self.lin(x) + self.table[:HIDDEN] + self.table[-1]
+
+
+class ReadsLargeBuffer(HoldsLargeBuffer):
+    """The same large state, read only (a rope table)."""
+
+    def forward(self, x):
         return self.lin(x) + self.table[:HIDDEN]
+
+
+class AdvancesInPlace(CountsSteps):
+    """The step counter advanced by an in-place op alone (no assignment for the translator to replay)."""
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return self.lin(x) + self.steps
 
 
 MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
@@ -389,7 +405,8 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                CountsSmallBatches=CountsSmallBatches,
                                MeanLoss=MeanLoss, Embeds=Embeds, EmbedsBatchMean=EmbedsBatchMean,
                                PairsRows=PairsRows, HoldsDecorated=HoldsDecorated,
-                               CountsInObject=CountsInObject, HoldsLargeBuffer=HoldsLargeBuffer)
+                               CountsInObject=CountsInObject, HoldsLargeBuffer=HoldsLargeBuffer,
+                               ReadsLargeBuffer=ReadsLargeBuffer, AdvancesInPlace=AdvancesInPlace)
 
 
 class TorchF:

@@ -1,0 +1,182 @@
+"""The state a model holds besides its parameters: its buffers, and the tensors its modules keep in other
+attributes (a cache object's, a list's, a dict's, an unregistered helper module's).
+
+A capture runs the forward several times (warmups, the capture, its check). A size captured at a call
+must leave that state as one eager call would: HeldState copies the tensors aside (capture_phase puts
+back the values a run changed) and remembers which object each container held, so that a forward that
+binds a new tensor where an old one was (`self.cache = torch.zeros(...)` made lazily, `st.steps =
+st.steps + 1`) is seen. A replay cannot do that binding: such a capture fails, and the plain forward
+answers.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import types
+from typing import Any, Callable, List, Tuple
+
+_DEPTH = 6  # containers followed below a module's attribute
+_OPAQUE = (str, bytes, int, float, complex, bool, type, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType, types.ModuleType, functools.partial)
+
+
+class HeldState:
+    """The tensors a model holds (`tensors`: (name, tensor)) and a shallow record of every container on the
+    way to them, taken now."""
+
+    def __init__(self, adapter, model, buffers: List[Tuple[str, Any]], skip: frozenset):
+        self.is_tensor = adapter.is_tensor
+        self.tensors: List[Tuple[str, Any]] = []
+        # (name, container, its shallow copy, for a module's __dict__ the keys that are not its state)
+        self._bindings: List[Tuple[str, Any, Any, Any]] = []
+        self._seen: set = set()
+        modules = adapter.module_dicts(model)
+        self._modules = {id(d) for _, d in modules}
+        for _, d in modules:  # parameters: the forward's weights, not its state (a conversion is seen apart)
+            self._seen.update(id(p) for p in (d.get("_parameters") or {}).values() if p is not None)
+        for name, t in buffers:
+            self._add(f"buffer {name!r}", t)
+        for path, d in modules:
+            where = path + "." if path else ""
+            kept = {k: v for k, v in d.items() if _own(k, skip)}
+            self._bindings.append((f"attribute of {path or 'the model'}", d, kept, skip))
+            for key, value in kept.items():
+                self._visit(value, f"attribute {where + key!r}", _DEPTH)
+            buffers_dict = d.get("_buffers")
+            if isinstance(buffers_dict, dict):
+                self._bindings.append((f"buffers of {path or 'the model'}", buffers_dict, dict(buffers_dict), None))
+
+    def _add(self, name: str, t) -> None:
+        if id(t) not in self._seen:
+            self._seen.add(id(t))
+            self.tensors.append((name, t))
+
+    def _visit(self, obj, name: str, depth: int) -> None:
+        if obj is None or isinstance(obj, _OPAQUE) or depth < 0:
+            return
+        if self.is_tensor(obj):
+            self._add(name, obj)
+            return
+        if id(obj) in self._seen:
+            return
+        self._seen.add(id(obj))
+        if isinstance(obj, dict):
+            self._bindings.append((name, obj, dict(obj), None))
+            values = list(obj.values())
+        elif isinstance(obj, (list, collections.deque)):
+            self._bindings.append((name, obj, list(obj), None))
+            values = list(obj)
+        elif isinstance(obj, (tuple, set, frozenset)):
+            values = list(obj)
+        else:
+            attributes = getattr(obj, "__dict__", None)
+            if isinstance(attributes, dict):
+                if id(attributes) in self._modules:  # a registered module: walked as itself
+                    return
+                self._bindings.append((name, attributes, dict(attributes), None))
+                values = list(attributes.values())
+            else:
+                values = []
+            slots = [s for cls in type(obj).__mro__ for s in cls.__dict__.get("__slots__", ())
+                     if isinstance(s, str) and s not in ("__dict__", "__weakref__") and hasattr(obj, s)]
+            if slots:
+                self._bindings.append((name, obj, {s: getattr(obj, s) for s in slots}, None))
+                values += [getattr(obj, s) for s in slots]
+        for value in values:
+            self._visit(value, name, depth - 1)
+
+    def changed(self) -> List[str]:
+        """The containers whose entries holding tensors no longer hold the objects they held (rebound)."""
+        return self.rebound(put_back=False)
+
+    def rebound(self, put_back: bool = True) -> List[str]:
+        """The names of the containers whose entries holding tensors no longer hold the objects they held
+        (a tensor bound anew, one made where there was none). Where there are any, every container
+        recorded gets back every entry it held (the framework may have moved one: Paddle keeps a tensor
+        attribute among its buffers), as if the runs had not been; else nothing is touched (a flag or a
+        Python count the runs set stays as they left it)."""
+        changes = [(name, container, saved, self._changes(container, saved, skip))
+                   for name, container, saved, skip in self._bindings]
+        names = [name for name, container, saved, keys in changes
+                 if keys and any(self._holds(v) for v in self._values(container, saved, keys))]
+        if names and put_back:
+            for _, container, saved, keys in changes:
+                if keys:
+                    _put_back(container, saved, keys)
+        return names
+
+    @staticmethod
+    def _changes(container, saved, skip) -> list:
+        """The keys (indices) whose entry is no longer the object it was; every index where a list or
+        deque changed length."""
+        if isinstance(container, (list, collections.deque)):
+            same = len(container) == len(saved) and all(a is b for a, b in zip(container, saved))
+            return [] if same else list(range(max(len(container), len(saved))))
+        if not isinstance(container, dict):  # an object's __slots__
+            return [k for k, v in saved.items() if getattr(container, k, _MISSING) is not v]
+        keys = set(saved) | {k for k in container if skip is None or _own(k, skip)}
+        return [k for k in keys if container.get(k, _MISSING) is not saved.get(k, _MISSING)]
+
+    @staticmethod
+    def _values(container, saved, keys) -> list:
+        if isinstance(container, (list, collections.deque)):
+            return list(container) + list(saved)
+        if not isinstance(container, dict):
+            return [v for k in keys for v in (saved[k], getattr(container, k, None))]
+        return [v for k in keys for v in (saved.get(k), container.get(k))]
+
+    def _holds(self, obj) -> bool:
+        return _holds_tensor(obj, self.is_tensor, 3)
+
+
+_MISSING = object()
+
+
+def _put_back(container, saved, keys) -> None:
+    if isinstance(container, collections.deque):
+        container.clear()
+        container.extend(saved)
+    elif isinstance(container, list):
+        container[:] = saved
+    elif not isinstance(container, dict):
+        for k in keys:
+            setattr(container, k, saved[k])
+    else:
+        for k in keys:
+            if k in saved:
+                container[k] = saved[k]
+            else:
+                del container[k]
+
+
+def _own(key: str, skip: frozenset) -> bool:
+    """Whether a module's attribute is the model's: not the framework's (parameters, hooks) or graph_opt's."""
+    return key not in skip and not key.startswith("_graph_opt")
+
+
+class _NothingHeld:
+    """A model without the state checks (an object graph_opt does not watch)."""
+
+    tensors: List[Tuple[str, Any]] = []
+
+    @staticmethod
+    def rebound() -> List[str]:
+        return []
+
+    changed = rebound
+
+
+NOTHING_HELD = _NothingHeld()
+
+
+def _holds_tensor(obj, is_tensor: Callable[[Any], bool], depth: int) -> bool:
+    if depth < 0 or obj is None or isinstance(obj, _OPAQUE):
+        return False
+    if is_tensor(obj):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensor(v, is_tensor, depth - 1) for v in obj.values())
+    if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+        return any(_holds_tensor(v, is_tensor, depth - 1) for v in obj)
+    attributes = getattr(obj, "__dict__", None)
+    return isinstance(attributes, dict) and any(_holds_tensor(v, is_tensor, depth - 1) for v in attributes.values())
