@@ -7,8 +7,8 @@ runner runs the plain forward on q rows of the capture inputs, replays p for the
 would (copied in, padding rows holding the pad values, cut), and compares. Where they differ (a batch
 statistic, attention across the batch, `if x.shape[0] > 4`), calls of a size that is not captured run
 without graphs from then on, with one warning naming the output: never a replay that differs from eager.
-Where the model's buffers and the marked arguments fit in STATE_BYTES, the two runs start from one copy
-of them, and what they leave there is compared as well (a step counter is no difference; a count of
+Where the model's state (its buffers and the tensors its modules hold: held_state.py) and the marked
+arguments fit in STATE_BYTES, the two runs start from one copy of them, and what they leave there is compared as well (a step counter is no difference; a count of
 rows that padding rows would add to is).
 
 The same eager run gives the output layout its second batch size (output_layout: which dimension of
@@ -57,7 +57,7 @@ def expect(runner, sig, static: List, leaves: List, padded: int, warm=None):
             if not sig.layout.known:
                 _observe_other_size(runner, sig, static, padded)
             return None
-        small = _probe_rows(runner, leaves, sig.dims, rows)
+        small = _probe_rows(adapter, leaves, sig.dims, rows)
         runner._copy_in(sig, static, small, padded)
         own = [t if d is None else adapter.narrow(t, d, rows) for t, d in zip(static, sig.dims)]
         expected = _clone(adapter, _run(runner, sig, own))
@@ -84,35 +84,33 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
     `expected` (see expect). Blocks calls of sizes that are not captured where they differ, or where
     the check itself fails: a padded call nothing checked must not replay."""
     if isinstance(expected, Unchecked):
-        why = f"padded calls of size {entry.padded_size} could not be checked: {expected.why}"
-        sig.block(why)
-        logger.warning("%s: %s; calls of a size that is not captured run without graphs", runner.name, why)
-        runner.capture_notes.append(why)
+        _block(runner, sig, f"padded calls of size {entry.padded_size} could not be checked: {expected.why}")
         return
     if expected is None or not sig.layout.known or sig.layout.exact_only:
         return
     try:
         _validate(runner, sig, entry, leaves, expected)
     except Exception as exc:
-        why = (f"the check of padded calls for size {entry.padded_size} failed: {type(exc).__name__}: {exc} "
-               "(a bug of graph_opt's: please report it)")
-        sig.block(why)
-        logger.warning("%s: %s; calls of a size that is not captured run without graphs", runner.name, why)
-        runner.capture_notes.append(why)
+        _block(runner, sig, f"the check of padded calls for size {entry.padded_size} failed: {type(exc).__name__}: "
+                            f"{exc} (a bug of graph_opt's: please report it)")
+
+
+def _block(runner, sig, why: str) -> None:
+    """Padded calls of this signature run without graphs from now on: one warning, and a capture note."""
+    sig.block(why)
+    logger.warning("%s: %s; calls of a size that is not captured run without graphs", runner.name, why)
+    runner.capture_notes.append(why)
 
 
 def _validate(runner, sig, entry, leaves: List, expected) -> None:
     adapter = runner.adapter
     padded = entry.padded_size
     rows = smallest_call(runner, padded)
-    small = _probe_rows(runner, leaves, sig.dims, rows)
-    if _rows_alike(runner, sig, small):
-        why = (f"padded calls of size {padded} could not be checked: every row of the capture inputs holds the "
-               "pad value (all-zero token ids, say), so a forward that mixes rows would look row-independent. "
-               "Give make_inputs rows that differ (random ids in range)")
-        sig.block(why)
-        logger.warning("%s: %s; calls of a size that is not captured run without graphs", runner.name, why)
-        runner.capture_notes.append(why)
+    small = _probe_rows(adapter, leaves, sig.dims, rows)
+    if _rows_alike(adapter, sig, small):
+        _block(runner, sig, f"padded calls of size {padded} could not be checked: every row of the capture inputs "
+                            "holds the pad value (all-zero token ids, say), so a forward that mixes rows would look "
+                            "row-independent. Give make_inputs rows that differ (random ids in range)")
         return
     state = _state(runner, sig, leaves)
     try:
@@ -191,7 +189,7 @@ def _state(runner, sig, leaves) -> Optional[List[Tuple[str, Any]]]:
 
 def _from_one_state(runner, sig, entry, inputs, rows: int, state) -> Optional[List[str]]:
     """The plain forward on `inputs` (copies of those not read in place) and the replay of `entry` for a
-    call of `rows` rows of them, each started from `state` (_state: the model's buffers, the arguments
+    call of `rows` rows of them, each started from `state` (_state: the model's state, the arguments
     read in place) as it is now, put back after: the output paths and the state that end otherwise.
     None where the runs cannot take these inputs."""
     adapter = runner.adapter
@@ -237,24 +235,23 @@ def _check_replay(adapter, entry, leaves, rows: int):
     return got
 
 
-def _probe_rows(runner, leaves, dims, rows: int) -> List:
+def _probe_rows(adapter, leaves, dims, rows: int) -> List:
     """The first `rows` rows of the capture inputs, for the check. A floating input whose elements are
     all equal (zeros: a dummy input) is replaced by one whose rows differ: padding rows hold the pad
     value, and a forward that mixes rows gives the same real rows with them as without only if real
     and padding rows are alike. (Both runs of the check see the same replacement.) Integer inputs are
     not varied: another value may be out of range (an embedding's) or say where the forward writes."""
-    adapter = runner.adapter
     return [t if d is None else adapter.varied(adapter.narrow(t, d, rows)) for t, d in zip(leaves, dims)]
 
 
-def _rows_alike(runner, sig, probe) -> bool:
+def _rows_alike(adapter, sig, probe) -> bool:
     """Whether every batch input of the probe holds its pad value everywhere (dummy token ids of zeros,
     padded with zeros): real and padding rows are then alike, and the check cannot see rows mixed."""
     padding = sig.padding
     if padding is None:
         return False
     dynamic = [(t, v) for t, d, v in zip(probe, sig.dims, padding.values) if d is not None]
-    return bool(dynamic) and all(runner.adapter.all_equal_to(t, v) for t, v in dynamic)
+    return bool(dynamic) and all(adapter.all_equal_to(t, v) for t, v in dynamic)
 
 
 def _read_futures(tree) -> None:

@@ -182,7 +182,7 @@ class CapturePhase:
         refuses (a cache may make its tensors at its first call), then kept."""
         if self._lazy_refusal is not None:
             return self._lazy_refusal
-        held = self._held_state()
+        held = self.model_state.held_state().tensors
         size = sum(self.adapter.nbytes(t) for _, t in held)
         if size <= capture_checks.STATE_BYTES:
             return None
@@ -200,9 +200,6 @@ class CapturePhase:
         """Level 0: a replay is the graphs alone, so a binding the forward makes is not made again. At
         level >= 1 the translated code around the graphs makes it (Dynamo's, SOT's stores)."""
         return getattr(self.strategy, "records_the_plain_forward", False)
-
-    def _held_state(self) -> List[Tuple[str, Any]]:
-        return self.model_state.held_state().tensors
 
     def _arguments_in_outputs(self, sig: Signature, leaves) -> List[Tuple[Any, Any]]:
         """(argument, a copy of it) for each tensor argument whose memory overlaps an output of the
@@ -397,8 +394,8 @@ class CapturePhase:
             raise CaptureError(
                 f"{self.name}.{nested[0]} is itself a model decorated with @support_graph_optimization: at "
                 f"graph_opt_level={self.config.graph_opt_level} the outer forward is traced by the framework's "
-                "translator, which cannot trace into another decorated model's call. Decorate only one of them (the outer one "
-                "captures the inner one's work too), or use graph_opt_level=0 for the outer one")
+                "translator, which cannot trace into another decorated model's call. Decorate only one of them "
+                "(the outer one captures the inner one's work too), or use graph_opt_level=0 for the outer one")
 
     def finish_captures(self) -> None:
         """Check each size captured since the last call against eager (capture_checks.validate)."""
@@ -426,8 +423,7 @@ class CapturePhase:
         dropped = sig.eager_writes - set(sig.mutated)
         # A level-0 graph records the plain forward, which writes the buffers in place itself (a write the
         # eager run at another row count made, in a branch on the batch size, is that size's own).
-        records_eager = getattr(self.strategy, "records_the_plain_forward", False)
-        dropped_buffers = set() if records_eager else sig.eager_buffer_writes - sig.static_buffer_writes
+        dropped_buffers = set() if self._replays_graphs_alone() else sig.eager_buffer_writes - sig.static_buffer_writes
         if not dropped and not dropped_buffers:
             return
         what = [f"its argument {self._leaf_names(sig.spec)[i]}" for i in sorted(dropped)]
@@ -473,4 +469,3 @@ def _rebinds_message(rebound: List[str]) -> str:
             "`self.cache = torch.zeros(...)` made at the first call or `st.steps = st.steps + 1` do; a replay "
             "cannot, so it would not leave that state as eager does. Write the state in place (copy_, add_, "
             "index_copy_), make it before the first call, or capture_model() once it exists")
-

@@ -23,7 +23,6 @@ from .testing import simulation_enabled
 logger = logging.getLogger("graph_opt")
 
 
-
 class GraphOptState:
     """Per-model plugin state: the config, the mode, and the runner once graphs are in use."""
 

@@ -5,15 +5,17 @@ A capture runs the forward several times (warmups, the capture, its check). A si
 must leave that state as one eager call would: HeldState copies the tensors aside (capture_phase puts
 back the values a run changed) and remembers which object each container held, so that a forward that
 binds a new tensor where an old one was (`self.cache = torch.zeros(...)` made lazily, `st.steps =
-st.steps + 1`) is seen. A replay cannot do that binding: such a capture fails, and the plain forward
-answers.
+st.steps + 1`) is seen and put back. A level-0 replay cannot make that binding (capture_phase: such a
+capture fails, or, for state made at the first call, waits for a later call).
 """
 from __future__ import annotations
 
 import collections
 import functools
 import types
-from typing import Any, Callable, List, Tuple
+from typing import Any, List, Tuple
+
+from .pytree import holds_tensor
 
 _DEPTH = 6  # containers followed below a module's attribute
 _OPAQUE = (str, bytes, int, float, complex, bool, type, types.FunctionType, types.BuiltinFunctionType,
@@ -85,11 +87,7 @@ class HeldState:
         for value in values:
             self._visit(value, name, depth - 1)
 
-    def changed(self) -> List[str]:
-        """The containers whose entries holding tensors no longer hold the objects they held (rebound)."""
-        return self.rebound(put_back=False)
-
-    def rebound(self, put_back: bool = True) -> List[str]:
+    def rebound(self) -> List[str]:
         """The names of the containers whose entries holding tensors no longer hold the objects they held
         (a tensor bound anew, one made where there was none). Where there are any, every container
         recorded gets back every entry it held (the framework may have moved one: Paddle keeps a tensor
@@ -99,7 +97,7 @@ class HeldState:
                    for name, container, saved, skip in self._bindings]
         names = [name for name, container, saved, keys in changes
                  if keys and any(self._holds(v) for v in self._values(container, saved, keys))]
-        if names and put_back:
+        if names:
             for _, container, saved, keys in changes:
                 if keys:
                     _put_back(container, saved, keys)
@@ -126,7 +124,7 @@ class HeldState:
         return [v for k in keys for v in (saved.get(k), container.get(k))]
 
     def _holds(self, obj) -> bool:
-        return _holds_tensor(obj, self.is_tensor, 3)
+        return holds_tensor(obj, self.is_tensor, 3)
 
 
 _MISSING = object()
@@ -163,20 +161,5 @@ class _NothingHeld:
     def rebound() -> List[str]:
         return []
 
-    changed = rebound
-
 
 NOTHING_HELD = _NothingHeld()
-
-
-def _holds_tensor(obj, is_tensor: Callable[[Any], bool], depth: int) -> bool:
-    if depth < 0 or obj is None or isinstance(obj, _OPAQUE):
-        return False
-    if is_tensor(obj):
-        return True
-    if isinstance(obj, dict):
-        return any(_holds_tensor(v, is_tensor, depth - 1) for v in obj.values())
-    if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
-        return any(_holds_tensor(v, is_tensor, depth - 1) for v in obj)
-    attributes = getattr(obj, "__dict__", None)
-    return isinstance(attributes, dict) and any(_holds_tensor(v, is_tensor, depth - 1) for v in attributes.values())

@@ -241,7 +241,7 @@ def objects_holding_tensors(tree: Any, is_tensor: Callable[[Any], bool]) -> List
         if node is TENSOR:
             continue
         obj = node.obj if isinstance(node, _ById) else node.value
-        if _holds_tensor(obj, is_tensor, 3):
+        if holds_tensor(obj, is_tensor, 3):
             found.append(f"{path} (a {type(obj).__name__} object)")
     return found
 
@@ -254,17 +254,17 @@ def holding_tensors_message(held: List[str], when: str) -> str:
             "or a dict, tuple or dataclass of them")
 
 
-def _holds_tensor(obj, is_tensor, depth: int) -> bool:
-    """Whether a tensor is among obj's attributes (in __dict__ or __slots__), or in the lists, tuples,
-    dicts and objects they hold, `depth` levels down."""
+def holds_tensor(obj, is_tensor, depth: int) -> bool:
+    """Whether obj is a tensor, or a tensor is among its attributes (in __dict__ or __slots__), or in the
+    lists, tuples, deques, dicts and objects they hold, `depth` levels down."""
     if depth < 0:
         return False
     if is_tensor(obj):
         return True
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return any(_holds_tensor(v, is_tensor, depth - 1) for v in obj)
+    if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+        return any(holds_tensor(v, is_tensor, depth - 1) for v in obj)
     if isinstance(obj, dict):
-        return any(_holds_tensor(v, is_tensor, depth - 1) for v in obj.values())
+        return any(holds_tensor(v, is_tensor, depth - 1) for v in obj.values())
     if isinstance(obj, (str, bytes, int, float, complex, type)) or obj is None:
         return False
     values = list(getattr(obj, "__dict__", {}).values())
@@ -272,7 +272,7 @@ def _holds_tensor(obj, is_tensor, depth: int) -> bool:
         for name in cls.__dict__.get("__slots__", ()):
             if isinstance(name, str) and hasattr(obj, name) and name not in ("__dict__", "__weakref__"):
                 values.append(getattr(obj, name))
-    return any(_holds_tensor(v, is_tensor, depth - 1) for v in values)
+    return any(holds_tensor(v, is_tensor, depth - 1) for v in values)
 
 
 def shallow_copier(tree: Any) -> Any:

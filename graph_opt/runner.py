@@ -100,10 +100,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
     def full_call(self, args, kwargs):
         """Any call, without the shortcut (the decorated class's __call__ tried it already)."""
         if self.disabled_reason is not None:
-            # After a failed capture or replay the translated path is suspect too: run the plain forward.
-            self.counters.fallbacks += 1
-            self.fallback_reasons["disabled"] = self.fallback_reasons.get("disabled", 0) + 1
-            return self.eager(*args, **kwargs)
+            return self._disabled_call(args, kwargs)
         if not self._acquire(False):
             raise self.busy_error()
         try:
@@ -162,10 +159,8 @@ class GraphRunner(SignatureChecks, CapturePhase):
                 return self._fallback(args, kwargs, refusal)
             entry = self._capture_lazily(sig, padded, real, leaves)
             if entry is None:
-                if self.disabled_reason is not None:  # the capture failed: the translated path is suspect too
-                    self.counters.fallbacks += 1
-                    self.fallback_reasons["disabled"] = self.fallback_reasons.get("disabled", 0) + 1
-                    return self.eager(*args, **kwargs)
+                if self.disabled_reason is not None:  # the capture failed
+                    return self._disabled_call(args, kwargs)
                 return self._fallback(args, kwargs, None)
         if blocked is None:
             check = entry.captured.check
@@ -258,6 +253,12 @@ class GraphRunner(SignatureChecks, CapturePhase):
             else:
                 break
         return tuple(args), kwargs
+
+    def _disabled_call(self, args, kwargs):
+        """A call after a failed capture or replay: the translated path is suspect too, so the plain forward."""
+        self.counters.fallbacks += 1
+        self.fallback_reasons["disabled"] = self.fallback_reasons.get("disabled", 0) + 1
+        return self.eager(*args, **kwargs)
 
     def _fallback(self, args, kwargs, why: Optional[tuple]):
         """Run this call without graphs. why: (kind, message[, warning key]) for stats().fallback_reasons

@@ -440,4 +440,3 @@ def _equal_elements(a, b):
 
 
 ADAPTER = PaddleAdapter()
-

@@ -485,4 +485,3 @@ def _acting_hooks(hooks: dict) -> tuple:
 
 
 ADAPTER = TorchAdapter()
-
