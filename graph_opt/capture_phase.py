@@ -146,6 +146,9 @@ class CapturePhase:
         sig.plans.clear()
         if not any(other.entries for other in self.signatures.values()):
             self.model_state.release()  # the next capture takes the model's state afresh, as the first did
+            # No graph holds the pool now, but tensors allocated in it may live on: CUDA's allocator refuses
+            # a capture into a pool whose graphs are all gone while it still has blocks.
+            self.pool = None
 
     def _capture_lazily_kept(self, sig: Signature, padded: int, leaves, kept) -> Optional[CapturedSize]:
         error = None

@@ -350,6 +350,11 @@ class _InDeque(Scaled):
         super().__init__()
         self.history = collections.deque([torch.zeros(1)])  # a container the walk must enter
 
+    def _apply(self, fn, *args, **kwargs):  # to(device) moves the held tensor too, as its owner would
+        super()._apply(fn, *args, **kwargs)
+        self.history[0] = fn(self.history[0])
+        return self
+
     def forward(self, x):
         self.history[0].add_(1)
         return self.lin(x) + self.history[0]
@@ -359,6 +364,11 @@ class _Rebinds(Scaled):
     def __init__(self):
         super().__init__()
         self.state = types.SimpleNamespace(steps=torch.zeros(1))
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        self.state.steps = fn(self.state.steps)
+        return self
 
     def forward(self, x):
         self.state.steps = self.state.steps + 1  # a new tensor at every call: a replay would not bind it
@@ -372,7 +382,7 @@ class _MadeAtFirstCall(Scaled):
 
     def forward(self, x):
         if self.cache is None:
-            self.cache = torch.zeros(1)
+            self.cache = torch.zeros(1, device=x.device)
         self.cache.add_(1)
         return self.lin(x) + self.cache
 
