@@ -16,7 +16,8 @@ host time per call at batch 8 with and without them, on four models, each full g
 Columns: a hand-written CUDA graph's replay() alone and copy_ + replay(); the plugin at levels 0, 1
 and 2 with guarded_replays true (the default) and false; at level 0 also with the model-state check
 stubbed out, and its own graph's replay() called bare (measurement only). Host time is the median of
-alternating rounds (torch_gpu.host_us). Every plugin column's output is checked against the hand-written
+alternating rounds (torch_gpu.host_us), and again for one call at a time with the GPU idle before it
+(idle_host_us). Every plugin column's output is checked against the hand-written
 graph's first. --smoke runs the same code on CPU with simulated graphs and tiny sizes (no meaningful
 timings).
 
@@ -26,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -136,9 +139,11 @@ def measure(name: str, make, make_inputs, smoke: bool) -> Tuple[Dict[str, float]
     fns: Dict[str, Callable] = {}
     if not smoke:
         hand = _HandGraph(forward, x)
-        first = (lambda t: t[0]) if isinstance(x, tuple) else (lambda t: t)
         fns["raw replay()"] = lambda t: hand.graph.replay()
-        fns["copy_ + replay()"] = lambda t: (hand.first.copy_(first(t)), hand.graph.replay())
+        if isinstance(x, tuple):
+            fns["copy_ + replay()"] = lambda t: (hand.first.copy_(t[0]), hand.graph.replay())
+        else:
+            fns["copy_ + replay()"] = lambda t: (hand.first.copy_(t), hand.graph.replay())
         with torch.no_grad():
             hand.graph.replay()
             reference = hand.out.clone()
@@ -163,17 +168,40 @@ def measure(name: str, make, make_inputs, smoke: bool) -> Tuple[Dict[str, float]
             fns["L0 graph replay() alone"] = lambda t, replay=plan.replay: replay()
     with torch.no_grad():
         if smoke:
-            return {k: 0.0 for k in fns}, {}
+            return {k: 0.0 for k in fns}, {}, {}, {}
         samples: Dict[str, List[float]] = {}
         medians = host_us(fns, x, samples=samples)
-    # What the targets compare, paired by round: the plugin's own work over the hand-written graph's,
-    # and the translating levels over level 0.
+        idle: Dict[str, List[float]] = {}
+        idle_medians = idle_host_us(fns, x, samples=idle)
+    return medians, _gaps(samples), idle_medians, _gaps(idle)
+
+
+def _gaps(samples: Dict[str, List[float]]) -> Dict[str, float]:
+    """What the targets compare, paired by round: the plugin's own work over the hand-written graph's,
+    and the translating levels over level 0."""
     gaps = {"L0 - copy_ + replay()": paired_us(samples, "L0", "copy_ + replay()"),
             "L0 graph replay() alone - raw replay()": paired_us(samples, "L0 graph replay() alone", "raw replay()")}
     for label in ("L1", "L1 unguarded", "L2", "L2 unguarded"):
         if label in samples:
             gaps[f"{label} - L0"] = paired_us(samples, label, "L0")
-    return medians, gaps
+    return gaps
+
+
+def idle_host_us(fns: Dict[str, Callable], x, rounds: int = 301,
+                 samples: Optional[Dict[str, List[float]]] = None) -> Dict[str, float]:
+    """Median host time of one call with the GPU idle before it (synchronized), rounds alternating
+    between the fns: a server's call between steps, as against host_us's bursts of calls."""
+    samples = {} if samples is None else samples
+    samples.update({name: [] for name in fns})
+    clock = time.perf_counter
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = clock()
+            fn(x)
+            samples[name].append((clock() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def decoder(smoke: bool):
@@ -289,12 +317,13 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m graph_opt benc
         models["hf-llama"] = llama
     except ImportError:
         print("transformers is not installed: the GPT-2 rows are skipped", file=sys.stderr)
-    gaps = {}
+    gaps, idle, idle_gaps = {}, {}, {}
     for name, builder in models.items():
         make, make_inputs = builder(args.smoke)
-        results[name], gaps[name] = measure(name, make, make_inputs, args.smoke)
+        results[name], gaps[name], idle[name], idle_gaps[name] = measure(name, make, make_inputs, args.smoke)
     if not args.smoke:
         write_json(args.out, "guards_bench.json", {"batch": BATCH, "host_us": results, "paired_gaps_us": gaps,
+                                                   "idle_host_us": idle, "idle_paired_gaps_us": idle_gaps,
                                                    "device": torch.cuda.get_device_name()})
     print(f"host us per call at batch {BATCH} (median):")
     for name, row in results.items():
@@ -308,6 +337,9 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m graph_opt benc
             print(f"    level 0: the model-state check costs {a - b:+.1f} us per call")
         if gaps[name]:
             print("    paired by round: " + ", ".join(f"{k} {v:+.1f}" for k, v in gaps[name].items()))
+        if idle_gaps[name]:
+            print("    one call, GPU idle before it: " + ", ".join(f"{k} {v:.1f}" for k, v in idle[name].items()))
+            print("      paired by round: " + ", ".join(f"{k} {v:+.1f}" for k, v in idle_gaps[name].items()))
     return 0
 
 

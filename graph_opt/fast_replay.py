@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
-from .captured_size import CapturedSize, overlaps
+from .captured_size import CapturedSize
 from .host_outputs import _pending as _pending_host_copies, land_pending_copies
 
 MISS = object()  # the plan does not answer this call: take the full path
@@ -45,6 +45,8 @@ class ReplayPlan:
     # overlap it (the graph would read the copy, not what the forward writes there).
     written: Sequence[Any]
     copied: Sequence[int]  # the arguments copied in: every one not marked
+    marked: Sequence[Any]  # (i, the very tensor captured) of the marked arguments
+    checks: Sequence[Any]  # (i, static view, shape, dtype) of the copied ones
 
 
 def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan]:
@@ -63,8 +65,10 @@ def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan
     adapter = runner.adapter
     written = tuple(adapter.extent(sig.buffers[i]) for i in sig.mutated)  # marked: the caller's very tensors
     copied = tuple(i for i in range(len(dsts)) if i not in sig.in_place)
+    marked = tuple((i, dsts[i]) for i in sorted(sig.in_place))
+    checks = tuple((i, dsts[i], shapes[i], dtypes[i]) for i in copied)
     return ReplayPlan(entry, dsts, shapes, dtypes, output, copier, captured.stable_outputs,
-                      captured.replay, captured.check, sig.padding, real, written, copied)
+                      captured.replay, captured.check, sig.padding, real, written, copied, marked, checks)
 
 
 class FastReplay:
@@ -124,14 +128,20 @@ def _shortcut(runner, sig):
                 if lead_shape != plan.shapes[0] or dtype(lead) != plan.dtypes[0]:
                     return MISS
             else:
-                for dst, want, kind, src in zip(dsts, plan.shapes, plan.dtypes, args):
+                for i, dst in plan.marked:
+                    if args[i] is not dst:
+                        return MISS
+                for i, dst, want, kind in plan.checks:
+                    src = args[i]
                     if src is not dst and (not is_tensor(src) or shape(src) != want or dtype(src) != kind):
                         return MISS
                 written = plan.written
                 if written:
                     for i in plan.copied:
-                        if overlaps(written, extent(args[i])):
-                            return MISS
+                        start, end = extent(args[i])
+                        for a, b in written:
+                            if a < end and start < b:
+                                return MISS
             real = plan.real
             padding = plan.padding
             if padding.dirty > real:  # padding.wrote(real), the call saved where no row needs a fill
@@ -144,7 +154,8 @@ def _shortcut(runner, sig):
                 if single:
                     copy_(dsts[0], lead)
                 else:
-                    for dst, src in zip(dsts, args):
+                    for i, dst, _, _ in plan.checks:
+                        src = args[i]
                         if src is not dst:
                             copy_(dst, src)
                 fresh = plan.replay()
