@@ -349,6 +349,7 @@ class CapturePhase:
                 if held:
                     raise CaptureError(holding_tensors_message(held, "call"))
                 sig.observe(output_layout.observe(adapter, captured.outputs, padded))
+                sig.watch_feedback(adapter, captured.outputs)
         finally:
             self.model_state.paused = False
         if first and self.model_state.hook_count() != hooks_before:  # no graph was captured without them

@@ -73,16 +73,12 @@ class CapturedSize:
             leaves = in_place(adapter, sig.in_place, dsts, leaves)
             if leaves is None:
                 return _MOVED
+        # Every check before anything is written: a call refused here has written nothing.
         if self.copy_inputs:
             # The dtype check matters: copy_ would cast silently (torch) or fail inside the framework (Paddle).
-            # Every leaf is checked before any is copied: a call refused here has written nothing.
             for dst, shape, dtype, src in zip(dsts, shapes, dtypes, leaves):
                 if src is not dst and (adapter.shape(src) != shape or adapter.dtype(src) != dtype):
                     return _MISMATCH
-            sig.padding.wrote(real)  # before the copies: one that raises leaves rows [0, real) counted as written
-            for dst, src in zip(dsts, leaves):
-                if src is not dst:
-                    adapter.copy_(dst, src)
         else:
             # The caller's own buffers: the very memory, shape and strides the graph read at capture
             # (buf.t() has buf's address and another meaning).
@@ -96,6 +92,12 @@ class CapturedSize:
             for i, value in self.host_values:
                 if not adapter.same_values(leaves[i], value):
                     return _HOST_VALUE
+        if self.copy_inputs:
+            sources = leaves if sig.fed_back is None else staged(adapter, sig.fed_back, dsts, leaves)
+            sig.padding.wrote(real)  # before the copies: one that raises leaves rows [0, real) counted as written
+            for dst, src in zip(dsts, sources):
+                if src is not dst:
+                    adapter.copy_(dst, src)
         fresh = self.captured.replay()
         if sig.mutated:
             self._write_back(adapter, sig, dsts, leaves)
@@ -161,13 +163,16 @@ def in_place(adapter, marked, dsts, leaves):
 
 
 def aliased(adapter, sig, leaves, outputs: Sequence[Tuple[int, int]] = ()) -> bool:
-    """Whether an argument the forward writes (sig.mutated) overlaps another argument in memory, or, where
-    it is copied back after the replay, an output (`outputs`: their (start, end) bytes). Either way the
-    graph's separate buffers would not see what eager sees. Two marked arguments may overlap: the graph
-    reads both in place, as eager does."""
+    """Whether an argument the forward writes (sig.mutated) overlaps another argument in memory, itself
+    (an expanded tensor: eager's write raises, and copying it back after the replay would too, once the
+    other arguments were written back), or, where it is copied back after the replay, an output
+    (`outputs`: their (start, end) bytes). Either way the graph's separate buffers would not see what eager
+    sees. Two marked arguments may overlap: the graph reads both in place, as eager does."""
     spans = [adapter.extent(t) for t in leaves]
     marked = sig.in_place
     for i in sig.mutated:
+        if i not in marked and _broadcast(adapter, leaves[i]):
+            return True
         start, end = spans[i]
         if start == end:
             continue
@@ -177,6 +182,22 @@ def aliased(adapter, sig, leaves, outputs: Sequence[Tuple[int, int]] = ()) -> bo
         if i not in marked and overlaps(outputs, spans[i]):
             return True
     return False
+
+
+def _broadcast(adapter, t) -> bool:
+    return any(n > 1 and step == 0 for n, step in zip(adapter.shape(t), adapter.stride(t)))
+
+
+def staged(adapter, fed_back: Sequence[Tuple[int, int]], dsts, leaves) -> list:
+    """`leaves`, each one that overlaps the static buffers (`fed_back`: their (start, end) bytes) replaced
+    by a copy of it. The forward returns an input, so the caller may pass a view of a static buffer back
+    (`x_next, x = m(x, x_prev)`, then `m(x_next, x)`): copying the other arguments in, or filling the
+    padding rows, would overwrite it before it is read."""
+    sources = list(leaves)
+    for i, (dst, src) in enumerate(zip(dsts, leaves)):
+        if src is not dst and overlaps(fed_back, adapter.extent(src)):
+            sources[i] = adapter.clone(src)
+    return sources
 
 
 def overlaps(spans: Sequence[Tuple[int, int]], span: Tuple[int, int]) -> bool:

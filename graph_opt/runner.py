@@ -182,9 +182,10 @@ class GraphRunner(SignatureChecks, CapturePhase):
             return self.replay_raised(exc, padded, args, kwargs, sig)
         if out is _ALIASED:
             return self._fallback(args, kwargs, ("aliased", "the forward writes a tensor argument in place that "
-                                                 "shares memory with another argument or with the outputs of the "
-                                                 "last replay (fed back): the graph reads and writes separate "
-                                                 "buffers, so this call runs without graphs"))
+                                                 "shares memory with another argument, with itself (an expanded "
+                                                 "tensor) or with the outputs of the last replay (fed back): the "
+                                                 "graph reads and writes separate buffers, so this call runs "
+                                                 "without graphs"))
         if out is _HOST_VALUE:
             return self._fallback(args, kwargs, ("host_argument", _FALLBACK_REASONS["host_argument"]))
         if out is _MOVED:

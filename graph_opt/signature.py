@@ -43,6 +43,9 @@ class Signature:
         self.restore_point: List[Tuple[Any, Any]] = []  # while a size is captured: their contents before
         self.padding: Optional[Padding] = None  # their padding rows (copy_inputs)
         self.mutated: List[int] = []  # leaves the forward writes in place: written back after a replay
+        # (start, end) bytes of the copied static buffers, once an output is seen to share their memory (the
+        # forward returns an input): arguments overlapping them are copied aside before any is copied in
+        self.fed_back: Optional[List[Tuple[int, int]]] = None
         self.observations: List[output_layout.Observation] = []  # outputs seen at each size
         self.layout = output_layout.OutputLayout()  # the outputs' batch dims, once seen at two sizes
         self.eager_writes: set = set()  # leaves the plain forward writes in place (capture_checks)
@@ -88,6 +91,18 @@ class Signature:
             self.plans.clear()
             for entry in self.entries.values():
                 entry.views.clear()
+
+    def watch_feedback(self, adapter, outputs) -> None:
+        """Set fed_back once an output shares memory with a copied static buffer."""
+        if self.fed_back is not None or not self.buffers or self.padding is None:
+            return
+        spans = [adapter.extent(b) for i, b in enumerate(self.buffers) if i not in self.in_place]
+        for t in flatten(outputs, adapter.is_tensor)[0]:
+            start, end = adapter.extent(t)
+            if any(a < end and start < b for a, b in spans):
+                self.fed_back = spans
+                self.plans.clear()
+                return
 
     def block(self, why: str) -> None:
         """From now on only calls of a captured size replay (capture_checks found padded calls differ)."""

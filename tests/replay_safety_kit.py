@@ -404,6 +404,68 @@ def test_an_output_fed_back_into_a_forward_that_writes_its_argument_runs_without
     assert s.replays == 2 and s.fallback_reasons == {"aliased": 2}, s
 
 
+def test_a_returned_input_fed_back_as_another_argument_is_read_before_any_copy(F, M, level):
+    """x_next, x = m(x, x_prev), the returned x passed back as the next x_prev: it is a view of the graph's
+    buffer for x, which copying the new x in would overwrite before x_prev is read."""
+    m, twin = pair(F, M.Steps, level)
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), F.randn(n, HIDDEN, seed=n + 50)))
+    with F.no_grad():
+        for real in (4, 3):  # a captured size, a padded one
+            s = (F.randn(real, HIDDEN, seed=real), F.randn(real, HIDDEN, seed=real + 9))
+            t = (F.clone(s[0]), F.clone(s[1]))
+            for step in range(4):
+                s, t = m(*s), twin(*t)
+                assert F.close(s[0], t[0]) and F.close(s[1], t[1]), f"step {step} of {real} rows"
+    stats = graph_opt.stats(m)
+    assert stats.replays == 8 and stats.fallbacks == 0, stats
+
+
+def test_returned_inputs_fed_back_through_shrinking_sizes_captured_at_calls(F, M, level):
+    """No capture_model: each smaller size is captured at a call whose arguments are views of the last
+    call's static buffers."""
+    m, twin = pair(F, M.Steps, level)
+    s = (F.randn(8, HIDDEN, seed=1), F.randn(8, HIDDEN, seed=2))
+    t = (F.clone(s[0]), F.clone(s[1]))
+    with F.graphs(), F.no_grad():
+        for real in (8, 7, 5, 3, 3, 2, 1):
+            s, t = m(F.rows(s[0], 0, real), F.rows(s[1], 0, real)), twin(F.rows(t[0], 0, real), F.rows(t[1], 0, real))
+            assert F.close(s[0], t[0]) and F.close(s[1], t[1]), f"a call of {real} rows"
+    stats = graph_opt.stats(m)
+    assert stats.lazy_captures == 3 and stats.replays == 7 and stats.fallbacks == 0, stats
+
+
+def test_a_returned_input_fed_back_over_its_own_buffer_is_read_before_the_padding_is_filled(F, M, level, logs):
+    """xs = m(x)[0][1:]: the padding row of the next call is xs's last row."""
+    m, twin = pair(F, M.PassesThrough, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.no_grad():
+        out, _ = m(F.randn(8, HIDDEN, seed=8))
+        xs = F.rows(out, 1, 8)
+        want = twin(F.clone(xs))[1]
+        assert F.close(m(xs)[1], want)
+    stats = graph_opt.stats(m)
+    assert stats.replays == 2 and stats.fallbacks == 0 and not warned(logs, "")
+    assert state_of(m).runner.disabled_reason is None
+
+
+def test_a_refused_call_has_written_nothing_when_it_runs_without_graphs(F, M, level):
+    """The written argument is the last output (refused: "aliased"); the second is the last call's returned
+    z, a view of the graph's buffer for z, which copying the third in would overwrite before eager reads it."""
+    m, twin = pair(F, M.WritesAndPasses, level)
+    if level >= 1 and not F.static_writes_inputs:
+        return  # Paddle's SOT drops the write: the capture fails
+    capture(F, m, lambda n: tuple(F.randn(n, HIDDEN, seed=n + k) for k in (0, 50, 90)))
+    with F.no_grad():
+        a, b, c = (F.randn(4, HIDDEN, seed=k) for k in (1, 2, 3))
+        o, zo = m(F.clone(a), b, c)
+        o_t, zo_t = twin(F.clone(a), b, c)
+        z = F.randn(4, HIDDEN, seed=7)
+        args, args_t = (o, zo, z), (F.clone(o_t), F.clone(zo_t), z)
+        got, want = m(*args), twin(*args_t)
+        assert F.close(got[0], want[0]) and F.close(got[1], want[1]) and F.equal(args[0], args_t[0])
+    assert graph_opt.stats(m).fallback_reasons == {"aliased": 1}
+
+
 # -- 9. Padding rows -----------------------------------------------------------------------------------------
 def test_padding_rows_hold_the_pad_value_never_an_earlier_calls_rows(F, M, level):
     trash = 15  # the cache slot padding rows may write: kernels skip it, as vLLM's slot -1

@@ -381,6 +381,25 @@ class ReadsLargeBuffer(HoldsLargeBuffer):
         return self.lin(x) + self.table[:HIDDEN]
 
 
+class Steps(Scaled):
+    """A step of a two-state recurrence (Verlet): the new state and the old one, which the caller passes
+    back as the next step's second argument."""
+
+    def forward(self, x, x_prev):
+        return 2.0 * x - x_prev + 0.01 * self.lin(x), x
+
+
+class PassesThrough(Scaled):
+    def forward(self, x):
+        return x, self.lin(x)
+
+
+class WritesAndPasses(Scaled):
+    def forward(self, x, y, z):
+        x.add_(paddle.ones_like(x))
+        return self.lin(x) + y, z
+
+
 MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
@@ -397,7 +416,8 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                PairsRows=PairsRows, HoldsDecorated=HoldsDecorated,
                                CountsInObject=CountsInObject, HoldsLargeBuffer=HoldsLargeBuffer,
                                ReadsLargeBuffer=ReadsLargeBuffer,
-                               AdvancesInPlace=CountsSteps)  # set_value: in place, no assignment
+                               AdvancesInPlace=CountsSteps,  # set_value: in place, no assignment
+                               Steps=Steps, PassesThrough=PassesThrough, WritesAndPasses=WritesAndPasses)
 
 
 class PaddleF:

@@ -422,3 +422,28 @@ def test_a_forward_that_rebinds_its_state_fails_capture_model_too(F, level, logs
     with torch.no_grad():
         x = F.randn(4, HIDDEN, seed=4)
         assert F.close(m(x), twin(x)) and F.equal(m.state.steps, twin.state.steps)
+
+
+class _WritesTwo(Scaled):
+    def forward(self, x, z, y):
+        x.add_(y)
+        z.add_(y)
+        return self.lin(x)
+
+
+def test_a_written_argument_that_is_expanded_raises_as_in_eager_and_is_written_once(F, level):
+    """Eager's z.add_ raises for an expanded z, after x.add_ ran: the call runs without graphs, so x is
+    written once, as eager writes it, and the error is eager's."""
+    m, twin = pair(F, _WritesTwo, level)
+    capture(F, m, lambda n: tuple(F.randn(n, HIDDEN, seed=n + k) for k in (0, 50, 90)))
+    with torch.no_grad():
+        x, y = F.randn(4, HIDDEN, seed=1), F.randn(4, HIDDEN, seed=2)
+        z = F.randn(1, HIDDEN, seed=3).expand(4, HIDDEN)
+        x_twin = x.clone()
+        with pytest.raises(RuntimeError) as eager:
+            twin(x_twin, F.randn(1, HIDDEN, seed=3).expand(4, HIDDEN), y)
+        with pytest.raises(RuntimeError) as plugin:
+            m(x, z, y)
+        assert str(plugin.value) == str(eager.value) and torch.equal(x, x_twin)
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.fallback_reasons == {"aliased": 1} and state_of(m).runner.disabled_reason is None

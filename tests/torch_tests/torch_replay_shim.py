@@ -383,6 +383,25 @@ class ReadsLargeBuffer(HoldsLargeBuffer):
         return self.lin(x) + self.table[:HIDDEN]
 
 
+class Steps(Scaled):
+    """A step of a two-state recurrence (Verlet): the new state and the old one, which the caller passes
+    back as the next step's second argument."""
+
+    def forward(self, x, x_prev):
+        return 2.0 * x - x_prev + 0.01 * self.lin(x), x
+
+
+class PassesThrough(Scaled):
+    def forward(self, x):
+        return x, self.lin(x)
+
+
+class WritesAndPasses(Scaled):
+    def forward(self, x, y, z):
+        x.add_(1.0)
+        return self.lin(x) + y, z
+
+
 class AdvancesInPlace(CountsSteps):
     """The step counter advanced by an in-place op alone (no assignment for the translator to replay)."""
 
@@ -406,7 +425,8 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                MeanLoss=MeanLoss, Embeds=Embeds, EmbedsBatchMean=EmbedsBatchMean,
                                PairsRows=PairsRows, HoldsDecorated=HoldsDecorated,
                                CountsInObject=CountsInObject, HoldsLargeBuffer=HoldsLargeBuffer,
-                               ReadsLargeBuffer=ReadsLargeBuffer, AdvancesInPlace=AdvancesInPlace)
+                               ReadsLargeBuffer=ReadsLargeBuffer, AdvancesInPlace=AdvancesInPlace,
+                               Steps=Steps, PassesThrough=PassesThrough, WritesAndPasses=WritesAndPasses)
 
 
 class TorchF:
