@@ -95,7 +95,7 @@ class HeldState:
         Python count the runs set stays as they left it)."""
         changes = [(name, container, saved, self._changes(container, saved, skip))
                    for name, container, saved, skip in self._bindings]
-        names = [name for name, container, saved, keys in changes
+        names = [_named(name, container, keys) for name, container, saved, keys in changes
                  if keys and any(self._holds(v) for v in self._values(container, saved, keys))]
         if names:
             for _, container, saved, keys in changes:
@@ -128,6 +128,13 @@ class HeldState:
 
 
 _MISSING = object()
+
+
+def _named(name: str, container, keys) -> str:
+    """A rebound container's name with the keys that changed: "attribute of the model 'state'"."""
+    if isinstance(container, (list, collections.deque)):
+        return name
+    return f"{name} {', '.join(repr(k) for k in sorted(keys, key=str)[:3])}"
 
 
 def _put_back(container, saved, keys) -> None:

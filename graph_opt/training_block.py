@@ -12,8 +12,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import backends, env, guards
 from .capture_phase import frozen_gc
-from .errors import GraphOptError, GraphOptInputError
+from .errors import CaptureError, GraphOptError, GraphOptInputError
 from .failures import describe
+from .held_state import HeldState
 from .host_outputs import _pending as _pending_host_copies, land_pending_copies
 from .pytree import flatten, unflatten
 from .stats import TrainingCounters, TrainingStats
@@ -344,15 +345,21 @@ class GraphedBlock(ModuleWatch):
             run = state.run
             self._recapture()
             state.run = run  # this key's outputs were counted at its first call, after the change
+        held = None
         if self.module is not None:  # what the graphs will read: parameters as they are now
             self.lazy = False
             self.params = bridge.trainable_parameters(self.module)
             self._watch()
-            buffers = bridge.snapshot_buffers(self.module) + self._written_parameters()
+            # Tensors the module holds in other attributes (a count of rows seen, a cache object's): the
+            # capture's runs must not advance them, and a forward that binds new ones cannot be replayed.
+            held = HeldState(adapter, self.module, [], adapter.framework_attributes | {"forward"})  # this block
+            with adapter.no_grad():
+                kept = [(t, adapter.clone(t)) for _, t in held.tensors]
+            buffers = bridge.snapshot_buffers(self.module) + self._written_parameters() + kept
         attrs_before = self._plain_attributes() if self.module is not None else None
         targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
         grads_before = bridge.snapshot_grads(targets)
-        rng = bridge.rng_state()
+        rng = bridge.rng_state(self.module)
         start = time.perf_counter()
         mem_before = None if simulated else adapter.memory_in_use()
         try:
@@ -360,6 +367,14 @@ class GraphedBlock(ModuleWatch):
                 self.pool = adapter.new_pool()
             with guards.state_lock, frozen_gc(collect=False), guards.capture_custom_allreduce(), adapter.capture_stream():
                 graphs = _capture_key(self, state.run, leaves, spec, needs_grad, simulated, rng, (args, kwargs))
+            rebound = held.rebound() if held is not None else None
+            if rebound:
+                graphs.release()
+                raise CaptureError(
+                    f"the forward binds new tensors where the module held others ({', '.join(rebound[:3])}), as "
+                    "`self.state = self.state + 1` or `self.cache = torch.zeros(...)` do; a replay runs no Python "
+                    "and would leave the old ones. Update them in place (`self.state.add_(1)`), or register "
+                    "them as buffers and update those in place")
         except Exception as exc:  # noqa: BLE001 - any failure leaves the key eager, with one warning
             bridge.set_rng_state(rng)
             self._capture_failed(state, exc)

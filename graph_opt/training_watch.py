@@ -32,17 +32,23 @@ class ModuleWatch:
         if self.level:
             self.traced = self.bridge.traced(self.call, self.level, self.name)
         if self.module is not None:
-            self.mode_dicts = [d for _, d in self.adapter.module_dicts(self.module)]
-            self.mode_root = self.mode_dicts[0]
             self.modes = self.adapter.mode_counter()
-            self.modes_seen = -1
-            self.mode_flags = (None,)
+            self._watch_modes()
             self.lazy = self.bridge.uninitialized(self.module)
             self.params = self.bridge.trainable_parameters(self.module)
             if not self.lazy:
                 self._watch()
 
+    def _watch_modes(self) -> None:
+        """The training flags of the module and every submodule it holds now (one added since is in
+        the key from its next capture on)."""
+        self.mode_dicts = [d for _, d in self.adapter.module_dicts(self.module)]
+        self.mode_root = self.mode_dicts[0]
+        self.modes_seen = -1
+        self.mode_flags = (None,)
+
     def _watch(self) -> None:
+        self._watch_modes()
         owned = self.bridge.owned_tensors(self.module)
         self.watched_owners = [owner for owner, _, _ in owned]
         self.watched_names = [name for _, name, _ in owned]
@@ -87,10 +93,15 @@ class ModuleWatch:
         before = self._plain_attributes()
         version = self.adapter.version
         versions = [(p, version(p)) for p in self.bridge.all_parameters(self.module)]
+        held = [t for _, _, t in self.bridge.owned_tensors(self.module)]
         try:
             return run(*args, **kwargs)
         finally:
             self._note_writes(before)
+            if self.watched_tensors:
+                now = [t for _, _, t in self.bridge.owned_tensors(self.module)]
+                if len(now) != len(held) or any(map(operator.is_not, now, held)):
+                    self._watch()  # tensors the forward itself bound anew: not a change to capture again for
             self.ran_eagerly = True
             for p, v in versions:
                 if version(p) != v and not any(p is q for q in self.params_written):

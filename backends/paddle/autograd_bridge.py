@@ -312,7 +312,7 @@ class PaddleAutogradBridge:
     def amp_cache_disabled(self):
         return contextlib.nullcontext()  # Paddle's auto_cast keeps no cache of cast weights
 
-    def rng_state(self):
+    def rng_state(self, module=None):
         return paddle.get_rng_state()
 
     def set_rng_state(self, state) -> None:

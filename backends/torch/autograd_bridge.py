@@ -289,11 +289,14 @@ class TorchAutogradBridge:
                 b.copy_(values)
 
     def owned_tensors(self, module):
-        """(owner dict, name, tensor) for every parameter and buffer: replacing one shows in its owner."""
+        """(owner dict, name, tensor) for every parameter and buffer, and every tensor a module holds as a
+        plain attribute (a class weight, a mask): replacing one shows in its owner."""
         out = []
         for sub in module.modules():
             for owner in (sub._parameters, sub._buffers):
                 out.extend((owner, name, t) for name, t in owner.items() if t is not None)
+            d = sub.__dict__
+            out.extend((d, name, t) for name, t in d.items() if isinstance(t, torch.Tensor))
         return out
 
     @contextlib.contextmanager
@@ -347,15 +350,21 @@ class TorchAutogradBridge:
         finally:
             torch.set_autocast_cache_enabled(enabled)
 
-    def rng_state(self):
+    def rng_state(self, module=None):
+        """The default generators' states, and those of generators the module's submodules hold
+        (`self.gen = torch.Generator(...)`): a capture's runs must not draw from any of them."""
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        return torch.get_rng_state(), cuda
+        own = [] if module is None else [(g, g.get_state()) for sub in module.modules()
+                                         for g in sub.__dict__.values() if isinstance(g, torch.Generator)]
+        return torch.get_rng_state(), cuda, own
 
     def set_rng_state(self, state) -> None:
-        cpu, cuda = state
+        cpu, cuda, own = state
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+        for generator, saved in own:
+            generator.set_state(saved)
 
 
 BRIDGE = TorchAutogradBridge()

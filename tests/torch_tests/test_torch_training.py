@@ -1,6 +1,7 @@
 """graph_opt.autocudagraph on torch, with simulated graphs: tests/training_kit.py's specification, run
 with the torch shim below (tests/gpu/test_gpu_training.py runs it on real graphs), and torch's own cases.
 """
+import contextlib
 import copy
 import dataclasses
 
@@ -468,3 +469,173 @@ def test_a_model_output_keeps_its_keys_in_order_on_replay():
             got.loss.backward()
             want.loss.backward()
     assert graph_opt.stats(m).replays >= 2
+
+
+# -- the module's state besides parameters and buffers ---------------------------------------------------
+@pytest.fixture
+def device():
+    return "cpu"
+
+
+def _graphs(device):
+    return graph_opt.testing.simulate_cuda_graphs() if device == "cpu" else contextlib.nullcontext()
+
+
+class _ClassWeighted(torch.nn.Module):
+    """A loss weighted per class by a tensor attribute (not a buffer) that a schedule sets anew."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+        self.cw = torch.ones(3, device=device)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.lin(x), y, weight=self.cw)
+
+
+def test_a_tensor_attribute_set_anew_is_read_as_eager_reads_it(device):
+    torch.manual_seed(0)
+    ref = _ClassWeighted(device).to(device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
+    with _graphs(device):
+        for step in range(5):
+            if step == 3:
+                ref.cw = torch.tensor([1.0, 5.0, 0.1], device=device)
+                m.cw = ref.cw.clone()
+            x, y = torch.randn(6, 8, device=device), torch.arange(6, device=device) % 3
+            got = []
+            for model in (ref, m):
+                model.zero_grad(set_to_none=True)
+                loss = model(x, y)
+                loss.backward()
+                got.append((loss.detach(), model.lin.weight.grad))
+            assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
+    s = graph_opt.stats(m)
+    assert s.recaptures == 1 and s.backward_replays >= 3, s
+
+
+class _Headed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Identity()
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_a_submodule_added_after_capture_has_its_training_flag_in_the_key(device):
+    """A head with dropout put on after capture, then its eval() alone: a graph of its own, no dropout."""
+    torch.manual_seed(0)
+    ref = _Headed().to(device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
+    x = torch.randn(4, 8, device=device)
+    with _graphs(device):
+        for step in range(6):
+            if step == 2:
+                ref.head = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)).to(device)
+                m.head = copy.deepcopy(ref.head)
+            if step == 4:
+                ref.head.eval()
+                m.head.eval()
+            got = []
+            for model in (ref, m):
+                torch.manual_seed(step)
+                out = model(x)
+                out.sum().backward()
+                got.append(out.detach())
+            assert torch.equal(got[0], got[1]), f"step {step}"
+    keys = graph_opt.stats(m).keys
+    assert keys == 2, keys  # the head in training mode, then in eval mode
+
+
+class _CountsRows(torch.nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+        self.seen = torch.zeros((), device=device)  # a plain attribute, not a buffer
+
+    def forward(self, x):
+        self.seen.add_(x.shape[0])
+        return self.lin(x) / self.seen.sqrt()
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 1])
+def test_a_tensor_attribute_the_forward_updates_in_place_is_updated_once_per_step(device, warmup_steps):
+    torch.manual_seed(0)
+    ref = _CountsRows(device).to(device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=warmup_steps)
+    with _graphs(device):
+        for step in range(4):
+            x = torch.randn(6, 8, device=device)
+            outs = []
+            for model in (ref, m):
+                out = model(x)
+                out.sum().backward()
+                outs.append(out.detach())
+            assert torch.equal(outs[0], outs[1]) and torch.equal(ref.seen, m.seen), f"step {step}: {ref.seen} {m.seen}"
+    assert graph_opt.stats(m).backward_replays >= 2
+
+
+class _RebindsState(torch.nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+        self.state = torch.zeros((), device=device)
+
+    def forward(self, x):
+        self.state = self.state + 1  # a new tensor at every call: a replay would not bind it
+        return self.lin(x) * self.state
+
+
+def test_a_forward_binding_new_tensors_runs_eagerly_with_one_warning(device, caplog):
+    torch.manual_seed(0)
+    ref = _RebindsState(device).to(device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
+    with _graphs(device):
+        for step in range(4):
+            x = torch.randn(6, 8, device=device)
+            outs = []
+            for model in (ref, m):
+                model.zero_grad(set_to_none=True)
+                out = model(x)
+                out.sum().backward()
+                outs.append((out.detach(), model.lin.weight.grad))
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), f"step {step}"
+            assert torch.equal(ref.state, m.state)
+    warned = [r.getMessage() for r in graph_warnings(caplog)]
+    assert len(warned) == 1 and "binds new tensors" in warned[0] and "'state'" in warned[0], warned
+    assert graph_opt.stats(m).capture_failures == 1
+
+
+class _OwnGenerator(torch.nn.Module):
+    """Dropout-like masks drawn from a generator of the module's own."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+        self.gen = torch.Generator(device=device).manual_seed(7)
+
+    def forward(self, x):
+        return self.lin(x * (torch.rand(x.shape, generator=self.gen, device=x.device) > 0.3))
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 1])
+def test_a_generator_of_the_module_s_own_draws_as_in_eager(device, warmup_steps):
+    """The capture's runs put the module's generator back: the steps draw eager's masks (on a GPU such a
+    capture fails, the generator not being the graph's, and the key runs eagerly on eager's stream)."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(_OwnGenerator(device).to(device))
+    ref, m = models[0], graph_opt.autocudagraph(models[1], warmup_steps=warmup_steps)
+    with _graphs(device):
+        for step in range(4):
+            x = torch.randn(6, 8, device=device)
+            got = []
+            for model in (ref, m):
+                model.zero_grad(set_to_none=True)
+                out = model(x)
+                out.sum().backward()
+                got.append((out.detach(), model.lin.weight.grad))
+            assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
