@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from .captured_size import overlaps
 from .pytree import flatten, unflatten
 
 
@@ -75,8 +76,15 @@ def for_size(adapter, sig, padded: int) -> Optional[SharedOutputs]:
     if larger is None:
         return None
     layout = sig.layout
+    outputs = sig.entries[larger].captured.outputs
     usable = [d == 0 for d in layout.dims] if layout.known else None
-    return SharedOutputs(adapter, sig.entries[larger].captured.outputs, padded, usable)
+    if sig.fed_back is not None:
+        # An output that is an input's static buffer (the forward returns an input) is no storage to
+        # copy other sizes' outputs into: the copy would write the input buffer.
+        leaves = flatten(outputs, adapter.is_tensor)[0]
+        usable = usable if usable is not None and len(usable) == len(leaves) else [True] * len(leaves)
+        usable = [ok and not overlaps(sig.fed_back, adapter.extent(t)) for ok, t in zip(usable, leaves)]
+    return SharedOutputs(adapter, outputs, padded, usable)
 
 
 def shares_storage(adapter, a: Any, b: Any) -> bool:

@@ -353,8 +353,8 @@ class GraphedBlock(ModuleWatch):
             # Tensors the module holds in other attributes (a count of rows seen, a cache object's): the
             # capture's runs must not advance them, and a forward that binds new ones cannot be replayed.
             held = HeldState(adapter, self.module, [], adapter.framework_attributes | {"forward"})  # this block
-            with adapter.no_grad():
-                kept = [(t, adapter.clone(t)) for _, t in held.tensors]
+            with adapter.no_grad():  # not parameters of modules held unregistered: the optimizer's to write
+                kept = [(t, adapter.clone(t)) for _, t in held.tensors if not bridge.requires_grad(t)]
             buffers = bridge.snapshot_buffers(self.module) + self._written_parameters() + kept
         attrs_before = self._plain_attributes() if self.module is not None else None
         targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
