@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import backends, env, guards
 from .capture_phase import frozen_gc
-from .errors import CaptureError, GraphOptError, GraphOptInputError
+from .errors import GraphOptError, GraphOptInputError
 from .failures import describe
 from .held_state import HeldState
 from .host_outputs import _pending as _pending_host_copies, land_pending_copies
@@ -64,6 +64,7 @@ class GraphedBlock(ModuleWatch):
         self.attr_keys: tuple = ()
         self.attr_count = 0
         self.attr_written: set = set()  # plain attributes the forward itself writes: not watched
+        self.tensors_bound: set = set()  # (id of a module's __dict__, name): tensor attributes it binds anew
         # Parameters an eager run of the forward wrote in place (an EMA codebook kept as a frozen
         # Parameter): a capture runs the forward, and puts them back after, as it does the buffers.
         self.params_written: List[Any] = []
@@ -351,12 +352,13 @@ class GraphedBlock(ModuleWatch):
             self.params = bridge.trainable_parameters(self.module)
             self._watch()
             # Tensors the module holds in other attributes (a count of rows seen, a cache object's): the
-            # capture's runs must not advance them, and a forward that binds new ones cannot be replayed.
+            # capture's runs must not advance them.
             held = HeldState(adapter, self.module, [], adapter.framework_attributes | {"forward"})  # this block
             with adapter.no_grad():  # not parameters of modules held unregistered: the optimizer's to write
                 kept = [(t, adapter.clone(t)) for _, t in held.tensors if not bridge.requires_grad(t)]
             buffers = bridge.snapshot_buffers(self.module) + self._written_parameters() + kept
         attrs_before = self._plain_attributes() if self.module is not None else None
+        bound_before = self._tensor_attributes() if self.module is not None else None
         targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
         grads_before = bridge.snapshot_grads(targets)
         rng = bridge.rng_state(self.module)
@@ -367,14 +369,6 @@ class GraphedBlock(ModuleWatch):
                 self.pool = adapter.new_pool()
             with guards.state_lock, frozen_gc(collect=False), guards.capture_custom_allreduce(), adapter.capture_stream():
                 graphs = _capture_key(self, state.run, leaves, spec, needs_grad, simulated, rng, (args, kwargs))
-            rebound = held.rebound() if held is not None else None
-            if rebound:
-                graphs.release()
-                raise CaptureError(
-                    f"the forward binds new tensors where the module held others ({', '.join(rebound[:3])}), as "
-                    "`self.state = self.state + 1` or `self.cache = torch.zeros(...)` do; a replay runs no Python "
-                    "and would leave the old ones. Update them in place (`self.state.add_(1)`), or register "
-                    "them as buffers and update those in place")
         except Exception as exc:  # noqa: BLE001 - any failure leaves the key eager, with one warning
             bridge.set_rng_state(rng)
             self._capture_failed(state, exc)
@@ -399,6 +393,7 @@ class GraphedBlock(ModuleWatch):
                 self.memory_bytes = (self.memory_bytes or 0) + max(0, after - mem_before)
         if attrs_before is not None:  # what the capture's forward wrote is the forward's own
             self._note_writes(attrs_before)
+            self._note_rebinding(bound_before)
         state.graphs = graphs
         self.counters.captures += 1
         self.counters.capture_seconds += time.perf_counter() - start

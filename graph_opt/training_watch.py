@@ -49,7 +49,8 @@ class ModuleWatch:
 
     def _watch(self) -> None:
         self._watch_modes()
-        owned = self.bridge.owned_tensors(self.module)
+        bound = self.tensors_bound
+        owned = [o for o in self.bridge.owned_tensors(self.module) if (id(o[0]), o[1]) not in bound]
         self.watched_owners = [owner for owner, _, _ in owned]
         self.watched_names = [name for _, name, _ in owned]
         self.watched_tensors = [t for _, _, t in owned]
@@ -93,19 +94,32 @@ class ModuleWatch:
         before = self._plain_attributes()
         version = self.adapter.version
         versions = [(p, version(p)) for p in self.bridge.all_parameters(self.module)]
-        held = [t for _, _, t in self.bridge.owned_tensors(self.module)]
+        bound = self._tensor_attributes()
         try:
             return run(*args, **kwargs)
         finally:
             self._note_writes(before)
-            if self.watched_tensors:
-                now = [t for _, _, t in self.bridge.owned_tensors(self.module)]
-                if len(now) != len(held) or any(map(operator.is_not, now, held)):
-                    self._watch()  # tensors the forward itself bound anew: not a change to capture again for
+            self._note_rebinding(bound)
             self.ran_eagerly = True
             for p, v in versions:
                 if version(p) != v and not any(p is q for q in self.params_written):
                     self.params_written.append(p)
+
+    def _tensor_attributes(self) -> Dict[Any, Any]:
+        """(id of a module's __dict__, name) -> the tensor it holds there as a plain attribute."""
+        return {(id(owner), name): t for owner, name, t in self.bridge.owned_tensors(self.module)
+                if "_parameters" in owner}
+
+    def _note_rebinding(self, before: Dict[Any, Any]) -> None:
+        """Tensor attributes a run of the forward bound anew (legacy weight_norm's `weight`, a tensor kept
+        for a dashboard, a cache grown at a longer sequence) are its own, as the plain attributes it
+        writes: no longer watched, so their next binding is not taken for a replacement."""
+        now = self._tensor_attributes()
+        bound = {k for k, t in now.items() if before.get(k) is not t}
+        if bound - self.tensors_bound:
+            self.tensors_bound |= bound
+            if self.watched_tensors:
+                self._watch()
 
     def _written_parameters(self) -> list:
         """(parameter, copy) of those the forward may write in place, for a capture to put back: every

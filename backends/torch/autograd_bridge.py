@@ -354,8 +354,7 @@ class TorchAutogradBridge:
         """The default generators' states, and those of generators the module's submodules hold
         (`self.gen = torch.Generator(...)`): a capture's runs must not draw from any of them."""
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        own = [] if module is None else [(g, g.get_state()) for sub in module.modules()
-                                         for g in sub.__dict__.values() if isinstance(g, torch.Generator)]
+        own = [] if module is None else [(g, g.get_state()) for g in _generators(module)]
         return torch.get_rng_state(), cuda, own
 
     def set_rng_state(self, state) -> None:
@@ -365,6 +364,39 @@ class TorchAutogradBridge:
             torch.cuda.set_rng_state_all(cuda)
         for generator, saved in own:
             generator.set_state(saved)
+
+
+def _generators(module, depth: int = 4) -> list:
+    """The torch.Generator objects the module's submodules hold, also in lists, dicts and plain objects."""
+    found, seen = [], set()
+
+    def visit(obj, left):
+        if id(obj) in seen or left < 0:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Generator):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple, set)):
+            for v in obj:
+                visit(v, left - 1)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                visit(v, left - 1)
+        elif not isinstance(obj, (torch.Tensor, torch.nn.Module, str, bytes, int, float, type)):
+            d = getattr(obj, "__dict__", None)
+            if isinstance(d, dict):
+                for v in d.values():
+                    visit(v, left - 1)
+
+    skip = _MODULE_KEYS | {"forward"}  # nn.Module's own, and a graphed block's patched forward
+    for sub in module.modules():
+        for key, value in sub.__dict__.items():
+            if key not in skip:
+                visit(value, depth)
+    return found
+
+
+_MODULE_KEYS = frozenset(torch.nn.Module().__dict__)
 
 
 BRIDGE = TorchAutogradBridge()

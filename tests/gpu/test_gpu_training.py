@@ -15,11 +15,11 @@ import graph_opt  # noqa: E402
 from training_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
 from torch_training_shim import Block, TorchShim  # noqa: E402
 from test_torch_training import (  # noqa: E402,F401  the module's state besides its parameters, on real graphs
-    test_a_forward_binding_new_tensors_runs_eagerly_with_one_warning,
     test_a_generator_of_the_module_s_own_draws_as_in_eager,
     test_a_submodule_added_after_capture_has_its_training_flag_in_the_key,
     test_a_tensor_attribute_set_anew_is_read_as_eager_reads_it,
     test_a_tensor_attribute_the_forward_updates_in_place_is_updated_once_per_step,
+    test_tensor_attributes_the_forward_binds_itself_keep_the_graphs,
 )
 
 

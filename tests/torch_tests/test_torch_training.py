@@ -4,6 +4,7 @@ with the torch shim below (tests/gpu/test_gpu_training.py runs it on real graphs
 import contextlib
 import copy
 import dataclasses
+import types
 
 import pytest
 
@@ -577,57 +578,81 @@ def test_a_tensor_attribute_the_forward_updates_in_place_is_updated_once_per_ste
     assert graph_opt.stats(m).backward_replays >= 2
 
 
-class _RebindsState(torch.nn.Module):
-    def __init__(self, device):
+class _WeightNormed(torch.nn.Module):
+    """Legacy torch.nn.utils.weight_norm: its pre-hook binds `lin.weight` anew at every call."""
+
+    def __init__(self):
         super().__init__()
-        self.lin = torch.nn.Linear(8, 2)
-        self.state = torch.zeros((), device=device)
+        self.lin = torch.nn.utils.weight_norm(torch.nn.Linear(8, 8))
+        self.out = torch.nn.Linear(8, 2)
 
     def forward(self, x):
-        self.state = self.state + 1  # a new tensor at every call: a replay would not bind it
-        return self.lin(x) * self.state
+        return self.out(torch.relu(self.lin(x)))
 
 
-def test_a_forward_binding_new_tensors_runs_eagerly_with_one_warning(device, caplog):
-    torch.manual_seed(0)
-    ref = _RebindsState(device).to(device)
-    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
+class _MakesTableAtFirstCall(torch.nn.Module):
+    """A table made at the first call and grown at a longer sequence (a rope cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.table = None
+
+    def forward(self, x):
+        length = x.shape[1]
+        if self.table is None or self.table.shape[0] < length:
+            self.table = torch.cos(torch.arange(float(length), device=x.device)[:, None] * torch.ones(8, device=x.device))
+        return self.lin(x * self.table[:length])
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 1])
+@pytest.mark.parametrize("cls", [_WeightNormed, _MakesTableAtFirstCall])
+def test_tensor_attributes_the_forward_binds_itself_keep_the_graphs(device, caplog, cls, warmup_steps):
+    """Bound by the forward at every call, or once per sequence length: the forward's own, not a
+    replacement to capture again for, and the graphs replay eager's values."""
+    models = []
+    for _ in range(2):  # weight_norm's module cannot be deep-copied
+        torch.manual_seed(0)
+        models.append(cls().to(device))
+    ref, m = models[0], graph_opt.autocudagraph(models[1], warmup_steps=warmup_steps)
     with _graphs(device):
-        for step in range(4):
-            x = torch.randn(6, 8, device=device)
-            outs = []
+        for step in range(6):
+            x = torch.randn(4, 3 if step < 3 else 5, 8, device=device)
+            got = []
             for model in (ref, m):
                 model.zero_grad(set_to_none=True)
                 out = model(x)
                 out.sum().backward()
-                outs.append((out.detach(), model.lin.weight.grad))
-            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), f"step {step}"
-            assert torch.equal(ref.state, m.state)
-    warned = [r.getMessage() for r in graph_warnings(caplog)]
-    assert len(warned) == 1 and "binds new tensors" in warned[0] and "'state'" in warned[0], warned
-    assert graph_opt.stats(m).capture_failures == 1
+                got.append((out.detach(), model.out.weight.grad if cls is _WeightNormed else model.lin.weight.grad))
+            assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
+    s = graph_opt.stats(m)
+    assert s.recaptures == 0 and s.capture_failures == 0 and s.backward_replays >= 2, s
+    assert not graph_warnings(caplog)
 
 
 class _OwnGenerator(torch.nn.Module):
-    """Dropout-like masks drawn from a generator of the module's own."""
+    """Dropout-like masks drawn from a generator of the module's own, or one a helper object holds."""
 
-    def __init__(self, device):
+    def __init__(self, device, nested=False):
         super().__init__()
         self.lin = torch.nn.Linear(8, 2)
-        self.gen = torch.Generator(device=device).manual_seed(7)
+        gen = torch.Generator(device=device).manual_seed(7)
+        self.sampler = types.SimpleNamespace(gens=[gen]) if nested else gen
 
     def forward(self, x):
-        return self.lin(x * (torch.rand(x.shape, generator=self.gen, device=x.device) > 0.3))
+        gen = self.sampler.gens[0] if isinstance(self.sampler, types.SimpleNamespace) else self.sampler
+        return self.lin(x * (torch.rand(x.shape, generator=gen, device=x.device) > 0.3))
 
 
+@pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("warmup_steps", [0, 1])
-def test_a_generator_of_the_module_s_own_draws_as_in_eager(device, warmup_steps):
+def test_a_generator_of_the_module_s_own_draws_as_in_eager(device, warmup_steps, nested):
     """The capture's runs put the module's generator back: the steps draw eager's masks (on a GPU such a
     capture fails, the generator not being the graph's, and the key runs eagerly on eager's stream)."""
     models = []
     for _ in range(2):
         torch.manual_seed(0)
-        models.append(_OwnGenerator(device).to(device))
+        models.append(_OwnGenerator(device, nested).to(device))
     ref, m = models[0], graph_opt.autocudagraph(models[1], warmup_steps=warmup_steps)
     with _graphs(device):
         for step in range(4):
