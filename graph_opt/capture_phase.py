@@ -14,7 +14,7 @@ import time
 from typing import Any, List, Optional, Tuple
 
 from . import capture_checks, guards, output_layout, output_sharing, ranks, static_address
-from .captured_size import Captured, CapturedSize, overlaps
+from .captured_size import Captured, CapturedSize, overlaps, returned_inputs
 from .errors import CaptureError, GraphOptInputError
 from .failures import describe
 from .host_outputs import SizeCopies
@@ -376,6 +376,8 @@ class CapturePhase:
             memory_bytes=memory,
             copies=copies,
         )
+        if entry.copy_inputs and copies is None:
+            entry.returned_inputs = returned_inputs(adapter, captured.outputs, static)
         if self.config.graph_opt_level == 0 and not simulation_enabled():
             entry.host_values = [(i, adapter.clone(t)) for i, (t, d) in enumerate(zip(static, sig.dims))
                                  if d is None and adapter.on_host(t)]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .host_outputs import SizeCopies, _pending as _pending_host_copies, land_pending_copies
-from .pytree import flatten, shallow_copier
+from .pytree import flatten, shallow_copier, unflatten
 from .static_address import same_memory
 
 if TYPE_CHECKING:
@@ -57,6 +57,9 @@ class CapturedSize:
     host_values: List[tuple] = field(default_factory=list)
     restore: List[tuple] = field(default_factory=list)  # (marked argument, its contents before the capture)
     output_spans: Optional[List[Tuple[int, int]]] = None  # the memory its replay writes outputs to, once asked
+    # (output leaf, input leaf) where the forward returned that input itself: a replay returns the caller's
+    # tensor there, as eager does (`h.add_(y); return h` called as `h = m(h)`), not the static copy.
+    returned_inputs: List[Tuple[int, int]] = field(default_factory=list)
 
     def run(self, adapter, leaves: Sequence[Any], real: int):
         copies = self.copies
@@ -104,8 +107,19 @@ class CapturedSize:
         if self.captured.stable_outputs:
             if copies is not None:
                 return copies.after_replay(output, real)
-            return output if copier is None else copier()
-        return self.cut_outputs(adapter, fresh, real)
+            out = output if copier is None else copier()
+        else:
+            out = self.cut_outputs(adapter, fresh, real)
+        if self.returned_inputs:
+            # Not an argument in the outputs' memory (an earlier output fed back): the replay has just
+            # written there, and the static copy holds what eager returns.
+            outs, spec = flatten(out, adapter.is_tensor)
+            spans = self.output_extents(adapter)
+            for k, i in self.returned_inputs:
+                if not overlaps(spans, adapter.extent(leaves[i])):
+                    outs[k] = leaves[i]
+            out = unflatten(spec, outs, template=out)
+        return out
 
     def _write_back(self, adapter, sig, dsts, leaves) -> None:
         """The forward writes some inputs in place: eager would have written the caller's tensors."""
@@ -182,6 +196,12 @@ def aliased(adapter, sig, leaves, outputs: Sequence[Tuple[int, int]] = ()) -> bo
         if i not in marked and overlaps(outputs, spans[i]):
             return True
     return False
+
+
+def returned_inputs(adapter, outputs, static) -> List[Tuple[int, int]]:
+    """(output leaf, input leaf) for each output that is one of the static inputs the forward was given."""
+    where = {id(t): i for i, t in enumerate(static)}
+    return [(k, where[id(t)]) for k, t in enumerate(flatten(outputs, adapter.is_tensor)[0]) if id(t) in where]
 
 
 def _broadcast(adapter, t) -> bool:

@@ -52,7 +52,7 @@ class ReplayPlan:
 def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan]:
     """A plan for calls of `real` rows replaying `entry`, or None where its replay needs more than copies."""
     if (entry.copies is not None or set(sig.mutated) - sig.in_place or entry.host_values or not entry.copy_inputs
-            or runner.group is not None or sig.padding is None or sig.fed_back is not None
+            or runner.group is not None or sig.padding is None or sig.fed_back is not None or entry.returned_inputs
             or (real != entry.padded_size and sig.layout.exact_only)):
         return None
     views = entry.views.get(real)

@@ -394,6 +394,14 @@ class PassesThrough(Scaled):
         return x, self.lin(x)
 
 
+class AddsIntoAndReturns(Scaled):
+    """An in-place residual: the state written and returned, called as `h = m(h, y)`."""
+
+    def forward(self, h, y):
+        h.add_(self.lin(y))
+        return h
+
+
 class WritesAndPasses(Scaled):
     def forward(self, x, y, z):
         x.add_(paddle.ones_like(x))
@@ -417,7 +425,8 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                CountsInObject=CountsInObject, HoldsLargeBuffer=HoldsLargeBuffer,
                                ReadsLargeBuffer=ReadsLargeBuffer,
                                AdvancesInPlace=CountsSteps,  # set_value: in place, no assignment
-                               Steps=Steps, PassesThrough=PassesThrough, WritesAndPasses=WritesAndPasses)
+                               Steps=Steps, PassesThrough=PassesThrough, WritesAndPasses=WritesAndPasses,
+                               AddsIntoAndReturns=AddsIntoAndReturns)
 
 
 class PaddleF:

@@ -447,3 +447,22 @@ def test_a_written_argument_that_is_expanded_raises_as_in_eager_and_is_written_o
         assert str(plugin.value) == str(eager.value) and torch.equal(x, x_twin)
     s = graph_opt.stats(m)
     assert s.replays == 0 and s.fallback_reasons == {"aliased": 1} and state_of(m).runner.disabled_reason is None
+
+
+class _StepsView(Scaled):
+    def forward(self, x, x_prev):
+        return 2.0 * x - x_prev + 0.01 * self.lin(x), x[:, :]  # a view of the input, not the input
+
+
+def test_a_returned_view_of_an_input_fed_back_as_another_argument_is_read_before_any_copy(F, level):
+    m, twin = pair(F, _StepsView, level)
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), F.randn(n, HIDDEN, seed=n + 50)))
+    with torch.no_grad():
+        for real in (4, 3):
+            s = (F.randn(real, HIDDEN, seed=real), F.randn(real, HIDDEN, seed=real + 9))
+            t = (s[0].clone(), s[1].clone())
+            for step in range(4):
+                s, t = m(*s), twin(*t)
+                assert F.close(s[0], t[0]) and F.close(s[1], t[1]), f"step {step} of {real} rows"
+    stats = graph_opt.stats(m)
+    assert stats.replays == 8 and stats.fallbacks == 0, stats

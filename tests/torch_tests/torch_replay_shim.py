@@ -396,6 +396,14 @@ class PassesThrough(Scaled):
         return x, self.lin(x)
 
 
+class AddsIntoAndReturns(Scaled):
+    """An in-place residual: the state written and returned, called as `h = m(h, y)`."""
+
+    def forward(self, h, y):
+        h.add_(self.lin(y))
+        return h
+
+
 class WritesAndPasses(Scaled):
     def forward(self, x, y, z):
         x.add_(1.0)
@@ -426,7 +434,8 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, Opt
                                PairsRows=PairsRows, HoldsDecorated=HoldsDecorated,
                                CountsInObject=CountsInObject, HoldsLargeBuffer=HoldsLargeBuffer,
                                ReadsLargeBuffer=ReadsLargeBuffer, AdvancesInPlace=AdvancesInPlace,
-                               Steps=Steps, PassesThrough=PassesThrough, WritesAndPasses=WritesAndPasses)
+                               Steps=Steps, PassesThrough=PassesThrough, WritesAndPasses=WritesAndPasses,
+                               AddsIntoAndReturns=AddsIntoAndReturns)
 
 
 class TorchF:
