@@ -330,7 +330,7 @@ class CapturePhase:
                         copies = host.copies_for_size(adapter, warm, padded, self._batch_dims(sig, warm, padded))
                     captured = self.strategy.capture(args, kwargs, padded, sig, self.pool,
                                                      tail=copies.tail if copies is not None else None,
-                                                     share=output_sharing.for_size(adapter, sig, padded))
+                                                     share=output_sharing.for_size(adapter, sig, padded, static))
                 else:
                     captured = self.strategy.capture(args, kwargs, padded, sig, self.pool)
                     if host is not None and captured.stable_outputs:

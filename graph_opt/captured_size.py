@@ -199,9 +199,16 @@ def aliased(adapter, sig, leaves, outputs: Sequence[Tuple[int, int]] = ()) -> bo
 
 
 def returned_inputs(adapter, outputs, static) -> List[Tuple[int, int]]:
-    """(output leaf, input leaf) for each output that is one of the static inputs the forward was given."""
+    """(output leaf, input leaf) for each output that is one of the static inputs the forward was given,
+    and no other output shares that input's memory (`return x, x[:, :2]`: eager's two alias each other,
+    and so do the static copy and its view; the caller's tensor and that view would not)."""
     where = {id(t): i for i, t in enumerate(static)}
-    return [(k, where[id(t)]) for k, t in enumerate(flatten(outputs, adapter.is_tensor)[0]) if id(t) in where]
+    leaves = flatten(outputs, adapter.is_tensor)[0]
+    pairs = [(k, where[id(t)]) for k, t in enumerate(leaves) if id(t) in where]
+    spans = [adapter.extent(t) for t in leaves]
+    return [(k, i) for k, i in pairs
+            if not any(j != k and leaves[j] is not leaves[k] and overlaps([spans[k]], spans[j])
+                       for j in range(len(leaves)))]
 
 
 def _broadcast(adapter, t) -> bool:

@@ -19,8 +19,11 @@ from .pytree import flatten, unflatten
 class SharedOutputs:
     """Where one size's outputs go: views of a larger size's outputs, leaf by leaf where they fit."""
 
-    def __init__(self, adapter, larger_outputs, padded: int, usable: Optional[list] = None):
+    def __init__(self, adapter, larger_outputs, padded: int, usable: Optional[list] = None, inputs=()):
         self.adapter = adapter
+        # The size's own static inputs: an output that is one of them stays itself (a replay hands out
+        # the caller's tensor there, captured_size.returned_inputs), not a copy in another size's storage.
+        self.inputs = {id(t) for t in inputs}
         self.targets, self.spec = flatten(larger_outputs, adapter.is_tensor)
         self.padded = padded
         # Per leaf: whether the larger output is owned (a leaf held only through a non-owning alias is
@@ -34,7 +37,8 @@ class SharedOutputs:
         leaves, spec = flatten(outputs, self.adapter.is_tensor)
         if spec != self.spec:
             return outputs
-        targets = [self._target(big, t, ok) for big, t, ok in zip(self.targets, leaves, self.usable)]
+        targets = [t if id(t) in self.inputs else self._target(big, t, ok)
+                   for big, t, ok in zip(self.targets, leaves, self.usable)]
         self.shared = [dst is not t for dst, t in zip(targets, leaves)]
         return unflatten(spec, targets, template=outputs)
 
@@ -68,7 +72,7 @@ class SharedOutputs:
                          template=outputs)
 
 
-def for_size(adapter, sig, padded: int) -> Optional[SharedOutputs]:
+def for_size(adapter, sig, padded: int, inputs=()) -> Optional[SharedOutputs]:
     """The sharing for a new size `padded` of a signature (signature.Signature): into the largest size
     captured above it, or None where there is none. Only outputs whose batch dimension is dim 0
     (output_layout) share: a [8, 8] weight returned at batch 8 is not batch-major."""
@@ -84,7 +88,7 @@ def for_size(adapter, sig, padded: int) -> Optional[SharedOutputs]:
         leaves = flatten(outputs, adapter.is_tensor)[0]
         usable = usable if usable is not None and len(usable) == len(leaves) else [True] * len(leaves)
         usable = [ok and not overlaps(sig.fed_back, adapter.extent(t)) for ok, t in zip(usable, leaves)]
-    return SharedOutputs(adapter, outputs, padded, usable)
+    return SharedOutputs(adapter, outputs, padded, usable, inputs)
 
 
 def shares_storage(adapter, a: Any, b: Any) -> bool:

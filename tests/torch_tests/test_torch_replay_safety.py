@@ -466,3 +466,43 @@ def test_a_returned_view_of_an_input_fed_back_as_another_argument_is_read_before
                 assert F.close(s[0], t[0]) and F.close(s[1], t[1]), f"step {step} of {real} rows"
     stats = graph_opt.stats(m)
     assert stats.replays == 8 and stats.fallbacks == 0, stats
+
+
+class _ReturnsInputAndView(Scaled):
+    def forward(self, x):
+        return self.lin(x), x, x[:, :2]
+
+
+def test_an_input_returned_with_a_view_of_it_keeps_them_aliased_as_in_eager(F, level):
+    m, twin = pair(F, _ReturnsInputAndView, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with torch.no_grad():
+        for real in (4, 3):
+            _, a, v = m(F.randn(real, HIDDEN, seed=real))
+            a.zero_()
+            assert bool((v == 0).all()), f"a call of {real} rows: the view does not see a write into the input"
+
+
+class _ReturnsInputWhenSmall(Scaled):
+    def forward(self, h, y):
+        if h.shape[0] <= 2:
+            h.add_(self.lin(y))
+            return h
+        return h + self.lin(y)
+
+
+def test_an_input_returned_at_the_smaller_sizes_only_is_the_caller_s_tensor(F, level):
+    """The largest size returns a new tensor, the smaller ones the input itself: that output is not put
+    in the largest size's output storage, and `h = m(h, y)` replays at every call."""
+    m, twin = pair(F, _ReturnsInputWhenSmall, level)
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), F.randn(n, HIDDEN, seed=n + 50)))
+    with torch.no_grad():
+        h0 = F.randn(2, HIDDEN, seed=1)
+        t0 = h0.clone()
+        h, t = h0, t0
+        for step in range(4):
+            y = F.randn(2, HIDDEN, seed=10 + step)
+            h, t = m(h, y), twin(t, y)
+            assert h is h0 and F.close(h0, t0), f"step {step}"
+    s = graph_opt.stats(m)
+    assert s.replays == 4 and s.fallbacks == 0, s
