@@ -11,6 +11,7 @@ import enum
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from . import output_layout
+from .captured_size import overlaps
 from .errors import GraphOptConfigError, GraphOptInputError
 from .padding import Padding
 from .pytree import TENSOR, flatten, leaf_paths, tensor_leaf_owners
@@ -98,8 +99,7 @@ class Signature:
             return
         spans = [adapter.extent(b) for i, b in enumerate(self.buffers) if i not in self.in_place]
         for t in flatten(outputs, adapter.is_tensor)[0]:
-            start, end = adapter.extent(t)
-            if any(a < end and start < b for a, b in spans):
+            if overlaps(spans, adapter.extent(t)):
                 self.fed_back = spans
                 self.plans.clear()
                 return

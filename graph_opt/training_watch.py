@@ -107,8 +107,7 @@ class ModuleWatch:
 
     def _tensor_attributes(self) -> Dict[Any, Any]:
         """(id of a module's __dict__, name) -> the tensor it holds there as a plain attribute."""
-        return {(id(owner), name): t for owner, name, t in self.bridge.owned_tensors(self.module)
-                if "_parameters" in owner}
+        return {(id(owner), name): t for owner, name, t in self.bridge.tensor_attributes(self.module)}
 
     def _note_rebinding(self, before: Dict[Any, Any]) -> None:
         """Tensor attributes a run of the forward bound anew (legacy weight_norm's `weight`, a tensor kept

@@ -282,6 +282,11 @@ class PaddleAutogradBridge:
                 out.extend((owner, name, t) for name, t in owner.items() if t is not None)
         return out
 
+    @staticmethod
+    def tensor_attributes(layer):
+        """Paddle's Layer keeps a tensor set as an attribute among its buffers (owned_tensors has it)."""
+        return []
+
     def parameters_for_capture(self, layer, params):
         # torch needs fresh leaves here because of per-stream gradient accumulators; Paddle's
         # accumulation has no stream of its own, so the parameters are captured as they are.

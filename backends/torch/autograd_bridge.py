@@ -290,14 +290,19 @@ class TorchAutogradBridge:
 
     def owned_tensors(self, module):
         """(owner dict, name, tensor) for every parameter and buffer, and every tensor a module holds as a
-        plain attribute (a class weight, a mask): replacing one shows in its owner."""
+        plain attribute (tensor_attributes): replacing one shows in its owner."""
         out = []
         for sub in module.modules():
             for owner in (sub._parameters, sub._buffers):
                 out.extend((owner, name, t) for name, t in owner.items() if t is not None)
-            d = sub.__dict__
-            out.extend((d, name, t) for name, t in d.items() if isinstance(t, torch.Tensor))
-        return out
+        return out + self.tensor_attributes(module)
+
+    @staticmethod
+    def tensor_attributes(module):
+        """(a module's __dict__, name, tensor) for every tensor a module holds as a plain attribute (a class
+        weight, a mask), neither parameter nor buffer."""
+        return [(sub.__dict__, name, t) for sub in module.modules()
+                for name, t in sub.__dict__.items() if isinstance(t, torch.Tensor)]
 
     @contextlib.contextmanager
     def parameters_for_capture(self, module, params):
