@@ -38,6 +38,10 @@ class Adapter(Protocol):
 
     def data_ptr(self, t) -> int: ...
 
+    def version(self, t) -> int: ...  # counts in-place writes to t's memory (views share it)
+
+    def mark_written(self, t) -> None: ...  # moves version(t) as a write would, values untouched
+
     def nbytes(self, t) -> int: ...
 
     def extent(self, t) -> Tuple[int, int]: ...  # (start, end) bytes its elements span, gaps of a view included

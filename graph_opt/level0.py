@@ -231,6 +231,8 @@ class EagerStrategy:
             outputs = self.call(*args, **kwargs)
         out_leaves, _ = flatten(outputs, self.adapter.is_tensor)
         kept = share.redirect(outputs) if share is not None else None
+        if kept is not None:
+            share.mark_written(kept)
 
         def eager_split(op, a, k):
             if selection is None or not selection.matches_function(op) or threading.get_ident() != owner[0]:

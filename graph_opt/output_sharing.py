@@ -63,6 +63,13 @@ class SharedOutputs:
             if shared and src is not dst:
                 copy_(dst, src)
 
+    def mark_written(self, redirected) -> None:
+        """A simulated capture: the version counters of the rows redirect() moved outputs into move, as
+        a real capture's copy_ moves them (on the host, though the copy only runs at replay)."""
+        mark = self.adapter.mark_written
+        for dst, shared in zip(flatten(redirected, self.adapter.is_tensor)[0], self.shared):
+            if shared:
+                mark(dst)
 
     def merged(self, outputs, redirected):
         """`outputs` with each leaf redirect() moved replaced by where it moved."""

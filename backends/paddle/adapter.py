@@ -89,6 +89,9 @@ class PaddleAdapter:
     def version(self, t) -> int:
         return t._inplace_version()
 
+    def mark_written(self, t) -> None:
+        t._bump_inplace_version()
+
     def dense(self, t) -> bool:
         return t.is_contiguous()
 

@@ -103,6 +103,9 @@ class TorchAdapter:
     def version(self, t) -> int:
         return t._version
 
+    def mark_written(self, t) -> None:
+        torch.autograd.graph.increment_version(t)
+
     def dense(self, t) -> bool:
         """Whether every element has a memory location of its own (a copy_ into t is defined)."""
         return t.is_contiguous()
