@@ -38,6 +38,50 @@ def _accumulates(t) -> bool:
         return False
 
 
+class _HooksWithoutGrad:
+    """Eager autograd never runs the hooks of a tensor that gets no gradient in a backward (a head the loss
+    leaves out, a parameter the forward does not use). Every tensor of a graphed block is an input of its
+    one autograd node, and autograd runs the hooks of each input of a node it reaches, with None where the
+    node returned no gradient. Until that backward ends, such a tensor's hooks run only where a gradient
+    came after all (from another use of the tensor): tensor hooks on a defined gradient, post-accumulate-grad
+    hooks after one was accumulated."""
+
+    def __init__(self, t):
+        self.arrived = False
+        self.held = []  # (hooks dict, key, the user's hook)
+        self.handle = t.register_hook(self._note)  # after the user's: sees the gradient they made
+        for hooks, wrap in ((t._backward_hooks, self._tensor_hook), (t._post_accumulate_grad_hooks, self._post_hook)):
+            for key, hook in list((hooks or {}).items()):
+                if key != self.handle.id:
+                    self.held.append((hooks, key, hook))
+                    hooks[key] = wrap(hook)
+
+    @classmethod
+    def hold(cls, t) -> None:
+        if "_graph_opt_hooks_held" in t.__dict__:  # the block ran twice in this forward
+            return
+        held = cls(t)
+        t.__dict__["_graph_opt_hooks_held"] = held
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: held.release(t))
+
+    def _note(self, g):
+        self.arrived = g is not None
+
+    @staticmethod
+    def _tensor_hook(hook):
+        return lambda g: None if g is None else hook(g)
+
+    def _post_hook(self, hook):
+        return lambda t: hook(t) if self.arrived else None
+
+    def release(self, t) -> None:
+        for hooks, key, hook in self.held:
+            if key in hooks:  # not removed by its handle meanwhile
+                hooks[key] = hook
+        self.handle.remove()
+        t.__dict__.pop("_graph_opt_hooks_held", None)
+
+
 def _leaves_reached(roots, mark=None):
     """({id: leaf} of the leaves requiring grad that the autograd graph from `roots` reaches, whether it
     reaches a node older than `mark`, where the walk stops)."""
@@ -179,6 +223,8 @@ class TorchAutogradBridge:
                         buf = buf.detach()
                 else:
                     buf = buf.clone()
+            elif t.requires_grad and (t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)):
+                _HooksWithoutGrad.hold(t)
             out.append(buf)
         return out
 

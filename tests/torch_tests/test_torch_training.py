@@ -664,3 +664,54 @@ def test_a_generator_of_the_module_s_own_draws_as_in_eager(device, warmup_steps,
                 out.square().mean().backward()
                 got.append((out.detach(), model.lin.weight.grad))
             assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
+
+
+# -- hooks of tensors that get no gradient -----------------------------------------------------------------
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.a = torch.nn.Linear(8, 4)
+        self.b = torch.nn.Linear(8, 4)
+        self.spare = torch.nn.Linear(8, 8)  # never used by the forward
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.a(h), self.b(h)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+@pytest.mark.parametrize("outside", [False, True], ids=["block-only", "also-outside"])
+def test_hooks_of_parameters_that_get_no_gradient_run_as_in_eager(device, level, outside):
+    """A loss that leaves head b out, and a parameter the forward never uses: eager runs neither their
+    tensor hooks nor their post-accumulate-grad hooks. Where b's weight also gets a gradient outside the
+    block, eager runs its hooks once, on that gradient."""
+    torch.manual_seed(0)
+    ref = _TwoHeads().to(device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1, level=level)
+    seen = {id(ref): [], id(m): []}
+    for model in (ref, m):
+        log = seen[id(model)]
+        for name in ("a", "b", "spare"):
+            p = getattr(model, name).weight
+            p.register_hook(lambda g, name=name, log=log: log.append((name, "grad", None if g is None else g.clone())))
+            p.register_post_accumulate_grad_hook(lambda p, name=name, log=log: log.append((name, "post", p.grad.clone())))
+    with _graphs(device):
+        for step in range(4):
+            x = torch.randn(4, 8, device=device)
+            for model in (ref, m):
+                model.zero_grad(set_to_none=True)
+                a, _ = model(x)
+                loss = a.square().mean()
+                if outside:
+                    loss = loss + model.b.weight.square().sum()
+                loss.backward()
+            # the order across parameters is autograd's own (the graphed block's node is another node)
+            got, want = (sorted(seen[id(model)], key=lambda e: e[:2]) for model in (m, ref))
+            assert [e[:2] for e in got] == [e[:2] for e in want], f"step {step}: {got} vs eager's {want}"
+            assert all(torch.equal(g[2], w[2]) for g, w in zip(got, want)), f"step {step}"
+            seen[id(m)].clear(), seen[id(ref)].clear()
+            assert m.b.weight.grad is None if not outside else torch.equal(m.b.weight.grad, ref.b.weight.grad)
+            assert m.spare.weight.grad is None
+    s = graph_opt.stats(m)
+    assert s.backward_replays >= 2 and s.fallbacks == 0, s
