@@ -7,6 +7,7 @@ graph; this follows torch.cuda.make_graphed_callables, with the differences grap
 from __future__ import annotations
 
 import contextlib
+from typing import Dict
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -40,46 +41,107 @@ def _accumulates(t) -> bool:
 
 class _HooksWithoutGrad:
     """Eager autograd never runs the hooks of a tensor that gets no gradient in a backward (a head the loss
-    leaves out, a parameter the forward does not use). Every tensor of a graphed block is an input of its
-    one autograd node, and autograd runs the hooks of each input of a node it reaches, with None where the
-    node returned no gradient. Until that backward ends, such a tensor's hooks run only where a gradient
-    came after all (from another use of the tensor): tensor hooks on a defined gradient, post-accumulate-grad
-    hooks after one was accumulated."""
+    leaves out, a parameter the forward does not use, the leaves behind an input only such a head reads).
+    Every tensor of a graphed block is an input of its one autograd node, and autograd runs the hooks of each
+    input of a node it reaches, and of what lies upstream, with None where the node returned no gradient.
+    For the rest of that backward such a tensor's hooks run only where a gradient came after all (from
+    another use of the tensor): tensor hooks on a defined gradient, post-accumulate-grad hooks after one was
+    accumulated. torch's register_multi_grad_hook(mode="all") counts the calls autograd will make: its hooks
+    keep being called."""
 
-    def __init__(self, t):
+    def __init__(self, t, task: int):
+        self.tensor, self.task = t, task
         self.arrived = False
+        self.had_hooks = t._backward_hooks is not None
         self.held = []  # (hooks dict, key, the user's hook)
         self.handle = t.register_hook(self._note)  # after the user's: sees the gradient they made
-        for hooks, wrap in ((t._backward_hooks, self._tensor_hook), (t._post_accumulate_grad_hooks, self._post_hook)):
+        for hooks, wrap in ((t._backward_hooks, _SkipNone), (t._post_accumulate_grad_hooks, _AfterArrival)):
             for key, hook in list((hooks or {}).items()):
-                if key != self.handle.id:
+                if key != self.handle.id and not getattr(hook, "__qualname__", "").startswith(_MULTI_GRAD):
                     self.held.append((hooks, key, hook))
-                    hooks[key] = wrap(hook)
+                    hooks[key] = wrap(hook, self)
 
     @classmethod
-    def hold(cls, t) -> None:
-        if "_graph_opt_hooks_held" in t.__dict__:  # the block ran twice in this forward
-            return
-        held = cls(t)
-        t.__dict__["_graph_opt_hooks_held"] = held
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: held.release(t))
+    def hold(cls, tensors) -> None:
+        task = torch._C._current_graph_task_id()
+        for held in [h for h in _HELD.values() if h.task != task]:
+            held.release()  # a backward that raised never ended its hold
+        for t in tensors:
+            if id(t) not in _HELD:  # held already: the block ran twice in this forward
+                held = _HELD[id(t)] = cls(t, task)
+                torch.autograd.Variable._execution_engine.queue_callback(held.release)
 
     def _note(self, g):
         self.arrived = g is not None
 
-    @staticmethod
-    def _tensor_hook(hook):
-        return lambda g: None if g is None else hook(g)
-
-    def _post_hook(self, hook):
-        return lambda t: hook(t) if self.arrived else None
-
-    def release(self, t) -> None:
+    def release(self) -> None:
+        if _HELD.get(id(self.tensor)) is not self:
+            return
+        del _HELD[id(self.tensor)]
         for hooks, key, hook in self.held:
             if key in hooks:  # not removed by its handle meanwhile
                 hooks[key] = hook
         self.handle.remove()
-        t.__dict__.pop("_graph_opt_hooks_held", None)
+        t = self.tensor
+        if not self.had_hooks and not t._backward_hooks:
+            t._backward_hooks = None
+        self.tensor = None
+
+
+_HELD: Dict[int, _HooksWithoutGrad] = {}  # id(tensor) -> its hooks held until the backward that held them ends
+_MULTI_GRAD = "register_multi_grad_hook."
+
+
+class _SkipNone:
+    """A tensor hook run only on a defined gradient; saved (torch.save) as the hook itself."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook, held):
+        self.hook = hook
+
+    def __call__(self, g):
+        return None if g is None else self.hook(g)
+
+    def __reduce__(self):
+        return _itself, (self.hook,)
+
+
+class _AfterArrival:
+    """A post-accumulate-grad hook run only where a gradient was accumulated; saved as the hook itself."""
+
+    __slots__ = ("hook", "held")
+
+    def __init__(self, hook, held):
+        self.hook, self.held = hook, held
+
+    def __call__(self, t):
+        return self.hook(t) if self.held.arrived else None
+
+    def __reduce__(self):
+        return _itself, (self.hook,)
+
+
+def _itself(x):
+    return x
+
+
+def _hooked(t) -> bool:
+    return bool(t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None))
+
+
+def _hooked_without_grad(buffers, inputs) -> list:
+    """The tensors among `inputs` (and the leaves upstream of a non-leaf one) that get no gradient from
+    this backward (buffer None) and carry hooks."""
+    found = []
+    for buf, t in zip(buffers, inputs):
+        if buf is None and t.requires_grad:
+            if t.grad_fn is None:
+                if _hooked(t):
+                    found.append(t)
+            else:
+                found.extend(leaf for leaf in _leaves_reached([t.grad_fn])[0].values() if _hooked(leaf))
+    return found
 
 
 def _leaves_reached(roots, mark=None):
@@ -223,9 +285,11 @@ class TorchAutogradBridge:
                         buf = buf.detach()
                 else:
                     buf = buf.clone()
-            elif t.requires_grad and (t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)):
-                _HooksWithoutGrad.hold(t)
             out.append(buf)
+        if None in buffers:
+            quiet = _hooked_without_grad(buffers, inputs)
+            if quiet:
+                _HooksWithoutGrad.hold(quiet)
         return out
 
     @staticmethod

@@ -17,6 +17,7 @@ from torch_training_shim import Block, TorchShim  # noqa: E402
 from test_torch_training import (  # noqa: E402,F401  the module's state besides its parameters, on real graphs
     test_a_generator_of_the_module_s_own_draws_as_in_eager,
     test_hooks_of_parameters_that_get_no_gradient_run_as_in_eager,
+    test_hooks_stay_as_in_eager_upstream_after_a_raising_backward_and_for_multi_grad_hooks,
     test_a_submodule_added_after_capture_has_its_training_flag_in_the_key,
     test_a_tensor_attribute_set_anew_is_read_as_eager_reads_it,
     test_a_tensor_attribute_the_forward_updates_in_place_is_updated_once_per_step,
