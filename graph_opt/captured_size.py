@@ -76,6 +76,8 @@ class CapturedSize:
             leaves = in_place(adapter, sig.in_place, dsts, leaves)
             if leaves is None:
                 return _MOVED
+        if sig.fed_back is not None and sig.mutated:
+            leaves = own_buffers(adapter, sig, dsts, leaves)
         # Every check before anything is written: a call refused here has written nothing.
         if self.copy_inputs:
             # The dtype check matters: copy_ would cast silently (torch) or fail inside the framework (Paddle).
@@ -89,7 +91,7 @@ class CapturedSize:
                 if adapter.data_ptr(src) != ptr or adapter.shape(src) != shape or adapter.dtype(src) != dtype \
                         or adapter.stride(src) != stride:
                     return _MISMATCH
-        if sig.mutated and aliased(adapter, sig, leaves, self.output_extents(adapter)):
+        if sig.mutated and aliased(adapter, sig, leaves, self.output_extents(adapter), dsts):
             return _ALIASED
         if self.host_values:
             for i, value in self.host_values:
@@ -176,10 +178,24 @@ def in_place(adapter, marked, dsts, leaves):
     return leaves if same is None else same
 
 
-def aliased(adapter, sig, leaves, outputs: Sequence[Tuple[int, int]] = ()) -> bool:
+def own_buffers(adapter, sig, dsts, leaves):
+    """`leaves` where an argument the forward writes is its static buffer's very memory (a view of it the
+    last replay returned, fed back: `x.add_(v); return x[:, :]` called as `x, _ = m(x, v)`) replaced by
+    that buffer: nothing is copied in for it and nothing written back, as the graph writes it in place."""
+    same = None
+    for i in sig.mutated:
+        if i not in sig.in_place and leaves[i] is not dsts[i] and same_memory(adapter, leaves[i], dsts[i]):
+            if same is None:
+                same = list(leaves)
+            same[i] = dsts[i]
+    return leaves if same is None else same
+
+
+def aliased(adapter, sig, leaves, outputs: Sequence[Tuple[int, int]] = (), dsts: Sequence[Any] = ()) -> bool:
     """Whether an argument the forward writes (sig.mutated) overlaps another argument in memory, itself
     (an expanded tensor: eager's write raises, and copying it back after the replay would too, once the
-    other arguments were written back), or, where it is copied back after the replay, an output
+    other arguments were written back), or, where it is copied back after the replay (it is not its static
+    buffer, `dsts`, itself), an output
     (`outputs`: their (start, end) bytes). Either way the graph's separate buffers would not see what eager
     sees. Two marked arguments may overlap: the graph reads both in place, as eager does."""
     spans = [adapter.extent(t) for t in leaves]
@@ -193,7 +209,7 @@ def aliased(adapter, sig, leaves, outputs: Sequence[Tuple[int, int]] = ()) -> bo
         for j, (a, b) in enumerate(spans):
             if j != i and a < end and start < b and not (i in marked and j in marked):
                 return True
-        if i not in marked and overlaps(outputs, spans[i]):
+        if i not in marked and (not dsts or leaves[i] is not dsts[i]) and overlaps(outputs, spans[i]):
             return True
     return False
 

@@ -468,6 +468,28 @@ def test_a_returned_view_of_an_input_fed_back_as_another_argument_is_read_before
     assert stats.replays == 8 and stats.fallbacks == 0, stats
 
 
+class _UpdatesAndReturnsView(Scaled):
+    def forward(self, x, v):
+        x.add_(0.1 * v)  # the state, updated in place and handed back as a view
+        return x[:, :], torch.tanh(self.lin(x))
+
+
+def test_a_state_written_in_place_and_returned_as_a_view_replays_when_fed_back(F, level):
+    """`x, v = m(x, v)`: from the second call x is a view of its own static buffer; the graph writes that
+    buffer in place, so nothing is copied in or back, and every call replays."""
+    m, twin = pair(F, _UpdatesAndReturnsView, level)
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), F.randn(n, HIDDEN, seed=n + 50)))
+    with torch.no_grad():
+        for real in (4, 3):
+            s = (F.randn(real, HIDDEN, seed=real), F.randn(real, HIDDEN, seed=real + 9))
+            t = (s[0].clone(), s[1].clone())
+            for step in range(4):
+                s, t = m(*s), twin(*t)
+                assert F.close(s[0], t[0]) and F.close(s[1], t[1]), f"step {step} of {real} rows"
+    stats = graph_opt.stats(m)
+    assert stats.replays == 8 and stats.fallbacks == 0, stats
+
+
 class _ReturnsInputAndView(Scaled):
     def forward(self, x):
         return self.lin(x), x, x[:, :2]
