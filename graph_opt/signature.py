@@ -8,6 +8,8 @@ arguments a level-0 replay cannot check, new values after capture. All of it is 
 from __future__ import annotations
 
 import enum
+import functools
+import types
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from . import output_layout
@@ -189,14 +191,17 @@ class SignatureChecks:
         user's state object). At level 0 the graph bakes whatever the forward read from them at capture,
         and they are compared by identity, so a call with the same object mutated would replay stale; at
         level >= 1 the framework guards what the forward reads from them. Plain values, containers,
-        dataclasses, enums, functions and the framework's dtypes and devices are fine."""
-        value_types = self.adapter.value_types
+        dataclasses, enums, functions and the framework's dtypes and devices are fine. A callable object
+        (an nn.Module, a logits processor) is an object: the forward may read its attributes."""
+        plain = _PLAIN + self.adapter.value_types
         found = []
         for path, leaf in self._named_leaves(spec):
             if leaf is TENSOR:
                 continue
             value = getattr(leaf, "value", getattr(leaf, "obj", None))
-            if not isinstance(value, _PLAIN + value_types) and not callable(value):
+            if isinstance(value, types.MethodType):
+                value = value.__self__  # a bound method reads its object
+            if not isinstance(value, plain + _CODE):
                 found.append(f"{path} (a {type(value).__name__})")
         return found
 
@@ -313,6 +318,8 @@ class SignatureChecks:
 
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, enum.Enum, type)
+_CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType,
+         types.MethodDescriptorType, functools.partial)
 
 
 def _opaque_message(opaque: List[str]) -> str:

@@ -816,9 +816,12 @@ def test_dataclasses_model_outputs_and_dict_subclasses_carry_every_call_s_tensor
     assert graph_opt.stats(m).replays == (0 if refused else 4)
 
 
-def test_an_object_argument_is_refused_at_level_0_and_guarded_at_level_1(F, M, level, logs):
+@pytest.mark.parametrize("callable_", [False, True], ids=["object", "callable-object"])
+def test_an_object_argument_is_refused_at_level_0_and_guarded_at_level_1(F, M, level, logs, callable_):
     m, twin = pair(F, M.TakesState, level)
     state = F.state_object()
+    if callable_:  # a logits processor or a module passed in: still an object whose attributes the forward reads
+        state.__class__ = type("State", (type(state),), {"__call__": lambda self, x: x})
     if level == 0:
         with F.graphs(), pytest.raises(graph_opt.GraphOptInputError, match=r"forward argument state \(a State\): at "
                                                                               r"graph_opt_level=0 a replay cannot see"):

@@ -343,12 +343,12 @@ def _guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook)
             ok = as_captured(holds, frame_locals)
         if ok:
             return None
-        return ("guard", _failed_guard(manager, frame_locals, trace_hook))
+        return ("guard", _failed_guard(manager, frame_locals, trace_hook, graph_fn.__globals__))
 
     return check
 
 
-def _failed_guard(manager, frame_locals, trace_hook) -> str:
+def _failed_guard(manager, frame_locals, trace_hook, f_globals) -> str:
     """The first failing guard, as Dynamo words it, with the model code it came from."""
     def verbose():
         saved = split._split_hook
@@ -362,11 +362,25 @@ def _failed_guard(manager, frame_locals, trace_hook) -> str:
         parts = as_captured(verbose)
     if not parts:
         return "a guard of the captured graph failed (Dynamo gave no detail)"
-    guard, _, where = parts[0].partition("#")
+    guard, _, where = _false_part(parts, frame_locals, f_globals).partition("#")
     guard = " ".join(guard.split())
     where = " ".join(where.split())
     return (f"Python state the forward read changed since capture: Dynamo's guard `{guard}` fails"
             + (f" (from: {where})" if where else ""))
+
+
+def _false_part(parts, frame_locals, f_globals) -> str:
+    """Of a failing guard's parts, the first that evaluates false: one guard may check many things (every
+    pair of objects that were one object at capture, each a part); else the first part."""
+    if len(parts) > 1:
+        scope = dict(getattr(torch._dynamo.guards, "_CLOSURE_VARS", {}), L=frame_locals, G=f_globals)
+        for part in parts:
+            try:
+                if not eval(part.partition("#")[0].strip(), scope):  # Dynamo's own guard expression
+                    return part
+            except Exception:  # a part that needs more than L and G: not the one to name
+                continue
+    return parts[0]
 
 
 def _in_replay_mode(state: GraphState, key, run):

@@ -528,3 +528,31 @@ def test_an_input_returned_at_the_smaller_sizes_only_is_the_caller_s_tensor(F, l
             assert h is h0 and F.close(h0, t0), f"step {step}"
     s = graph_opt.stats(m)
     assert s.replays == 4 and s.fallbacks == 0, s
+
+
+class _TiedHead(Scaled):
+    """Two weights that are one Parameter (tied embeddings) and one object under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.out.weight = self.lin.weight
+        self.cfg_a = self.cfg_b = types.SimpleNamespace(k=2.0)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(x))) * self.cfg_a.k + self.cfg_b.k
+
+
+def test_a_guard_of_many_parts_names_the_part_that_failed(F, logs):
+    """Untying the head after capture: Dynamo's one guard over every pair that was one object at capture
+    fails; the warning quotes the pair that changed, not the guard's first part."""
+    m, twin = pair(F, _TiedHead, 1)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with torch.no_grad():
+        untied = torch.nn.Parameter(m.lin.weight.detach() * 2)
+        m.out.weight = untied
+        twin.out.weight = torch.nn.Parameter(untied.detach().clone())
+        x = F.randn(3, HIDDEN, seed=1)
+        assert torch.equal(m(x), twin(x))
+    assert graph_opt.stats(m).fallback_reasons == {"guard": 1}
+    assert warned(logs, "_modules['lin']._parameters['weight'] is L['self']._modules['out']._parameters['weight']")
