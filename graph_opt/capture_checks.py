@@ -283,11 +283,13 @@ def _run(runner, sig, tensors):
     before = [adapter.version(t) for t in tensors]
     values = snapshot(adapter, tensors, sig.in_place)
     buffers = runner.model_state.buffer_versions()
+    buffer_values = buffer_snapshot(runner)
     args, kwargs = unflatten(sig.spec, tensors, template=sig.template)
     out = runner.eager(*args, **kwargs)
     sig.eager_writes.update(i for i, (t, v) in enumerate(zip(tensors, before)) if adapter.version(t) != v)
     sig.eager_writes.update(changed(adapter, tensors, values))
     sig.eager_buffer_writes.update(written(buffers, runner.model_state.buffer_versions()))
+    sig.eager_buffer_writes.update(buffers_changed(runner, buffer_values))
     return out
 
 
@@ -295,6 +297,25 @@ def snapshot(adapter, tensors, skip=frozenset()) -> list:
     """Copies of the tensors (None for those in `skip`): a write that their version counters do not
     show (Paddle's copy_ and set_value, torch's .data) is found by the values it changed."""
     return [None if i in skip else adapter.clone(t) for i, t in enumerate(tensors)]
+
+
+def buffer_snapshot(runner) -> Optional[list]:
+    """Copies of the model's buffers where the captured path may drop a write into one (level >= 1: Paddle's
+    SOT drops `self.cache[:b].set_value(new)`), and that write may not move the buffer's version counter (a
+    write through a view, Paddle's copy_ and set_value): it is found by the values it changed. Capture time
+    only; None at level 0, whose graphs record the plain forward's writes."""
+    if runner._replays_graphs_alone():
+        return None
+    clone = runner.adapter.clone
+    return [clone(t) for _, t in runner.model_state.buffers()]
+
+
+def buffers_changed(runner, copies: Optional[list]) -> set:
+    """Names of the buffers whose values differ from their buffer_snapshot()."""
+    if copies is None:
+        return set()
+    same = runner.adapter.same_values
+    return {name for (name, t), c in zip(runner.model_state.buffers(), copies) if not same(t, c)}
 
 
 def changed(adapter, tensors, copies) -> set:

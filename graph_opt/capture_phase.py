@@ -307,6 +307,7 @@ class CapturePhase:
                 versions = [adapter.version(t) for t in static]
                 values = capture_checks.snapshot(adapter, static, sig.in_place)
                 buffers = self.model_state.buffer_versions()
+                buffer_values = capture_checks.buffer_snapshot(self)
                 warm = None
                 for _ in range(self.config.cudagraph_num_of_warmups):
                     warm = self.strategy.warmup(args, kwargs, padded, sig)
@@ -314,6 +315,8 @@ class CapturePhase:
                 mutated |= capture_checks.changed(adapter, static, values)
                 del values
                 sig.static_buffer_writes |= capture_checks.written(buffers, self.model_state.buffer_versions())
+                sig.static_buffer_writes |= capture_checks.buffers_changed(self, buffer_values)
+                del buffer_values
                 # Before the capture, so that the first size already knows its outputs' batch dims
                 # (output sharing and host_outputs rings use them), and on the capture's branch.
                 expected = capture_checks.expect(self, sig, static, leaves, padded, warm)

@@ -82,6 +82,21 @@ def test_a_changed_attribute_runs_without_graphs_with_one_warning_then_replays_a
         assert graph_opt.stats(m).replays == replays + 1
 
 
+def test_a_parameter_set_to_none_after_capture_is_never_replayed(F, M, level, logs):
+    """`lin.bias = None` goes through no registration hook of torch's, and keeps the name registered in
+    Paddle: the graphs would add the old bias."""
+    m, twin = pair(F, M.Scaled, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    m.lin.bias = None
+    twin.lin.bias = None
+    x = F.randn(4, HIDDEN, seed=1)
+    with F.no_grad():
+        assert F.close(m(x), twin(x))
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.fallback_reasons == {"replaced": 1}, s
+    assert warned(logs, "lin.bias")
+
+
 def test_without_the_frameworks_guards_every_level_still_sees_the_models_attributes(F, M, level, logs):
     """guarded_replays: false skips Dynamo's / SOT's guards; the model's own attributes stay watched, as at level 0."""
     m, twin = pair(F, M.Scaled, level, config={"guarded_replays": False})

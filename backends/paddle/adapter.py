@@ -399,13 +399,19 @@ def _install_registration_counter() -> None:
     @functools.wraps(setattr_)
     def counted_setattr(self, name, value):
         setattr_(self, name, value)
-        if isinstance(value, (paddle.Tensor, layer)):
+        # A registered parameter, buffer or sublayer set to None (`lin.bias = None`) keeps its name there
+        if isinstance(value, (paddle.Tensor, layer)) or value is None and _registered(self, name):
             _registrations[0] += 1
 
     layer.__setattr__ = counted_setattr
-    count_calls(layer, ("add_parameter", "register_buffer", "add_sublayer"), _registrations)
+    count_calls(layer, ("add_parameter", "register_buffer", "add_sublayer", "__delattr__"), _registrations)
     count_calls(layer, ("_apply",), _conversions)
     _registration_counter_installed = True
+
+
+def _registered(layer, name: str) -> bool:
+    d = layer.__dict__
+    return any(name in (d.get(slot) or ()) for slot in ("_parameters", "_buffers", "_sub_layers"))
 
 
 _hook_changes = [0]  # Layer hooks registered or removed in this process

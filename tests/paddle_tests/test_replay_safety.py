@@ -12,7 +12,7 @@ paddle = pytest.importorskip("paddle")
 
 import graph_opt  # noqa: E402
 from replay_safety_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
-from replay_safety_kit import HIDDEN  # noqa: E402
+from replay_safety_kit import HIDDEN, pair, warned  # noqa: E402
 
 GLOBAL_SCALE = 1.0  # read by ScaledByGlobal.forward
 
@@ -598,3 +598,38 @@ def graphs(request):
 
 def test_a_decorated_submodule_fails_the_capture_clearly(F, M, logs):
     check_a_decorated_submodule_fails_the_capture_clearly(F, M, 1, logs)
+
+
+class _CacheWrittenThroughAView(paddle.nn.Layer):
+    """A decode step whose cache is a buffer, written through a slice: no version counter moves."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = paddle.nn.Linear(HIDDEN, HIDDEN)
+        self.out = paddle.nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("cache", paddle.zeros([8, 4, HIDDEN]))
+
+    def forward(self, x, pos):
+        b = x.shape[0]
+        onehot = paddle.nn.functional.one_hot(pos, 4).unsqueeze(-1)
+        self.cache[:b].set_value(self.cache[:b] * (1 - onehot) + onehot * self.kv(x).unsqueeze(1))
+        return self.out(self.cache[:b].sum(1))
+
+
+def test_a_buffer_written_through_a_view_is_written_by_every_call_or_the_capture_says_why(F, level, logs):
+    """Level 0 records the write; SOT's programs drop it (level 1), and the capture finds that by the
+    buffer's values and leaves the model to eager calls, with one warning naming the buffer."""
+    m, twin = pair(F, _CacheWrittenThroughAView, level)
+    with F.graphs():
+        report = graph_opt.capture_model(
+            m, lambda n: (F.randn(n, HIDDEN, seed=n), paddle.full([n], n % 4, "int64")), progress=False)
+        assert (report.failed is None) == (level == 0), report.failed
+        for model in (m, twin):
+            model.cache.set_value(paddle.zeros([8, 4, HIDDEN]))
+        with paddle.no_grad():
+            for step in range(4):
+                x, pos = F.randn(3, HIDDEN, seed=10 + step), paddle.full([3], step, "int64")
+                assert F.equal(m(x, pos), twin(x, pos)), f"step {step}"
+                assert F.equal(m.cache, twin.cache), f"step {step}: the cache"
+    assert graph_opt.stats(m).replays == (4 if level == 0 else 0)
+    assert level == 0 or warned(logs, "buffer 'cache'")
