@@ -192,16 +192,15 @@ class SignatureChecks:
         and they are compared by identity, so a call with the same object mutated would replay stale; at
         level >= 1 the framework guards what the forward reads from them. Plain values, containers,
         dataclasses, enums, functions and the framework's dtypes and devices are fine. A callable object
-        (an nn.Module, a logits processor) is an object: the forward may read its attributes."""
+        whose class defines __call__ in Python (an nn.Module, a logits processor) is an object: the forward
+        may read its attributes."""
         plain = _PLAIN + self.adapter.value_types
         found = []
         for path, leaf in self._named_leaves(spec):
             if leaf is TENSOR:
                 continue
             value = getattr(leaf, "value", getattr(leaf, "obj", None))
-            if isinstance(value, types.MethodType):
-                value = value.__self__  # a bound method reads its object
-            if not isinstance(value, plain + _CODE):
+            if _object_like(value, plain):
                 found.append(f"{path} (a {type(value).__name__})")
         return found
 
@@ -318,8 +317,21 @@ class SignatureChecks:
 
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, enum.Enum, type)
-_CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType,
-         types.MethodDescriptorType, functools.partial)
+
+
+def _object_like(value, plain) -> bool:
+    """Whether an argument's value is an object whose state the forward may read (see _opaque_arguments):
+    code (a function, a builtin, a C-level callable such as an lru_cache wrapper or a scripted function) is
+    not; a bound method or a partial is judged by what it binds."""
+    if isinstance(value, plain):
+        return False
+    if isinstance(value, types.MethodType):
+        return _object_like(value.__self__, plain)
+    if isinstance(value, functools.partial):
+        return any(_object_like(v, plain) for v in (value.func, *value.args, *value.keywords.values()))
+    if not callable(value):
+        return True
+    return isinstance(getattr(type(value), "__call__", None), types.FunctionType)
 
 
 def _opaque_message(opaque: List[str]) -> str:

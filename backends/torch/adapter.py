@@ -233,7 +233,9 @@ class TorchAdapter:
 
     # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
     static_reads_replaced_tensors = True  # level >= 1: a replaced parameter reaches the graph (dynamo.py)
-    value_types = (torch.dtype, torch.device, torch.layout, torch.memory_format)  # immutable non-tensor values
+    # immutable non-tensor values (an operator such as torch.ops.aten.relu.default is one)
+    value_types = (torch.dtype, torch.device, torch.layout, torch.memory_format, torch._ops.OpOverload,
+                   torch._ops.OpOverloadPacket)
     def module_dicts(self, model):
         return [(path, m.__dict__) for path, m in model.named_modules(remove_duplicate=False)]
 

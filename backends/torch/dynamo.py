@@ -358,11 +358,11 @@ def _failed_guard(manager, frame_locals, trace_hook, f_globals) -> str:
         finally:
             split._split_hook = saved
 
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():  # as the guards ran
         parts = as_captured(verbose)
-    if not parts:
-        return "a guard of the captured graph failed (Dynamo gave no detail)"
-    guard, _, where = _false_part(parts, frame_locals, f_globals).partition("#")
+        if not parts:
+            return "a guard of the captured graph failed (Dynamo gave no detail)"
+        guard, _, where = as_captured(_false_part, parts, frame_locals, f_globals).partition("#")
     guard = " ".join(guard.split())
     where = " ".join(where.split())
     return (f"Python state the forward read changed since capture: Dynamo's guard `{guard}` fails"

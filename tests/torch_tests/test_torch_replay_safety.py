@@ -1,6 +1,8 @@
 """Inference replays never silently wrong, on torch: tests/replay_safety_kit.py with simulated graphs
 on CPU, plus the torch-only cases (autocast, inference_mode, a replaced parameter at level 0)."""
 import collections
+import functools
+import operator
 import types
 
 import pytest
@@ -541,3 +543,49 @@ def test_a_guard_of_many_parts_names_the_part_that_failed(F, logs):
         assert torch.equal(m(x), twin(x))
     assert graph_opt.stats(m).fallback_reasons == {"guard": 1}
     assert warned(logs, "_modules['lin']._parameters['weight'] is L['self']._modules['out']._parameters['weight']")
+
+
+class _Applies(Scaled):
+    def forward(self, x, act):
+        return act(self.lin(x))
+
+
+class _Processor:
+    def __init__(self):
+        self.scale = 0.5
+
+    def __call__(self, t):
+        return t * self.scale
+
+
+def _plain_callables():
+    return {"function": torch.nn.functional.gelu, "builtin": torch.tanh, "lambda": lambda t: t * 2,
+            "partial": functools.partial(torch.softmax, dim=-1), "operator": torch.ops.aten.relu.default,
+            "packet": torch.ops.aten.relu, "methodcaller": operator.methodcaller("relu"),
+            "unbound": torch.Tensor.relu}
+
+
+def _object_callables():
+    proc = _Processor()
+    return {"object": proc, "module": torch.nn.Tanh(), "bound method": proc.__call__,
+            "partial of it": functools.partial(proc), "partial binding it": functools.partial(_Processor.__call__, proc)}
+
+
+@pytest.mark.parametrize("kind", sorted(_plain_callables()))
+def test_code_passed_as_an_argument_is_a_value_at_level_0(F, kind):
+    act = _plain_callables()[kind]
+    m, twin = pair(F, _Applies, 0)
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), act))
+    with torch.no_grad():
+        x = F.randn(3, HIDDEN, seed=1)
+        assert torch.equal(m(x, act), twin(x, act))
+    assert graph_opt.stats(m).replays == 1
+
+
+@pytest.mark.parametrize("kind", sorted(_object_callables()))
+def test_a_callable_object_passed_as_an_argument_is_refused_at_level_0(F, kind):
+    """Its attributes (a processor's scale) would be baked into the graph; a mutated one looks the same."""
+    act = _object_callables()[kind]
+    m, twin = pair(F, _Applies, 0)
+    with F.graphs(), pytest.raises(graph_opt.GraphOptInputError, match=r"forward argument act \(a "):
+        graph_opt.capture_model(m, lambda n: (F.randn(n, HIDDEN, seed=n), act), progress=False)
