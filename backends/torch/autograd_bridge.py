@@ -7,10 +7,12 @@ graph; this follows torch.cuda.make_graphed_callables, with the differences grap
 from __future__ import annotations
 
 import contextlib
-from typing import Dict
 
 import torch
 from torch.autograd.function import once_differentiable
+
+from . import grad_hooks
+from .grad_hooks import leaves_reached
 
 
 _data_ptr = torch.Tensor.data_ptr
@@ -37,133 +39,6 @@ def _accumulates(t) -> bool:
         return _will_run(torch.autograd.graph.get_gradient_edge(t).node)
     except RuntimeError:  # "... currently running autograd.grad()": nothing accumulates into .grad
         return False
-
-
-class _HooksWithoutGrad:
-    """Eager autograd never runs the hooks of a tensor that gets no gradient in a backward (a head the loss
-    leaves out, a parameter the forward does not use, the leaves behind an input only such a head reads).
-    Every tensor of a graphed block is an input of its one autograd node, and autograd runs the hooks of each
-    input of a node it reaches, and of what lies upstream, with None where the node returned no gradient.
-    For the rest of that backward such a tensor's hooks run only where a gradient came after all (from
-    another use of the tensor): tensor hooks on a defined gradient, post-accumulate-grad hooks after one was
-    accumulated. torch's register_multi_grad_hook(mode="all") counts the calls autograd will make: its hooks
-    keep being called."""
-
-    def __init__(self, t, task: int):
-        self.tensor, self.task = t, task
-        self.arrived = False
-        self.had_hooks = t._backward_hooks is not None
-        self.held = []  # (hooks dict, key, the user's hook)
-        self.handle = t.register_hook(self._note)  # after the user's: sees the gradient they made
-        for hooks, wrap in ((t._backward_hooks, _SkipNone), (t._post_accumulate_grad_hooks, _AfterArrival)):
-            for key, hook in list((hooks or {}).items()):
-                if key != self.handle.id and not getattr(hook, "__qualname__", "").startswith(_MULTI_GRAD):
-                    self.held.append((hooks, key, hook))
-                    hooks[key] = wrap(hook, self)
-
-    @classmethod
-    def hold(cls, tensors) -> None:
-        task = torch._C._current_graph_task_id()
-        for held in [h for h in _HELD.values() if h.task != task]:
-            held.release()  # a backward that raised never ended its hold
-        for t in tensors:
-            if id(t) not in _HELD:  # held already: the block ran twice in this forward
-                held = _HELD[id(t)] = cls(t, task)
-                torch.autograd.Variable._execution_engine.queue_callback(held.release)
-
-    def _note(self, g):
-        self.arrived = g is not None
-
-    def release(self) -> None:
-        if _HELD.get(id(self.tensor)) is not self:
-            return
-        del _HELD[id(self.tensor)]
-        for hooks, key, hook in self.held:
-            if key in hooks:  # not removed by its handle meanwhile
-                hooks[key] = hook
-        self.handle.remove()
-        t = self.tensor
-        if not self.had_hooks and not t._backward_hooks:
-            t._backward_hooks = None
-        self.tensor = None
-
-
-_HELD: Dict[int, _HooksWithoutGrad] = {}  # id(tensor) -> its hooks held until the backward that held them ends
-_MULTI_GRAD = "register_multi_grad_hook."
-
-
-class _SkipNone:
-    """A tensor hook run only on a defined gradient; saved (torch.save) as the hook itself."""
-
-    __slots__ = ("hook",)
-
-    def __init__(self, hook, held):
-        self.hook = hook
-
-    def __call__(self, g):
-        return None if g is None else self.hook(g)
-
-    def __reduce__(self):
-        return _itself, (self.hook,)
-
-
-class _AfterArrival:
-    """A post-accumulate-grad hook run only where a gradient was accumulated; saved as the hook itself."""
-
-    __slots__ = ("hook", "held")
-
-    def __init__(self, hook, held):
-        self.hook, self.held = hook, held
-
-    def __call__(self, t):
-        return self.hook(t) if self.held.arrived else None
-
-    def __reduce__(self):
-        return _itself, (self.hook,)
-
-
-def _itself(x):
-    return x
-
-
-def _hooked(t) -> bool:
-    return bool(t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None))
-
-
-def _hooked_without_grad(buffers, inputs) -> list:
-    """The tensors among `inputs` (and the leaves upstream of a non-leaf one) that get no gradient from
-    this backward (buffer None) and carry hooks."""
-    found = []
-    for buf, t in zip(buffers, inputs):
-        if buf is None and t.requires_grad:
-            if t.grad_fn is None:
-                if _hooked(t):
-                    found.append(t)
-            else:
-                found.extend(leaf for leaf in _leaves_reached([t.grad_fn])[0].values() if _hooked(leaf))
-    return found
-
-
-def _leaves_reached(roots, mark=None):
-    """({id: leaf} of the leaves requiring grad that the autograd graph from `roots` reaches, whether it
-    reaches a node older than `mark`, where the walk stops)."""
-    # Holds each node seen: a node's Python object is made anew on each access, and an id freed with it
-    # could come back for another node
-    stack, seen, found, older = list(roots), {}, {}, False
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        variable = getattr(node, "variable", None)
-        if variable is not None:  # AccumulateGrad: a leaf
-            found[id(variable)] = variable
-            continue
-        if mark is not None and node._sequence_nr() < mark:
-            older = True
-            continue
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return found, older
 
 
 class _ReplayStep(torch.autograd.Function):
@@ -258,7 +133,7 @@ class TorchAutogradBridge:
     @staticmethod
     def reached_from(outputs, leaves):
         """Per leaf: the indices of the outputs whose autograd graph reaches it."""
-        reached = [{id(o)} if o.grad_fn is None else _leaves_reached([o.grad_fn])[0].keys() for o in outputs]
+        reached = [{id(o)} if o.grad_fn is None else leaves_reached([o.grad_fn])[0].keys() for o in outputs]
         return [tuple(i for i, r in enumerate(reached) if id(t) in r) for t in leaves]
 
     def copy_detached(self, dst, src) -> None:
@@ -287,9 +162,7 @@ class TorchAutogradBridge:
                     buf = buf.clone()
             out.append(buf)
         if None in buffers:
-            quiet = _hooked_without_grad(buffers, inputs)
-            if quiet:
-                _HooksWithoutGrad.hold(quiet)
+            grad_hooks.hold_without_grad(buffers, inputs)
         return out
 
     @staticmethod
@@ -341,7 +214,7 @@ class TorchAutogradBridge:
         """(leaves, computed_outside): the leaves requiring grad that `outputs` depend on, other than
         `known` (inputs and parameters: {id: tensor}); and whether they depend on a tensor computed before
         the forward (a node older than `mark`)."""
-        found, outside = _leaves_reached([o.grad_fn for o in outputs if o.grad_fn is not None], mark)
+        found, outside = leaves_reached([o.grad_fn for o in outputs if o.grad_fn is not None], mark)
         return [t for i, t in found.items() if i not in known], outside
 
     @staticmethod

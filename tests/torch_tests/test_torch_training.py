@@ -771,4 +771,4 @@ def test_hooks_stay_as_in_eager_upstream_after_a_raising_backward_and_for_multi_
     assert graph_opt.stats(m).backward_replays >= 3
 
 
-_HOLDER_MODULE = "graph_opt.backends.torch.autograd_bridge"
+_HOLDER_MODULE = "graph_opt.backends.torch.grad_hooks"
