@@ -227,7 +227,8 @@ class GraphedBlock(ModuleWatch):
             self._reclaim()
         copy_ = self.adapter.copy_
         part = None
-        if graphs.reached_from is not None and None in grads:  # the loss left some outputs out
+        left_out = graphs.reached_from is not None and any(g is None for g in grads)  # not `None in`: == per tensor
+        if left_out:  # the loss left some outputs out
             used = tuple(g is not None for g in grads)
             part = graphs.partial[used] if used in graphs.partial else self._capture_partial(graphs, used)
         if part is not None:
@@ -245,7 +246,7 @@ class GraphedBlock(ModuleWatch):
                     copy_(buf, g)
             graphs.backward.replay()
             buffers = graphs.grad_buffers
-            if graphs.reached_from is not None and None in grads:  # that set's own capture failed
+            if left_out:  # that set's own capture failed
                 unused = [g is None for g in grads]
                 buffers = [None if b is None or all(unused[i] for i in outs) else b
                            for b, outs in zip(buffers, graphs.reached_from)]
