@@ -306,16 +306,15 @@ def buffer_snapshot(runner) -> Optional[list]:
     only; None at level 0, whose graphs record the plain forward's writes."""
     if runner._replays_graphs_alone():
         return None
-    clone = runner.adapter.clone
-    return [clone(t) for _, t in runner.model_state.buffers()]
+    return snapshot(runner.adapter, [t for _, t in runner.model_state.buffers()])
 
 
 def buffers_changed(runner, copies: Optional[list]) -> set:
     """Names of the buffers whose values differ from their buffer_snapshot()."""
     if copies is None:
         return set()
-    same = runner.adapter.same_values
-    return {name for (name, t), c in zip(runner.model_state.buffers(), copies) if not same(t, c)}
+    names, tensors = zip(*runner.model_state.buffers()) if copies else ((), ())
+    return {names[i] for i in changed(runner.adapter, tensors, copies)}
 
 
 def changed(adapter, tensors, copies) -> set:

@@ -167,24 +167,26 @@ class CapturedSize:
 def in_place(adapter, marked, dsts, leaves):
     """`leaves` where every marked one is the tensor its graph reads (a view of the very same memory counts
     as it, and is replaced by it: nothing is copied for it); None where one is not."""
-    same = None
-    for i in marked:
-        if leaves[i] is not dsts[i]:
-            if not same_memory(adapter, leaves[i], dsts[i]):
-                return None
-            if same is None:
-                same = list(leaves)
-            same[i] = dsts[i]
-    return leaves if same is None else same
+    return _as_buffers(adapter, marked, (), dsts, leaves, required=True)
 
 
 def own_buffers(adapter, sig, dsts, leaves):
     """`leaves` where an argument the forward writes is its static buffer's very memory (a view of it the
     last replay returned, fed back: `x.add_(v); return x[:, :]` called as `x, _ = m(x, v)`) replaced by
     that buffer: nothing is copied in for it and nothing written back, as the graph writes it in place."""
+    return _as_buffers(adapter, sig.mutated, sig.in_place, dsts, leaves, required=False)
+
+
+def _as_buffers(adapter, indices, skip, dsts, leaves, required: bool):
+    """`leaves` with each one at `indices` (not in `skip`) that reads exactly what its static buffer does
+    replaced by that buffer; None where `required` and one does not."""
     same = None
-    for i in sig.mutated:
-        if i not in sig.in_place and leaves[i] is not dsts[i] and same_memory(adapter, leaves[i], dsts[i]):
+    for i in indices:
+        if i not in skip and leaves[i] is not dsts[i]:
+            if not same_memory(adapter, leaves[i], dsts[i]):
+                if required:
+                    return None
+                continue
             if same is None:
                 same = list(leaves)
             same[i] = dsts[i]

@@ -19,7 +19,8 @@ from .pytree import flatten, unflatten
 class SharedOutputs:
     """Where one size's outputs go: views of a larger size's outputs, leaf by leaf where they fit."""
 
-    def __init__(self, adapter, larger_outputs, padded: int, usable: Optional[list] = None, inputs=()):
+    def __init__(self, adapter, larger_outputs, padded: int, usable: Optional[list] = None, inputs=(),
+                 reserved=()):
         self.adapter = adapter
         # The size's own static inputs: an output that is one of them stays itself (a replay hands out
         # the caller's tensor there, captured_size.returned_inputs), not a copy in another size's storage.
@@ -29,6 +30,10 @@ class SharedOutputs:
         # Per leaf: whether the larger output is owned (a leaf held only through a non-owning alias is
         # pool memory other graphs use, and must not be written).
         self.usable = usable if usable is not None and len(usable) == len(self.targets) else [True] * len(self.targets)
+        if reserved:
+            # A larger output over `reserved` memory ((start, end) bytes: static input buffers, as where the
+            # forward returns an input or a view of one) is no storage: a copy into it would write the input.
+            self.usable = [ok and not overlaps(reserved, adapter.extent(t)) for ok, t in zip(self.usable, self.targets)]
         self.shared = [False] * len(self.targets)  # per leaf: redirect() moved it into a larger output
 
     def redirect(self, outputs):
@@ -87,15 +92,8 @@ def for_size(adapter, sig, padded: int, inputs=()) -> Optional[SharedOutputs]:
     if larger is None:
         return None
     layout = sig.layout
-    outputs = sig.entries[larger].captured.outputs
     usable = [d == 0 for d in layout.dims] if layout.known else None
-    if sig.fed_back is not None:
-        # An output that is an input's static buffer (the forward returns an input) is no storage to
-        # copy other sizes' outputs into: the copy would write the input buffer.
-        leaves = flatten(outputs, adapter.is_tensor)[0]
-        usable = usable if usable is not None and len(usable) == len(leaves) else [True] * len(leaves)
-        usable = [ok and not overlaps(sig.fed_back, adapter.extent(t)) for ok, t in zip(usable, leaves)]
-    return SharedOutputs(adapter, outputs, padded, usable, inputs)
+    return SharedOutputs(adapter, sig.entries[larger].captured.outputs, padded, usable, inputs, sig.fed_back or ())
 
 
 def shares_storage(adapter, a: Any, b: Any) -> bool:

@@ -26,7 +26,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ...captured_size import overlaps
 from ...errors import ReplayDivergence
 from ...output_sharing import SharedOutputs
 from ...pytree import flatten, unflatten
@@ -243,15 +242,10 @@ class CapturablePiece:
         larger = self.entries.get(state.share_key) if state.share_key is not None else None
         if larger is None or larger.owned is None or not any(larger.owned):
             return None
-        # An output that is a view of one of the piece's inputs (`return y, x[:, :]`) is that input's
-        # memory, a static buffer: a copy into it would write the input.
-        adapter = self.adapter
-        inputs = [adapter.extent(t) for t in larger.captured]
-        leaves = flatten(larger.outputs, adapter.is_tensor)[0]
-        usable = [ok and not overlaps(inputs, adapter.extent(t)) for ok, t in zip(larger.owned, leaves)]
-        if not any(usable):
-            return None
-        return SharedOutputs(adapter, larger.outputs, state.padded, usable)
+        # An output that is a view of one of the piece's inputs (`return y, x[:, :]`) is that input's memory
+        reserved = [self.adapter.extent(t) for t in larger.captured]
+        share = SharedOutputs(self.adapter, larger.outputs, state.padded, larger.owned, reserved=reserved)
+        return share if any(share.usable) else None
 
     def _land(self, index: int, fresh: torch.Tensor) -> torch.Tensor:
         """A view with fresh's shape and strides over this input's landing buffer, holding fresh's values.
