@@ -436,13 +436,9 @@ def test_a_written_argument_that_is_expanded_raises_as_in_eager_and_is_written_o
     assert s.replays == 0 and s.fallback_reasons == {"aliased": 1} and state_of(m).runner.disabled_reason is None
 
 
-class _StepsView(Scaled):
-    def forward(self, x, x_prev):
-        return 2.0 * x - x_prev + 0.01 * self.lin(x), x[:, :]  # a view of the input, not the input
-
-
-def test_a_returned_view_of_an_input_fed_back_as_another_argument_is_read_before_any_copy(F, level):
-    m, twin = pair(F, _StepsView, level)
+def _steps_feeding_outputs_back(F, cls, level):
+    """`s = m(*s)` four steps at 4 and at 3 rows against the twin; every call replays."""
+    m, twin = pair(F, cls, level)
     capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), F.randn(n, HIDDEN, seed=n + 50)))
     with torch.no_grad():
         for real in (4, 3):
@@ -453,6 +449,15 @@ def test_a_returned_view_of_an_input_fed_back_as_another_argument_is_read_before
                 assert F.close(s[0], t[0]) and F.close(s[1], t[1]), f"step {step} of {real} rows"
     stats = graph_opt.stats(m)
     assert stats.replays == 8 and stats.fallbacks == 0, stats
+
+
+class _StepsView(Scaled):
+    def forward(self, x, x_prev):
+        return 2.0 * x - x_prev + 0.01 * self.lin(x), x[:, :]  # a view of the input, not the input
+
+
+def test_a_returned_view_of_an_input_fed_back_as_another_argument_is_read_before_any_copy(F, level):
+    _steps_feeding_outputs_back(F, _StepsView, level)
 
 
 class _UpdatesAndReturnsView(Scaled):
@@ -464,17 +469,7 @@ class _UpdatesAndReturnsView(Scaled):
 def test_a_state_written_in_place_and_returned_as_a_view_replays_when_fed_back(F, level):
     """`x, v = m(x, v)`: from the second call x is a view of its own static buffer; the graph writes that
     buffer in place, so nothing is copied in or back, and every call replays."""
-    m, twin = pair(F, _UpdatesAndReturnsView, level)
-    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), F.randn(n, HIDDEN, seed=n + 50)))
-    with torch.no_grad():
-        for real in (4, 3):
-            s = (F.randn(real, HIDDEN, seed=real), F.randn(real, HIDDEN, seed=real + 9))
-            t = (s[0].clone(), s[1].clone())
-            for step in range(4):
-                s, t = m(*s), twin(*t)
-                assert F.close(s[0], t[0]) and F.close(s[1], t[1]), f"step {step} of {real} rows"
-    stats = graph_opt.stats(m)
-    assert stats.replays == 8 and stats.fallbacks == 0, stats
+    _steps_feeding_outputs_back(F, _UpdatesAndReturnsView, level)
 
 
 class _ReturnsInputAndView(Scaled):
