@@ -18,6 +18,10 @@ from .passes import KNOWN_PASSES
 from .sizes import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
 
 NESTED_KEY = "graph_opt_config"
+_UNSET = object()
+# A captured size has static buffers of that many rows and a slot in the padding table: above this, a
+# typo (10**15), not a batch.
+MAX_SIZE_LIMIT = 1 << 20
 
 
 @dataclass
@@ -69,6 +73,29 @@ class GraphOptConfig:
         if isinstance(self.cudagraph_splitting_ops, tuple):
             self.cudagraph_splitting_ops = list(self.cudagraph_splitting_ops)
         validate(self)
+        object.__setattr__(self, "_validated", True)
+
+    def __setattr__(self, name, value):
+        # A field set after construction is validated as the constructor validates it; a bad value is
+        # refused and the config keeps its old one.
+        if name == "sources" or not self.__dict__.get("_validated"):
+            object.__setattr__(self, name, value)
+            return
+        old, old_source = self.__dict__.get(name, _UNSET), self.sources.get(name)
+        object.__setattr__(self, name, list(value) if isinstance(value, tuple) else value)
+        self.sources[name] = "set after construction"
+        try:
+            validate(self)
+        except GraphOptConfigError:
+            if old is _UNSET:
+                object.__delattr__(self, name)
+            else:
+                object.__setattr__(self, name, old)
+            if old_source is None:
+                self.sources.pop(name, None)
+            else:
+                self.sources[name] = old_source
+            raise
 
     # -- derived values -------------------------------------------------------------------------
     @property
@@ -164,7 +191,10 @@ def read_yaml(path: str, via: str = "") -> Mapping[str, Any]:
         raise GraphOptConfigError(f"config file {path!r} is not a file{via}: expected the path of a YAML file")
     with open(path, encoding="utf-8") as fh:
         try:
-            data = yaml.safe_load(fh)
+            data = yaml.load(fh, Loader=_loader())
+        except UnicodeDecodeError as exc:
+            raise GraphOptConfigError(f"config file {path!r}{via} is not UTF-8 text ({exc.reason} at byte "
+                                      f"{exc.start}): expected a YAML mapping of graph_opt_config keys") from None
         except yaml.YAMLError as exc:
             raise GraphOptConfigError(
                 f"config file {path!r}{via} is not valid YAML (expected a mapping of graph_opt_config keys): {exc}"
@@ -177,6 +207,25 @@ def read_yaml(path: str, via: str = "") -> Mapping[str, Any]:
             f"graph_opt_config keys (bare or nested under {NESTED_KEY}:)"
         )
     return data
+
+
+@functools.lru_cache(maxsize=None)
+def _loader():
+    """yaml's SafeLoader, except that a key given twice in one mapping is an error, not the last one winning."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, str) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return Loader
 
 
 def _unwrap(data: Mapping[str, Any], source: str) -> Mapping[str, Any]:
@@ -245,6 +294,9 @@ def validate(cfg: GraphOptConfig) -> None:
         fail("cudagraph_num_of_warmups", "must be an integer >= 0")
     if cfg.max_capture_size is not None and (not _is_int(cfg.max_capture_size) or cfg.max_capture_size < 1):
         fail("max_capture_size", "must be a positive integer, or null to derive it")
+    if cfg.max_capture_size is not None and cfg.max_capture_size > MAX_SIZE_LIMIT:
+        fail("max_capture_size", f"must be at most {MAX_SIZE_LIMIT} (every captured size has static buffers of that "
+                                 "many rows)")
     sizes = cfg.cudagraph_capture_sizes
     if sizes is not None:
         if not isinstance(sizes, list) or not sizes:
@@ -252,6 +304,8 @@ def validate(cfg: GraphOptConfig) -> None:
         for s in sizes:
             if not _is_int(s) or s < 1:
                 fail("cudagraph_capture_sizes", f"every size must be a positive integer, got {s!r}")
+            if s > MAX_SIZE_LIMIT:
+                fail("cudagraph_capture_sizes", f"every size must be at most {MAX_SIZE_LIMIT}, got {s!r}")
         dupes = sorted({s for s in sizes if sizes.count(s) > 1})
         if dupes:
             fail("cudagraph_capture_sizes", f"sizes must be unique, {dupes[0]} appears more than once")
@@ -276,6 +330,10 @@ def validate(cfg: GraphOptConfig) -> None:
 
 def load_config(path: Optional[str] = None, *, environ: Optional[Mapping[str, str]] = None, **overrides) -> GraphOptConfig:
     """Effective config: defaults < YAML (path or GRAPH_OPT_CONFIG) < overrides < GRAPH_OPT_* env."""
+    return _load(path, environ, overrides, "keyword argument", "kwargs")
+
+
+def _load(path, environ, overrides: Mapping[str, Any], where: str, source: str) -> GraphOptConfig:
     environ = os.environ if environ is None else environ
     env.apply_log_level(environ)
     values: Dict[str, Any] = {}
@@ -288,10 +346,10 @@ def load_config(path: Optional[str] = None, *, environ: Optional[Mapping[str, st
         for key, value in data.items():
             values[key] = _copy_value(value)
             sources[key] = label
-    _check_keys(overrides, "keyword argument")
+    _check_keys(overrides, where)
     for key, value in overrides.items():
         values[key] = _copy_value(value)
-        sources[key] = "kwargs"
+        sources[key] = source
     for key, (value, var) in env.config_overrides(environ).items():
         values[key] = value
         sources[key] = f"env:{var}"
@@ -333,10 +391,10 @@ def resolve(value) -> GraphOptConfig:
     """Accept what a user may pass as graph_opt_config=: a config, a dict, a YAML path or None."""
     if value is None:
         return load_config()
-    if isinstance(value, GraphOptConfig):
-        return with_env(value)
+    if isinstance(value, GraphOptConfig):  # the model's own copy: a later change to value is not the model's
+        return with_env(_build(value.to_dict(), value.sources))
     if isinstance(value, Mapping):
-        return load_config(**_unwrap(value, "graph_opt_config"))
+        return _load(None, None, _unwrap(value, NESTED_KEY), f"{NESTED_KEY} dict", "dict")
     if isinstance(value, (str, os.PathLike)):
         return load_config(os.fspath(value))
     raise GraphOptConfigError(

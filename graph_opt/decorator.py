@@ -259,6 +259,35 @@ def _check_dynamic_arg_dims(cls, dynamic_arg_dims) -> Optional[Dict[str, int]]:
     return dict(dynamic_arg_dims)
 
 
+def _check_same_options(cls, options: Dict[str, Any]) -> None:
+    """Decorating a decorated class again is a no-op, unless it asks for other options: those would be lost."""
+    had = cls.__graph_opt_options__
+    differ = [name for name, value in options.items() if had[name] != value]
+    if differ:
+        was = ", ".join(f"{name}={had[name]!r}" for name in differ)
+        now = ", ".join(f"{name}={options[name]!r}" for name in differ)
+        raise GraphOptConfigError(
+            f"@support_graph_optimization({now}) on {cls.__qualname__}: the class is already decorated with {was}; "
+            "decorate it once, with all its options")
+
+
+def _check_no_own_call(cls) -> None:
+    """The decorator replaces __call__ to dispatch each call to a graph: a __call__ of the user's own, on the
+    class or a base below the framework's module class, would silently stop running."""
+    for klass in cls.__mro__:
+        own = klass.__dict__.get("__call__")
+        if own is None:
+            continue
+        if hasattr(own, "_graph_opt_orig_call") or klass.__module__.split(".")[0] in ("torch", "paddle"):
+            return  # the framework's, or a decorated base's (checked when it was decorated)
+        where = inspect.getsourcefile(own) if inspect.isfunction(own) else None
+        line = f" ({where}:{own.__code__.co_firstlineno})" if where else ""
+        raise TypeError(
+            f"@support_graph_optimization on {cls.__qualname__}: {klass.__qualname__} defines __call__{line}, which "
+            "the decorator replaces to send each call to a graph, so its code would never run. Move that code into "
+            "forward, or into a module that calls the decorated one")
+
+
 def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str, int]] = None,
                                host_outputs: Optional[Sequence[str]] = None, host_ring_depth: int = 2,
                                dispatch_key_fn: Optional[Callable[..., str]] = None,
@@ -307,7 +336,10 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
             f"@support_graph_optimization(host_ring_depth={host_ring_depth!r}) on {cls.__qualname__}: "
             "host_ring_depth sizes the rings of host_outputs; name the outputs too (host_outputs=[...])")
     if cls.__dict__.get("__graph_opt_decorated__"):
+        _check_same_options(cls, dict(dynamic_arg_dims=dims, pad_values=pads, host_outputs=host_outputs,
+                                      host_ring_depth=host_ring_depth, dispatch_key_fn=dispatch_key_fn))
         return cls
+    _check_no_own_call(cls)
     orig_init = cls.__init__
     # A subclass of a decorated class inherits the plugin's __call__ and __setattr__: wrap the
     # framework's own, or a call would go plugin -> "original" (the base's plugin call) -> plugin ...
@@ -364,6 +396,8 @@ def state_of(model) -> GraphOptState:
     state = getattr(model, "__dict__", {}).get(_STATE_ATTR)
     if state is not None and state.model is not model:
         state = _state_for_call(model)  # a shallow copy: its own state, not the original's
+    if state is None and isinstance(model, type):
+        raise TypeError(f"got the class {model.__name__}, not a model: pass an instance ({model.__name__}(...))")
     if state is None:
         raise TypeError(
             f"{type(model).__name__} is not graph-optimized: decorate its class with @graph_opt.support_graph_optimization "

@@ -14,17 +14,25 @@ from .cudagraph_modes import CUDAGRAPH_MODES
 from .errors import GraphOptConfigError
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_FALSE = {"0", "false", "no", "off"}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def parse_bool(name: str, raw: str) -> bool:
     value = raw.strip().lower()
+    if not value:  # a setting left empty is more likely a mistake than "false"
+        raise GraphOptConfigError(f"{name} is set but empty: expected a boolean (1/0, true/false, yes/no, on/off), "
+                                  "or unset it for the config's value")
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
     raise GraphOptConfigError(f"{name}={raw!r}: expected a boolean (1/0, true/false, yes/no, on/off)")
+
+
+def parse_switch(name: str, raw: str) -> bool:
+    """A process-wide switch: empty means off, as for an unset one."""
+    return bool(raw.strip()) and parse_bool(name, raw)
 
 
 def parse_int(name: str, raw: str) -> int:
@@ -85,7 +93,7 @@ class EnvVar:
 
 ENV_VARS = (
     EnvVar("GRAPH_OPT_CONFIG", None, parse_path, "YAML file with the graph_opt_config (bare or nested)"),
-    EnvVar("GRAPH_OPT_DISABLE", None, parse_bool, "kill switch: models run plain eager, nothing is captured"),
+    EnvVar("GRAPH_OPT_DISABLE", None, parse_switch, "kill switch: models run plain eager, nothing is captured"),
     EnvVar("GRAPH_OPT_LEVEL", "graph_opt_level", parse_int, "graph_opt_level: 0, 1 or 2 for eager, static, static+compiler"),
     EnvVar("GRAPH_OPT_USE_CUDAGRAPH", "use_cudagraph", parse_bool, "use_cudagraph"),
     EnvVar("GRAPH_OPT_FULL_CUDA_GRAPH", "full_cuda_graph", parse_bool, "full_cuda_graph"),
@@ -101,7 +109,7 @@ ENV_VARS = (
            "cudagraph_max_signatures, a positive integer"),
     EnvVar("GRAPH_OPT_GUARDED_REPLAYS", "guarded_replays", parse_bool, "guarded_replays"),
     EnvVar("GRAPH_OPT_LOG_LEVEL", None, parse_log_level, "level of the 'graph_opt' logger (DEBUG..CRITICAL)"),
-    EnvVar("GRAPH_OPT_SIMULATE_CUDAGRAPH", None, parse_bool, "replay host stand-in graphs where CUDA graphs are unavailable"),
+    EnvVar("GRAPH_OPT_SIMULATE_CUDAGRAPH", None, parse_switch, "replay host stand-in graphs where CUDA graphs are unavailable"),
 )
 ENV_BY_NAME = {var.name: var for var in ENV_VARS}
 

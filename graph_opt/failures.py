@@ -54,6 +54,8 @@ _FRAME_TEXT = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n[ \t]*([^\n]*)'
 # CUDA's advice for kernel errors, which a refused capture is not
 _BOILERPLATE = re.compile(r"^(CUDA kernel errors might be asynchronously reported|For debugging consider passing|"
                           r"Compile with `TORCH_USE_CUDA_DSA`).*\n?", re.M)
+_FRAMES = re.compile(r'\s*(File "|\S+Error: )')  # a paragraph of traceback frames, or one error line
+_APOLOGY = re.compile(r"^Sorry about what's happened\.\s*")  # SOT's preamble
 _ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", re.M)
 
 
@@ -81,6 +83,10 @@ def describe(exc: BaseException) -> str:
         errors = _ERROR_LINE.findall(message)
         if errors:
             first = f"{first} {errors[-1][0]}: {errors[-1][1].strip()}"
+        if first.endswith(":"):  # that error a header too ("ValueError: In transformed code:"): the text after
+            prose = [p.strip() for p in message.split("\n\n")[1:] if not _FRAMES.match(p)]
+            if prose:
+                first = f"{first} {_APOLOGY.sub('', prose[-1])}"
     text = f"{type(exc).__name__}: {first if len(first) <= 800 else first[:800] + ' ...'}"
     origin = origin_of(exc)
     if origin is not None:

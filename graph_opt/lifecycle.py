@@ -30,7 +30,15 @@ _ACCEPTS = "a dict of forward's arguments, a tuple of positional arguments, or o
 
 def _inputs_for(state: GraphOptState, make_inputs, size: int):
     """(args, kwargs) from make_inputs(size), checked against forward's signature before anything runs."""
-    inputs = make_inputs(size)
+    try:
+        inputs = make_inputs(size)
+    except Exception as exc:
+        runner = state.runner
+        kept = sorted(runner.captured_sizes()) if runner is not None else []
+        raise GraphOptInputError(
+            f"{state.name}: make_inputs({size}) raised {type(exc).__name__}: {exc}. "
+            + (f"Sizes captured before it stay captured ({kept}); " if kept else "Nothing was captured; ")
+            + "fix make_inputs and call capture_model again") from exc
     forward = inspect.signature(state.forward_fn)
     shown = f"{state.name}.forward({', '.join(list(forward.parameters)[1:])})"
     if inputs is None:

@@ -98,6 +98,11 @@ def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Option
     if framework == "paddle" and level:
         raise GraphOptInputError(_PADDLE_LEVEL.format(level=level))
     if framework is not None:
+        if getattr(type(target), "__graph_opt_decorated__", False):
+            raise GraphOptInputError(
+                f"autocudagraph(target): {type(target).__qualname__} is decorated with @support_graph_optimization, "
+                "whose calls go to its inference graphs and never reach the forward autocudagraph would graph. "
+                "Wrap a submodule (autocudagraph(model.inner)), or an instance of an undecorated class")
         if _STATE_ATTR in target.__dict__:
             raise GraphOptInputError(
                 f"autocudagraph(target): this {type(target).__name__} instance is already graphed; "

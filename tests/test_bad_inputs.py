@@ -199,6 +199,49 @@ row("yaml-bad-value", None, lambda c: GraphOptConfig.from_yaml(c.yaml("graph_opt
 row("yaml-unknown-key", None, lambda c: load_config(c.yaml("graph_opt_config:\n  levle: 1\n")), GraphOptConfigError,
     "unknown key 'levle'", "allowed keys are graph_opt_level")
 
+row("yaml-not-utf8", None, lambda c: GraphOptConfig.from_yaml(c.yaml("graph_opt_level: 1\n") and _latin1(c)),
+    GraphOptConfigError, "latin1.yaml' is not UTF-8 text", "expected a YAML mapping of graph_opt_config keys")
+row("yaml-key-twice", None, lambda c: GraphOptConfig.from_yaml(c.yaml("graph_opt_level: 1\ngraph_opt_level: 2\n")),
+    GraphOptConfigError, "cfg.yaml' is not valid YAML", "key 'graph_opt_level' appears twice in one mapping")
+row("kwargs-max-size-absurd", None, lambda c: GraphOptConfig(max_capture_size=10**15), GraphOptConfigError,
+    "max_capture_size=1000000000000000", "must be at most 1048576")
+row("kwargs-size-absurd", None, lambda c: GraphOptConfig(cudagraph_capture_sizes=[1, 2**21]), GraphOptConfigError,
+    "cudagraph_capture_sizes=[1, 2097152]", "every size must be at most 1048576")
+
+
+def _set_field(name, value):
+    def action(c):
+        cfg = c.state["cfg"] = GraphOptConfig(graph_opt_level=1, cudagraph_capture_sizes=[1, 2, 4])
+        setattr(cfg, name, value)
+    return action
+
+
+def _kept(name, value):
+    # The bad value was refused whole: the config keeps its old value and still validates.
+    def after(c):
+        cfg = c.state["cfg"]
+        assert getattr(cfg, name) == value and cfg.sources.get(name) != "set after construction"
+        cfg.graph_opt_level = 2  # a good value is taken, and said where it came from
+        assert cfg.graph_opt_level == 2 and cfg.sources["graph_opt_level"] == "set after construction"
+    return after
+
+
+# ... a field set on a GraphOptConfig after it was made: validated as at construction
+row("set-level-7", None, _set_field("graph_opt_level", 7), GraphOptConfigError,
+    "graph_opt_level=7 (from set after construction)", "must be 0 (eager), 1 (static) or 2",
+    after=_kept("graph_opt_level", 1))
+row("set-mode-typo", None, _set_field("cudagraph_mode", "fulll"), GraphOptConfigError,
+    "cudagraph_mode='fulll'", "'full', 'piecewise', 'full_and_piecewise'", after=_kept("cudagraph_mode", None))
+row("set-max-below-sizes", None, _set_field("max_capture_size", 2), GraphOptConfigError,
+    "size 4 is above max_capture_size=2", "cudagraph_capture_sizes", after=_kept("max_capture_size", None))
+
+
+def _latin1(c):
+    path = c.tmp_path / "latin1.yaml"
+    path.write_bytes("# caf\xe9\ngraph_opt_level: 1\n".encode("latin-1"))
+    return str(path)
+
+
 # Every GRAPH_OPT_* variable with a bad value (load_config reads and checks them all).
 BOOL = "expected a boolean (1/0, true/false, yes/no, on/off)"
 for var, value, fragments in [
@@ -208,6 +251,8 @@ for var, value, fragments in [
     ("GRAPH_OPT_LEVEL", "abc", ("GRAPH_OPT_LEVEL='abc': expected an integer", "0, 1 or 2")),
     ("GRAPH_OPT_LEVEL", "3", ("graph_opt_level=3 (from env:GRAPH_OPT_LEVEL)", "must be 0 (eager), 1 (static) or 2")),
     ("GRAPH_OPT_USE_CUDAGRAPH", "2", ("GRAPH_OPT_USE_CUDAGRAPH='2'", BOOL)),
+    ("GRAPH_OPT_USE_CUDAGRAPH", "", ("GRAPH_OPT_USE_CUDAGRAPH is set but empty", "unset it for the config's value")),
+    ("GRAPH_OPT_FULL_CUDA_GRAPH", " ", ("GRAPH_OPT_FULL_CUDA_GRAPH is set but empty", BOOL)),
     ("GRAPH_OPT_FULL_CUDA_GRAPH", "yep", ("GRAPH_OPT_FULL_CUDA_GRAPH='yep'", BOOL)),
     ("GRAPH_OPT_CUDAGRAPH_MODE", "both", ("GRAPH_OPT_CUDAGRAPH_MODE='both'", "full, piecewise, full_and_piecewise")),
     ("GRAPH_OPT_CAPTURE_SIZES", "1,x", ("GRAPH_OPT_CAPTURE_SIZES='1,x'", "comma-separated list of integers, e.g. '1,2,4,8'")),
@@ -281,7 +326,23 @@ for fw in ("torch", "paddle"):
         GraphOptConfigError, "pad_values=[-1]", "a non-empty dict of forward argument name -> the number")
     row(f"{fw}-graph-opt-config-int", fw, lambda c: c.fw.model_class()(graph_opt_config=42), GraphOptConfigError,
         "graph_opt_config must be", "a GraphOptConfig, a dict or a YAML path, got int")
+    row(f"{fw}-class-with-own-call", fw, lambda c: graph_opt.support_graph_optimization(
+            type("Own", (c.fw.Base,), {"forward": lambda self, x: x, "__call__": lambda self, x: x + 1})),
+        TypeError, "Own defines __call__", "Move that code into forward")
+    row(f"{fw}-inherits-a-call-of-its-own", fw, lambda c: graph_opt.support_graph_optimization(
+            type("Sub", (type("Base", (c.fw.Base,), {"__call__": lambda self, x: x + 1}),), {"forward": lambda self, x: x})),
+        TypeError, "on Sub: Base defines __call__", "Move that code into forward")
+    row(f"{fw}-redecorated-with-other-options", fw,
+        lambda c: graph_opt.support_graph_optimization(pad_values={"x": -1})(c.fw.model_class()), GraphOptConfigError,
+        "@support_graph_optimization(pad_values={'x': -1}) on", "already decorated with pad_values=None")
+    row(f"{fw}-autocudagraph-on-decorated", fw, lambda c: graph_opt.autocudagraph(c.fw.model()), GraphOptInputError,
+        "is decorated with @support_graph_optimization", "Wrap a submodule")
     # capture_model misuse
+    row(f"{fw}-capture-model-of-a-class", fw, lambda c: graph_opt.capture_model(c.fw.model_class(), lambda bs: None),
+        TypeError, "got the class One, not a model", "pass an instance (One(...))")
+    row(f"{fw}-make-inputs-raises-at-a-smaller-size", fw,
+        _capture_with(lambda f: (lambda bs: {"x": f.randn(bs, HIDDEN)} if bs == 4 else {}["x"])), GraphOptInputError,
+        "make_inputs(2) raised KeyError: 'x'", "Sizes captured before it stay captured ([4])", after=_recaptures())
     row(f"{fw}-make-inputs-not-callable", fw, _capture_with(lambda f: {"x": f.randn(4, HIDDEN)}), TypeError,
         "capture_model(make_inputs=...) must be a callable size -> inputs", "got dict")
     row(f"{fw}-make-inputs-returns-none", fw, _capture_with(lambda f: (lambda bs: None)), GraphOptInputError,

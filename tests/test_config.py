@@ -249,3 +249,23 @@ def test_simulate_variable_turns_simulation_on():
     with testing.simulate_cuda_graphs():
         assert testing.simulation_enabled()
     assert not testing.simulation_enabled()
+
+
+def test_a_model_keeps_its_own_copy_of_a_config_object():
+    from graph_opt.config import resolve
+
+    cfg = GraphOptConfig(graph_opt_level=1, cudagraph_capture_sizes=[1, 2])
+    mine = resolve(cfg)  # what a model built with graph_opt_config=cfg holds
+    cfg.use_cudagraph = False  # for the next model
+    cfg.cudagraph_capture_sizes.append(4)
+    assert mine is not cfg and mine.use_cudagraph is True and mine.cudagraph_capture_sizes == [1, 2]
+    assert mine.sources["graph_opt_level"] == "GraphOptConfig()" and mine == GraphOptConfig(graph_opt_level=1,
+                                                                                               cudagraph_capture_sizes=[1, 2])
+
+
+def test_a_dict_config_says_it_came_from_a_dict():
+    from graph_opt.config import resolve
+
+    assert resolve({"graph_opt_level": 1}).sources["graph_opt_level"] == "dict"
+    with pytest.raises(GraphOptConfigError, match="graph_opt_config dict: unknown key 'levle'"):
+        resolve({"levle": 1})

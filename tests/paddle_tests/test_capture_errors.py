@@ -59,3 +59,33 @@ def test_a_training_capture_failure_names_the_model_line():
     x.stop_gradient = False
     assert bool((f(x) == lin(x)).all())
     assert graph_opt.stats(f).disabled_reason.endswith(WHERE)
+
+
+class WritesAViewedBuffer(paddle.nn.Layer):
+    """paddle.assign into a buffer from slices of itself: SOT refuses it with a message of nested headers."""
+
+    def __init__(self, graph_opt_config=None):
+        super().__init__()
+        self.lin = paddle.nn.Linear(8, 8)
+        self.register_buffer("cache", paddle.zeros([4, 8]))
+
+    def forward(self, x):
+        b = x.shape[0]
+        rows = self.cache[:b] + self.lin(x)
+        paddle.assign(paddle.concat([rows, self.cache[b:]]) if b < 4 else rows, self.cache)
+        return self.cache[:b] * 2
+
+
+def test_a_sot_refusal_under_nested_headers_keeps_paddle_s_sentence():
+    # SOT's message is "In simulate execution:", then "ValueError: In transformed code:", then a traceback,
+    # then Paddle's reason: the reason must reach the warning, not the two headers alone.
+    cls = graph_opt.support_graph_optimization(type("Graphed", (WritesAViewedBuffer,), {}))
+    m = cls(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=1, cudagraph_capture_sizes=[2, 4]))
+    graph_opt.capture_model(m, lambda n: (paddle.randn([n, 8]),), progress=False)
+    reason = graph_opt.stats(m).disabled_reason
+    assert reason is not None and "assign_out_" in reason and "Sorry" not in reason, reason
+    twin = WritesAViewedBuffer()
+    twin.set_state_dict(m.state_dict())
+    x = paddle.randn([3, 8])
+    with paddle.no_grad():
+        assert bool((m(x) == twin(x)).all()) and bool((m.cache == twin.cache).all())  # eager, right
