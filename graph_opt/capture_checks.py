@@ -29,6 +29,7 @@ from typing import Any, List, Optional, Tuple
 from . import output_layout
 from .captured_size import _MISMATCH, _MOVED
 from .errors import CaptureError
+from .host_outputs import HostRingFull
 from .pytree import TENSOR, flatten, leaf_paths, unflatten
 
 logger = logging.getLogger("graph_opt")
@@ -115,6 +116,8 @@ def _validate(runner, sig, entry, leaves: List, expected) -> None:
     state = _state(runner, sig, leaves)
     try:
         got = _check_replay(adapter, entry, small, rows)  # as a call of `rows` rows: copied in, padded, replayed, cut
+    except HostRingFull:  # the caller holds every slot unread: its next call would say the same
+        raise
     except Exception as exc:  # the calls will meet it too (GraphRunner._replay_failed); padded ones need not
         why = f"the replay of size {padded} for a call of {rows} rows raised {type(exc).__name__}: {exc}"
         sig.block(why)
@@ -225,13 +228,20 @@ def _from_one_state(runner, sig, entry, inputs, rows: int, state) -> Optional[Li
 def _check_replay(adapter, entry, leaves, rows: int):
     """A replay of `entry` as a call of `rows` rows would make, for a check: its outputs, or None where
     the graph cannot take these inputs. Not counted as a call."""
+    ring = entry.copies.owner if entry.copies is not None else None
+    if ring is not None:
+        slot, holders = ring.slot, ring.holders[ring.slot]
     with adapter.no_grad():  # as replays run
         got = entry.run(adapter, leaves, rows)
     if got is _MISMATCH or got is _MOVED:
         return None
-    if entry.copies is not None:
-        entry.copies.owner.replays -= 1  # this check's replay is not a call: host_copies_in_graph counts calls
-        _read_futures(got)  # frees their ring slot for the calls to come
+    if ring is not None:
+        # Not a call: host_copies_in_graph counts calls, and the ring slot it wrote is the next call's, as
+        # before, so a caller one step behind (depth 2, one future unread) never finds its slot taken.
+        ring.replays -= 1
+        _read_futures(got)
+        ring.slot, ring.holders[slot] = slot, holders
+        adapter.set_slot(ring.counter, slot)
     return got
 
 

@@ -77,13 +77,15 @@ class GraphOptConfig:
 
     def __setattr__(self, name, value):
         # A field set after construction is validated as the constructor validates it; a bad value is
-        # refused and the config keeps its old one.
+        # refused and the config keeps its old one. `sources` is replaced, never changed in place: a
+        # copy (copy.copy, dataclasses.replace) may share it.
         if name == "sources" or not self.__dict__.get("_validated"):
             object.__setattr__(self, name, value)
             return
-        old, old_source = self.__dict__.get(name, _UNSET), self.sources.get(name)
+        _check_keys([name], "GraphOptConfig")
+        old, old_sources = self.__dict__.get(name, _UNSET), self.sources
         object.__setattr__(self, name, list(value) if isinstance(value, tuple) else value)
-        self.sources[name] = "set after construction"
+        object.__setattr__(self, "sources", {**old_sources, name: "set after construction"})
         try:
             validate(self)
         except GraphOptConfigError:
@@ -91,11 +93,13 @@ class GraphOptConfig:
                 object.__delattr__(self, name)
             else:
                 object.__setattr__(self, name, old)
-            if old_source is None:
-                self.sources.pop(name, None)
-            else:
-                self.sources[name] = old_source
+            object.__setattr__(self, "sources", old_sources)
             raise
+
+    def __delattr__(self, name):
+        if self.__dict__.get("_validated") and name in _FIELDS:
+            raise GraphOptConfigError(f"GraphOptConfig.{name} cannot be deleted; set it to a value it accepts")
+        object.__delattr__(self, name)
 
     # -- derived values -------------------------------------------------------------------------
     @property
@@ -172,6 +176,9 @@ def field_names() -> List[str]:
     return [f.name for f in dataclasses.fields(GraphOptConfig) if f.name != "sources"]
 
 
+_FIELDS = frozenset(field_names())
+
+
 def _copy_value(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
@@ -218,6 +225,8 @@ def _loader():
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: merged keys may be overridden
+                    continue
                 key = self.construct_object(key_node, deep=True)
                 if isinstance(key, str) and key in seen:
                     raise yaml.constructor.ConstructorError(

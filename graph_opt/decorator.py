@@ -262,13 +262,25 @@ def _check_dynamic_arg_dims(cls, dynamic_arg_dims) -> Optional[Dict[str, int]]:
 def _check_same_options(cls, options: Dict[str, Any]) -> None:
     """Decorating a decorated class again is a no-op, unless it asks for other options: those would be lost."""
     had = cls.__graph_opt_options__
-    differ = [name for name, value in options.items() if had[name] != value]
+    # Only what this decoration asks for: a bare @support_graph_optimization asks for nothing.
+    asked = {name: value for name, value in options.items() if value != _DEFAULT_OPTIONS[name]}
+    differ = [name for name, value in asked.items() if not _same_option(had[name], value)]
     if differ:
         was = ", ".join(f"{name}={had[name]!r}" for name in differ)
         now = ", ".join(f"{name}={options[name]!r}" for name in differ)
         raise GraphOptConfigError(
             f"@support_graph_optimization({now}) on {cls.__qualname__}: the class is already decorated with {was}; "
             "decorate it once, with all its options")
+
+
+_DEFAULT_OPTIONS = dict(dynamic_arg_dims=None, pad_values=None, host_outputs=None, host_ring_depth=2,
+                        dispatch_key_fn=None)
+
+
+def _same_option(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return a == b or repr(a) == repr(b)  # {'x': nan} twice
 
 
 def _check_no_own_call(cls) -> None:
@@ -278,8 +290,9 @@ def _check_no_own_call(cls) -> None:
         own = klass.__dict__.get("__call__")
         if own is None:
             continue
-        if hasattr(own, "_graph_opt_orig_call") or klass.__module__.split(".")[0] in ("torch", "paddle"):
-            return  # the framework's, or a decorated base's (checked when it was decorated)
+        defined_in = getattr(own, "__module__", None) or klass.__module__
+        if hasattr(own, "_graph_opt_orig_call") or defined_in.split(".")[0] in ("torch", "paddle"):
+            return  # the framework's (`__call__ = nn.Module.__call__` too), or a decorated base's (checked then)
         where = inspect.getsourcefile(own) if inspect.isfunction(own) else None
         line = f" ({where}:{own.__code__.co_firstlineno})" if where else ""
         raise TypeError(

@@ -58,7 +58,10 @@ def parse_int_list(name: str, raw: str) -> list:
 
 def parse_str_list(name: str, raw: str) -> list:
     items = [item.strip() for item in raw.split(",")]
-    if raw.strip() and any(not item for item in items):
+    if not raw.strip():
+        raise GraphOptConfigError(f"{name} is set but empty: expected a comma-separated list of names, or unset "
+                                  "it for the config's value")
+    if any(not item for item in items):
         raise GraphOptConfigError(f"{name}={raw!r}: expected a comma-separated list of names with no empty entries")
     return [item for item in items if item]
 

@@ -41,6 +41,8 @@ class GraphedBlock(ModuleWatch):
         self.max_graphs = max_graphs
         self.disabled = env.disabled()
         self.framework = framework
+        # (is a compiler tracing now, dispatch hidden from it): see __call__
+        self.tracing, self.opaque = backends.tracing_hooks(framework, self.dispatch)
         self.bridge = None
         self.adapter = None
         self.keys: Dict[Any, KeyState] = {}
@@ -103,8 +105,17 @@ class GraphedBlock(ModuleWatch):
 
     # -- the call ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if self.disabled:
+        # Inside the capture phase of a model decorated for inference (this block a submodule of it), or its
+        # host stand-in's replay: that graph records the eager forward, as a graph cannot capture another.
+        if self.disabled or guards.is_capturing():
             return self.call(*args, **kwargs)
+        if self.tracing is not None and self.tracing():
+            # A compiler traces a model around this block (torch.compile, a decorated model's level >= 1):
+            # it breaks its graph here and calls the block, which replays graphs of its own.
+            return self.opaque(*args, **kwargs)
+        return self.dispatch(*args, **kwargs)
+
+    def dispatch(self, *args, **kwargs):
         if self.bridge is None:
             self._bind(args, kwargs)
         bridge = self.bridge

@@ -95,6 +95,27 @@ def test_level_1_copies_in_a_graph_after_the_forwards(H):
     assert stats.host_copies_in_graph == 4 and stats.host_copies_streamed == 0
 
 
+def test_a_capture_while_a_step_is_unread_leaves_the_caller_s_slots_alone(H):
+    # A capture checks each size's padded calls with a replay of its own. That replay is not a call: the
+    # ring slot the caller's next step writes stays the next one, so a loop one step behind (depth 2) goes
+    # on after clear_graphs() and capture_model(), and padded calls keep replaying.
+    model, twin = H.model(host_outputs=["next_tokens"]), H.model()
+    first = H.state(3, seed=1)
+    pending = model(first)  # launched, not read
+    graph_opt.clear_graphs(model)
+    report = graph_opt.capture_model(model, lambda bs: H.state(bs, seed=bs), progress=False)
+    assert report.failed is None and graph_opt.stats(model).captured_sizes == [1, 2, 4, 8]
+    before = graph_opt.stats(model)
+    for step, batch in enumerate((5, 3, 7, 3)):
+        state = H.state(batch, seed=20 + step)
+        launched = model(state)  # then the step before is read: one step of lag
+        assert np.array_equal(pending["next_tokens"].result(), H.numpy(twin(first)["next_tokens"])), step
+        pending, first = launched, state
+    assert np.array_equal(pending["next_tokens"].result(), H.numpy(twin(first)["next_tokens"]))
+    stats = graph_opt.stats(model)
+    assert stats.replays == before.replays + 4 and stats.fallbacks == before.fallbacks, stats
+
+
 @pytest.mark.parametrize("in_graph", [True, False], ids=["in_graph", "streamed"])
 def test_a_ring_too_shallow_for_the_readers_lag_is_an_error_not_stale_data(H, in_graph, monkeypatch):
     if not in_graph:  # as on a device that cannot write pinned memory from a graph (Paddle on a GPU)

@@ -232,6 +232,11 @@ row("set-level-7", None, _set_field("graph_opt_level", 7), GraphOptConfigError,
     after=_kept("graph_opt_level", 1))
 row("set-mode-typo", None, _set_field("cudagraph_mode", "fulll"), GraphOptConfigError,
     "cudagraph_mode='fulll'", "'full', 'piecewise', 'full_and_piecewise'", after=_kept("cudagraph_mode", None))
+row("set-unknown-attribute", None, _set_field("graph_opt_levl", 1), GraphOptConfigError,
+    "GraphOptConfig: unknown key 'graph_opt_levl'", "did you mean 'graph_opt_level'?",
+    after=lambda c: c.state["cfg"].__dict__.get("graph_opt_levl") is None or pytest.fail("stored"))
+row("delete-a-field", None, lambda c: delattr(GraphOptConfig(), "graph_opt_level"), GraphOptConfigError,
+    "GraphOptConfig.graph_opt_level cannot be deleted", "set it to a value it accepts")
 row("set-max-below-sizes", None, _set_field("max_capture_size", 2), GraphOptConfigError,
     "size 4 is above max_capture_size=2", "cudagraph_capture_sizes", after=_kept("max_capture_size", None))
 
@@ -260,6 +265,7 @@ for var, value, fragments in [
     ("GRAPH_OPT_MAX_CAPTURE_SIZE", "big", ("GRAPH_OPT_MAX_CAPTURE_SIZE='big'", "a positive integer")),
     ("GRAPH_OPT_NUM_WARMUPS", "-1", ("(from env:GRAPH_OPT_NUM_WARMUPS)", "must be an integer >= 0")),
     ("GRAPH_OPT_SPLITTING_OPS", "a,,b", ("GRAPH_OPT_SPLITTING_OPS='a,,b'", "comma-separated list of names with no empty")),
+    ("GRAPH_OPT_SPLITTING_OPS", "", ("GRAPH_OPT_SPLITTING_OPS is set but empty", "unset it for the config's value")),
     ("GRAPH_OPT_USE_UNIQUE_MEMORY_POOL", "sure", ("GRAPH_OPT_USE_UNIQUE_MEMORY_POOL='sure'", BOOL)),
     ("GRAPH_OPT_COPY_INPUTS", "nah", ("GRAPH_OPT_COPY_INPUTS='nah'", BOOL)),
     ("GRAPH_OPT_MAX_SIGNATURES", "many", ("GRAPH_OPT_MAX_SIGNATURES='many'", "a positive integer")),

@@ -269,3 +269,23 @@ def test_a_dict_config_says_it_came_from_a_dict():
     assert resolve({"graph_opt_level": 1}).sources["graph_opt_level"] == "dict"
     with pytest.raises(GraphOptConfigError, match="graph_opt_config dict: unknown key 'levle'"):
         resolve({"levle": 1})
+
+
+def test_yaml_anchors_and_merge_keys_load_and_a_merged_key_may_be_overridden(tmp_path):
+    path = write(tmp_path, "base: &base\n  graph_opt_level: 1\n  cudagraph_capture_sizes: [1, 2]\n"
+                           "graph_opt_config:\n  <<: *base\n  graph_opt_level: 2\n")
+    from graph_opt.config import read_yaml
+
+    assert dict(read_yaml(path)["graph_opt_config"]) == {"graph_opt_level": 2, "cudagraph_capture_sizes": [1, 2]}
+
+
+def test_a_copy_of_a_config_has_its_own_sources():
+    import copy
+    import dataclasses
+
+    cfg = GraphOptConfig()
+    for twin in (dataclasses.replace(cfg), copy.copy(cfg)):
+        twin.full_cuda_graph = True
+        assert "full_cuda_graph" not in cfg.sources
+    cfg.cudagraph_mode = "piecewise"  # cfg never set full_cuda_graph: no disagreement with a copy's
+    assert cfg.graph_mode == "piecewise"

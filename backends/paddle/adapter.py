@@ -224,6 +224,19 @@ class PaddleAdapter:
             return None
         return (str(level), str(tracer._amp_dtype))
 
+    @staticmethod
+    def math_mode_counter() -> list:
+        """Paddle's math-mode flags (paddle.set_flags) are not watched: a count that never moves."""
+        return _NEVER
+
+    @staticmethod
+    def math_mode():
+        return None
+
+    @staticmethod
+    def describe_math_mode(was, now) -> str:
+        return "unknown"
+
     def describe_ambient(self, ambient) -> str:
         if not ambient:
             return "no auto_cast"
@@ -352,6 +365,9 @@ class PaddleAdapter:
     def advance_slot(self, counter, depth: int) -> None:
         counter.copy_((counter + 1) % depth, False)
 
+    def set_slot(self, counter, slot: int) -> None:
+        counter.fill_(slot)
+
     def new_event(self, like):
         return paddle.device.cuda.Event() if like.place.is_gpu_place() else None
 
@@ -387,6 +403,7 @@ class PaddleAdapter:
 _registrations = [0]  # tensors or layers set on a Layer, in this process
 _conversions = [0]  # calls of Layer._apply in this process
 _registration_counter_installed = False
+_NEVER = [0]
 
 
 def _install_registration_counter() -> None:

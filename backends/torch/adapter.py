@@ -24,6 +24,7 @@ import torch
 from torch.nn.modules import module as _module_mod
 
 from ...static_address import MARK
+from . import math_mode
 from .module_counters import (
     _conversions, _hook_changes, _install_conversion_counter, _install_hook_counter, _install_mode_counter,
     _install_registration_hooks, _mode_changes, _registrations, module_fingerprint,
@@ -224,6 +225,17 @@ class TorchAdapter:
         return tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
                      if torch.is_autocast_enabled(device)) + ((("default dtype", default),) if default is not _float32 else ())
 
+    @staticmethod
+    def math_mode_counter() -> list:
+        """[count] that setting TF32, reduced-precision reductions or deterministic algorithms bumps."""
+        return math_mode.counter()
+
+    math_mode = staticmethod(math_mode.now)
+
+    @staticmethod
+    def describe_math_mode(was, now) -> str:
+        return math_mode.describe(was, now)
+
     def describe_ambient(self, ambient) -> str:
         if not ambient:
             return "no autocast"
@@ -415,6 +427,9 @@ class TorchAdapter:
 
     def advance_slot(self, counter, depth: int) -> None:
         counter.add_(1).remainder_(depth)
+
+    def set_slot(self, counter, slot: int) -> None:
+        counter.fill_(slot)
 
     def new_event(self, like):
         return torch.cuda.Event() if like.is_cuda else None

@@ -11,7 +11,7 @@ import contextlib
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import grad_hooks
+from . import grad_hooks, math_mode
 from .grad_hooks import leaves_reached
 
 
@@ -41,6 +41,9 @@ def _accumulates(t) -> bool:
         return False
 
 
+_math_changes = math_mode.counter()
+
+
 class _ReplayStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block, graphs, *tensors):
@@ -54,6 +57,9 @@ class _ReplayStep(torch.autograd.Function):
 
 class TorchAutogradBridge:
     def __init__(self):
+        self._math_seen = -1
+        self._math_id = 0  # the math mode's number: 0 for the first seen (math_mode.py)
+        self._math_ids = {}
         self._tensor = torch.Tensor
 
     # -- tensors ---------------------------------------------------------------------------------
@@ -321,10 +327,15 @@ class TorchAutogradBridge:
 
     # -- autocast and random state ---------------------------------------------------------------
     def amp_state(self):
+        """Autocast, and the math mode (TF32, reduced-precision reductions, deterministic algorithms: a
+        graph replays the kernels chosen at its capture), for the dispatch key."""
+        if _math_changes[0] != self._math_seen:
+            self._math_seen = _math_changes[0]
+            self._math_id = self._math_ids.setdefault(math_mode.now(), len(self._math_ids))
         if not _any_autocast():  # one call on the common path instead of four
-            return None
+            return self._math_id or None
         return (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
-                torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+                torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), self._math_id)
 
     @contextlib.contextmanager
     def amp_cache_disabled(self):

@@ -366,7 +366,8 @@ def _failed_guard(manager, frame_locals, trace_hook, f_globals) -> str:
     guard = " ".join(guard.split())
     where = " ".join(where.split())
     return (f"Python state the forward read changed since capture: Dynamo's guard `{guard}` fails"
-            + (f" (from: {where})" if where else ""))
+            + (f" (from: {where})" if where else "")
+            + ". Replays resume when it holds again; to keep the change, clear_graphs() and capture_model() again")
 
 
 def _false_part(parts, frame_locals, f_globals) -> str:

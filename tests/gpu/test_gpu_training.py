@@ -22,6 +22,9 @@ from test_torch_training import (  # noqa: E402,F401  the module's state besides
     test_a_tensor_attribute_set_anew_is_read_as_eager_reads_it,
     test_a_tensor_attribute_the_forward_updates_in_place_is_updated_once_per_step,
     test_tensor_attributes_the_forward_binds_itself_keep_the_graphs,
+    test_a_submodule_trains_with_graphs_while_its_decorated_model_serves_with_graphs,
+    test_torch_compile_around_a_block_breaks_its_graph_there_and_the_block_replays,
+    test_a_math_mode_change_between_steps_gets_a_graph_of_its_own,
 )
 
 

@@ -47,6 +47,47 @@ def test_autocast_is_part_of_what_a_replay_must_match(F, level, logs):
     assert warned(logs, "autocast") or warned(logs, "GLOBAL_STATE")
 
 
+def _math_mode_changes():
+    """(what changes the math mode, what sets it back): torch's legacy setters only, since once the newer
+    fp32_precision API is used the legacy getters raise for the rest of the process."""
+    cuda, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    return [
+        ("allow_tf32", lambda: setattr(cuda, "allow_tf32", not cuda.allow_tf32),
+         functools.partial(setattr, cuda, "allow_tf32", cuda.allow_tf32)),
+        ("set_float32_matmul_precision", lambda: torch.set_float32_matmul_precision("high"),
+         functools.partial(torch.set_float32_matmul_precision, torch.get_float32_matmul_precision())),
+        ("cudnn.allow_tf32", lambda: setattr(cudnn, "allow_tf32", not cudnn.allow_tf32),
+         functools.partial(setattr, cudnn, "allow_tf32", cudnn.allow_tf32)),
+        ("bf16 reduction", lambda: setattr(cuda, "allow_bf16_reduced_precision_reduction", False),
+         functools.partial(setattr, cuda, "allow_bf16_reduced_precision_reduction",
+                           cuda.allow_bf16_reduced_precision_reduction)),
+        ("deterministic", lambda: torch.use_deterministic_algorithms(True),
+         functools.partial(torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled())),
+    ]
+
+
+@pytest.mark.parametrize("level", [0, 1], ids=["level0", "level1"])
+def test_a_math_mode_changed_after_capture_is_not_replayed(F, level, logs):
+    # A graph replays the kernels its capture chose: TF32 or not, reduced-precision reductions or not.
+    m, twin = pair(F, Scaled, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    with torch.no_grad():
+        for name, change, restore in _math_mode_changes():
+            before = graph_opt.stats(m)
+            try:
+                change()
+                assert torch.equal(m(x), twin(x))
+                assert graph_opt.stats(m).fallbacks == before.fallbacks + 1, name
+            finally:
+                restore()
+            assert torch.equal(m(x), twin(x)) and graph_opt.stats(m).replays == before.replays + 1, name
+        with torch.backends.cudnn.flags(enabled=not torch.backends.cudnn.enabled):  # a context manager too
+            m(x)
+        assert graph_opt.stats(m).fallback_reasons["ambient"] == 6
+    assert warned(logs, "the math mode changed since capture")
+
+
 @pytest.mark.parametrize("level", [0, 1], ids=["level0", "level1"])
 def test_a_capture_under_inference_mode_replays_under_no_grad(F, level):
     m, twin = pair(F, Scaled, level)

@@ -772,3 +772,108 @@ def test_hooks_stay_as_in_eager_upstream_after_a_raising_backward_and_for_multi_
 
 
 _HOLDER_MODULE = "graph_opt.backends.torch.grad_hooks"
+
+
+# -- a training block inside a model decorated for inference, or inside torch.compile ---------------------
+class _Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.inner, self.head = torch.nn.Linear(4, 8), _Inner(), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.inner(self.emb(x)))
+
+
+def _train_both(m, ref, device, steps=4):
+    opts = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (m, ref)]
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, t = torch.randn(4, 4, generator=g).to(device), torch.randn(4, 2, generator=g).to(device)
+        for model, opt in zip((m, ref), opts):
+            opt.zero_grad()
+            ((model(x) - t) ** 2).mean().backward()
+            opt.step()
+    for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), f"{name} differs by {(p - q).abs().max().item()}"
+
+
+@pytest.mark.parametrize("level", [0, 1])
+@pytest.mark.parametrize("wrap_first", [True, False])
+def test_a_submodule_trains_with_graphs_while_its_decorated_model_serves_with_graphs(device, level, wrap_first):
+    # The decorated model's capture records the submodule's eager forward (a graph cannot capture another);
+    # its training calls (no graphs: autograd on) reach the block, which captures and replays its own.
+    with _graphs(device):
+        torch.manual_seed(0)
+        m = graph_opt.support_graph_optimization(type("Served", (_Outer,), {}))(
+            graph_opt_config={"graph_opt_level": level, "cudagraph_capture_sizes": [1, 2, 4, 8]}).to(device)
+        ref = _Outer().to(device)
+        ref.load_state_dict(m.state_dict())
+
+        def capture():
+            report = graph_opt.capture_model(m.eval(), lambda bs: torch.randn(bs, 4, device=device), progress=False)
+            assert report.failed is None, report.failed
+
+        if wrap_first:
+            graph_opt.autocudagraph(m.inner)
+            capture()
+        else:
+            capture()
+            graph_opt.autocudagraph(m.inner)
+            if level:  # Dynamo's guards see the forward the block installed: capture again to serve with it
+                graph_opt.clear_graphs(m)
+                capture()
+        m.train(), ref.train()
+        _train_both(m, ref, device)
+        block = graph_opt.stats(m.inner)
+        assert block.captures == 1 and block.replays >= 2 and block.fallbacks == 0, block
+        m.eval(), ref.eval()
+        before = graph_opt.stats(m).replays
+        with torch.no_grad():
+            for bs in range(1, 9):
+                x = torch.randn(bs, 4, device=device)
+                assert torch.allclose(m(x), ref(x), rtol=1e-5, atol=1e-5)
+        assert graph_opt.stats(m).replays == before + 8, graph_opt.stats(m)
+
+
+def test_torch_compile_around_a_block_breaks_its_graph_there_and_the_block_replays(device):
+    with _graphs(device):
+        torch.manual_seed(0)
+        m, ref = _Outer().to(device), _Outer().to(device)
+        ref.load_state_dict(m.state_dict())
+        graph_opt.autocudagraph(m.inner)
+        compiled = torch.compile(m, backend="eager")
+        _train_both(compiled, ref, device)
+        block = graph_opt.stats(m.inner)
+        assert block.captures == 1 and block.replays >= 2 and block.fallbacks == 0, block
+
+
+def test_a_math_mode_change_between_steps_gets_a_graph_of_its_own(device):
+    # TF32 on or off picks other kernels: a graph captured in one mode never replays in the other.
+    with _graphs(device):
+        torch.manual_seed(0)
+        ref = _Inner().to(device)
+        m = graph_opt.autocudagraph(copy.deepcopy(ref))
+        cuda = torch.backends.cuda.matmul
+        was = cuda.allow_tf32
+        try:
+            for step in range(6):
+                cuda.allow_tf32 = step >= 3
+                x = torch.randn(4, 8, device=device)
+                for model in (m, ref):
+                    model.zero_grad()
+                    model(x).square().mean().backward()
+                for p, q in zip(m.parameters(), ref.parameters()):
+                    assert torch.equal(p.grad, q.grad)
+        finally:
+            cuda.allow_tf32 = was
+        s = graph_opt.stats(m)
+        assert s.keys == 2 and s.captures == 2 and s.fallbacks == 0, s

@@ -1,0 +1,102 @@
+"""The math mode torch's CUDA kernels run in: TF32 for float32 matmuls and convolutions, reduced-precision
+reductions in half-precision matmuls, deterministic algorithms, cuDNN on or off. A graph replays the
+kernels its capture chose, so a replay must run in the mode of its capture (graph_opt.replay_guards).
+
+Reading every flag costs about 0.5 us, too much for every replay. Every Python way of setting one goes
+through a torch._C setter looked up at call time (torch.backends.cuda.matmul, set_float32_matmul_precision,
+use_deterministic_algorithms, torch.backends.cudnn.flags()) or a descriptor of torch.backends.cudnn
+that holds one: both are wrapped to bump a counter, and a replay reads the flags again only after
+a bump. Not seen: a C++ extension setting them through ATen directly. cudnn.benchmark is not part of it:
+it picks among algorithms of one precision.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+_SETTERS = ("_set_cublas_allow_tf32", "_set_cudnn_allow_tf32", "_set_float32_matmul_precision",
+            "_set_fp32_precision_setter", "_set_cublas_allow_fp16_reduced_precision_reduction",
+            "_set_cublas_allow_bf16_reduced_precision_reduction", "_set_cublas_allow_fp16_accumulation",
+            "_set_deterministic_algorithms", "_set_cudnn_enabled", "_set_cudnn_deterministic")
+_PROPS = {"cudnn": ("enabled", "deterministic", "allow_tf32", "fp32_precision")}
+
+_changes: List[int] = [0]
+_reads: List[Tuple[str, Callable]] = []
+
+
+def counter() -> List[int]:
+    """[count] that every setter of a math-mode flag bumps, process-wide."""
+    if not _reads:
+        _install()
+    return _changes
+
+
+def now() -> Tuple:
+    """The flags as they are: one value per read (an unreadable one, such as a legacy getter after the new
+    API was used, reads as its error's type)."""
+    if not _reads:
+        _install()
+    values = []
+    for _, read in _reads:
+        try:
+            values.append(read())
+        except Exception as exc:  # torch refuses some getters after a mix of its two TF32 APIs
+            values.append(type(exc).__name__)
+    return tuple(values)
+
+
+def describe(was: Tuple, is_: Tuple) -> str:
+    changed = [f"{label} {new!r} (captured under {old!r})" for (label, _), old, new in zip(_reads, was, is_) if old != new]
+    return ", ".join(changed) or "unknown"
+
+
+def _tf32(legacy: str, op: str, default: bool) -> bool:
+    """Whether TF32 is on for CUDA's float32 `op`s, as a boolean whichever API set it: torch's legacy getter
+    raises once the newer fp32_precision API was used, which then answers (an unset level inherits the
+    one above it: op, then the backend, then generic)."""
+    try:
+        return getattr(torch._C, legacy)()
+    except RuntimeError:
+        precision = torch._C._get_fp32_precision_getter
+        for backend, level in (("cuda", op), ("cuda", "all"), ("generic", "all")):
+            value = precision(backend, level)
+            if value != "none":
+                return value == "tf32"
+        return default
+
+
+def _counted(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def counted(*args, **kwargs):
+        _changes[0] += 1
+        return fn(*args, **kwargs)
+
+    counted.__graph_opt_counted__ = True
+    return counted
+
+
+def _install() -> None:
+    C = torch._C
+    for name in _SETTERS:
+        fn = getattr(C, name, None)
+        if fn is not None and not getattr(fn, "__graph_opt_counted__", False):
+            setattr(C, name, _counted(fn))
+    for module_name, names in _PROPS.items():
+        module = getattr(torch.backends, module_name, None)
+        for name in names:
+            prop = type(module).__dict__.get(name) if module is not None else None
+            setter: Optional[Callable] = getattr(prop, "setter", None)
+            if setter is not None and not getattr(setter, "__graph_opt_counted__", False):
+                prop.setter = _counted(setter)
+    _reads.append(("TF32 in cuBLAS matmuls", functools.partial(_tf32, "_get_cublas_allow_tf32", "matmul", False)))
+    _reads.append(("TF32 in cuDNN convolutions", functools.partial(_tf32, "_get_cudnn_allow_tf32", "conv", True)))
+    for label, name in (("fp16 reduced-precision reduction", "_get_cublas_allow_fp16_reduced_precision_reduction"),
+                        ("bf16 reduced-precision reduction", "_get_cublas_allow_bf16_reduced_precision_reduction"),
+                        ("fp16 accumulation", "_get_cublas_allow_fp16_accumulation"),
+                        ("deterministic algorithms", "_get_deterministic_algorithms"),
+                        ("cuDNN enabled", "_get_cudnn_enabled"), ("cuDNN deterministic", "_get_cudnn_deterministic")):
+        read = getattr(C, name, None)
+        if read is not None:
+            _reads.append((label, read))
