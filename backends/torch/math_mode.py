@@ -1,5 +1,6 @@
 """The math mode torch's CUDA kernels run in: TF32 for float32 matmuls and convolutions, reduced-precision
-reductions in half-precision matmuls, deterministic algorithms, cuDNN on or off. A graph replays the
+reductions in half-precision matmuls, deterministic algorithms, cuDNN on or off, and which attention
+kernels scaled_dot_product_attention may pick. A graph replays the
 kernels its capture chose, so a replay must run in the mode of its capture (graph_opt.replay_guards).
 
 Reading every flag costs about 0.5 us, too much for every replay. Every Python way of setting one goes
@@ -19,7 +20,11 @@ import torch
 _SETTERS = ("_set_cublas_allow_tf32", "_set_cudnn_allow_tf32", "_set_float32_matmul_precision",
             "_set_fp32_precision_setter", "_set_cublas_allow_fp16_reduced_precision_reduction",
             "_set_cublas_allow_bf16_reduced_precision_reduction", "_set_cublas_allow_fp16_accumulation",
-            "_set_deterministic_algorithms", "_set_cudnn_enabled", "_set_cudnn_deterministic")
+            "_set_deterministic_algorithms", "_set_cudnn_enabled", "_set_cudnn_deterministic",
+            # which attention kernel scaled_dot_product_attention picks (enable_flash_sdp, sdpa_kernel)
+            "_set_sdp_use_flash", "_set_sdp_use_mem_efficient", "_set_sdp_use_math", "_set_sdp_use_cudnn",
+            "_set_sdp_use_fa3", "_set_sdp_use_overrideable", "_set_sdp_priority_order",
+            "_set_math_sdp_allow_fp16_bf16_reduction")
 _PROPS = {"cudnn": ("enabled", "deterministic", "allow_tf32", "fp32_precision")}
 
 _changes: List[int] = [0]
@@ -41,7 +46,8 @@ def now() -> Tuple:
     values = []
     for _, read in _reads:
         try:
-            values.append(read())
+            value = read()
+            values.append(tuple(value) if isinstance(value, list) else value)  # the attention priority order
         except Exception as exc:  # torch refuses some getters after a mix of its two TF32 APIs
             values.append(type(exc).__name__)
     return tuple(values)
@@ -52,6 +58,17 @@ def describe(was: Tuple, is_: Tuple) -> str:
     return ", ".join(changed) or "unknown"
 
 
+def _precision(op: str) -> str:
+    """The fp32 precision CUDA's `op`s run at, in the newer API: an unset level inherits the one above it
+    (op, then the backend, then generic)."""
+    precision = torch._C._get_fp32_precision_getter
+    for backend, level in (("cuda", op), ("cuda", "all"), ("generic", "all")):
+        value = precision(backend, level)
+        if value != "none":
+            return value
+    return "none"
+
+
 def _tf32(legacy: str, op: str, default: bool) -> bool:
     """Whether TF32 is on for CUDA's float32 `op`s, as a boolean whichever API set it: torch's legacy getter
     raises once the newer fp32_precision API was used, which then answers (an unset level inherits the
@@ -59,22 +76,27 @@ def _tf32(legacy: str, op: str, default: bool) -> bool:
     try:
         return getattr(torch._C, legacy)()
     except RuntimeError:
-        precision = torch._C._get_fp32_precision_getter
-        for backend, level in (("cuda", op), ("cuda", "all"), ("generic", "all")):
-            value = precision(backend, level)
-            if value != "none":
-                return value == "tf32"
-        return default
+        value = _precision(op)
+        return default if value == "none" else value == "tf32"
 
 
 def _counted(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def counted(*args, **kwargs):
+        # Before and after: a replay in another thread that read the flags between the two sees the second.
         _changes[0] += 1
-        return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _changes[0] += 1
 
-    counted.__graph_opt_counted__ = True
-    return counted
+    # Dynamo must not trace it (code that torch.compile compiles may set a flag): traced, the count would
+    # become a value baked into the compiled code, and a guard that recompiles at every other count.
+    # torch's own lazy form of torch.compiler.disable: Dynamo is imported at the first call, not now.
+    hide = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+    hidden = hide(counted)
+    hidden.__graph_opt_counted__ = True
+    return hidden
 
 
 def _install() -> None:
@@ -92,11 +114,18 @@ def _install() -> None:
                 prop.setter = _counted(setter)
     _reads.append(("TF32 in cuBLAS matmuls", functools.partial(_tf32, "_get_cublas_allow_tf32", "matmul", False)))
     _reads.append(("TF32 in cuDNN convolutions", functools.partial(_tf32, "_get_cudnn_allow_tf32", "conv", True)))
+    if hasattr(C, "_get_fp32_precision_getter"):  # RNNs have their own, in the newer API only
+        _reads.append(("fp32 precision of cuDNN RNNs", functools.partial(_precision, "rnn")))
     for label, name in (("fp16 reduced-precision reduction", "_get_cublas_allow_fp16_reduced_precision_reduction"),
                         ("bf16 reduced-precision reduction", "_get_cublas_allow_bf16_reduced_precision_reduction"),
                         ("fp16 accumulation", "_get_cublas_allow_fp16_accumulation"),
                         ("deterministic algorithms", "_get_deterministic_algorithms"),
-                        ("cuDNN enabled", "_get_cudnn_enabled"), ("cuDNN deterministic", "_get_cudnn_deterministic")):
+                        ("cuDNN enabled", "_get_cudnn_enabled"), ("cuDNN deterministic", "_get_cudnn_deterministic"),
+                        ("flash attention", "_get_flash_sdp_enabled"),
+                        ("memory-efficient attention", "_get_mem_efficient_sdp_enabled"),
+                        ("math attention", "_get_math_sdp_enabled"), ("cuDNN attention", "_get_cudnn_sdp_enabled"),
+                        ("FA3 attention", "_get_fa3_sdp_enabled"), ("attention priority", "_get_sdp_priority_order"),
+                        ("math attention fp16/bf16 reduction", "_get_math_sdp_allow_fp16_bf16_reduction")):
         read = getattr(C, name, None)
         if read is not None:
             _reads.append((label, read))

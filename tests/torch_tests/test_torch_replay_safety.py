@@ -63,6 +63,8 @@ def _math_mode_changes():
                            cuda.allow_bf16_reduced_precision_reduction)),
         ("deterministic", lambda: torch.use_deterministic_algorithms(True),
          functools.partial(torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled())),
+        ("flash attention", lambda: torch.backends.cuda.enable_flash_sdp(not torch.backends.cuda.flash_sdp_enabled()),
+         functools.partial(torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.flash_sdp_enabled())),
     ]
 
 
@@ -84,8 +86,36 @@ def test_a_math_mode_changed_after_capture_is_not_replayed(F, level, logs):
             assert torch.equal(m(x), twin(x)) and graph_opt.stats(m).replays == before.replays + 1, name
         with torch.backends.cudnn.flags(enabled=not torch.backends.cudnn.enabled):  # a context manager too
             m(x)
-        assert graph_opt.stats(m).fallback_reasons["ambient"] == 6
+        assert graph_opt.stats(m).fallback_reasons["ambient"] == 7
     assert warned(logs, "the math mode changed since capture")
+
+
+def test_a_math_mode_set_by_code_dynamo_compiled_is_seen(F):
+    # torch.compile'd code may set a flag: Dynamo must not trace the counting (it would bake the count in).
+    m, twin = pair(F, Scaled, 0)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    cuda = torch.backends.cuda.matmul
+    was = cuda.allow_tf32
+
+    def set_tf32(t, value):
+        cuda.allow_tf32 = value
+        return t + 1
+
+    compiled = torch.compile(set_tf32, backend="eager")
+    try:
+        with torch.no_grad():  # eager and compiled sets interleaved, as when the count was baked in
+            for value, step in [(not was, set_tf32), (not was, set_tf32), (not was, compiled), (was, set_tf32),
+                                (was, compiled), (not was, compiled), (was, compiled), (not was, compiled),
+                                (not was, set_tf32), (was, compiled)]:
+                step(x, value)
+                before = graph_opt.stats(m)
+                assert torch.equal(m(x), twin(x))
+                after = graph_opt.stats(m)
+                assert (after.replays - before.replays, after.fallbacks - before.fallbacks) == \
+                    ((1, 0) if value == was else (0, 1)), value
+    finally:
+        cuda.allow_tf32 = was
 
 
 @pytest.mark.parametrize("level", [0, 1], ids=["level0", "level1"])
