@@ -71,7 +71,7 @@ class ModelState:
         self.mode_changes = -1
         self.registered: List[int] = [0]
         self.converted: List[int] = [0]
-        self.math_changed: List[int] = [0]
+        self.math_changed: Any = b""  # appended to at every change: its length is the count
         self.math_changes = 0
         self.math: Any = None
         self.hooked: List[int] = [0]
@@ -95,7 +95,7 @@ class ModelState:
         self.ambient = adapter.ambient()
         self.ambient_now = adapter.ambient
         self.math_changed = adapter.math_mode_counter()
-        self.math_changes = self.math_changed[0]
+        self.math_changes = len(self.math_changed)
         self.math = adapter.math_mode()
         self.registered = adapter.registration_counter()
         self.registrations = self.registered[0]
@@ -179,13 +179,13 @@ class ModelState:
             describe = self.adapter.describe_ambient
             return ("ambient", f"the call runs under {describe(ambient)}; the graphs were captured under "
                                f"{describe(self.ambient)}")
-        if self.math_changed[0] != self.math_changes:
+        if len(self.math_changed) != self.math_changes:
             now = self.adapter.math_mode()
             if now != self.math:
                 return ("ambient", "the math mode changed since capture: "
                                    f"{self.adapter.describe_math_mode(self.math, now)}; the graphs run the kernels "
                                    "chosen then. Set it back, or clear_graphs() and capture_model() to capture in it")
-            self.math_changes = self.math_changed[0]
+            self.math_changes = len(self.math_changed)
         if self.registered[0] != self.registrations:
             replaced = self._registrations_changed()
             if replaced is not None:

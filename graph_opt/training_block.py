@@ -59,6 +59,9 @@ class GraphedBlock(ModuleWatch):
         self.watched_ptrs: List[int] = []  # their addresses at capture
         self.registered: List[int] = [0]  # the adapter's count of parameter, buffer and submodule registrations
         self.registrations = 0
+        self.hooked: List[int] = [0]  # the adapter's count of hooks made or removed, and the hooks at capture
+        self.hook_changes = 0
+        self.hooks: Any = None
         self.tensor_ids: tuple = ()  # the module's submodules, parameters and buffers at capture
         self.attr_names: tuple = ()  # the module's own plain attributes (numbers, strings ...) at capture
         self.attr_get: Callable = lambda d: ()

@@ -60,6 +60,11 @@ class ModuleWatch:
         self.registered = self.adapter.registration_counter()
         self.registrations = self.registered[0]
         self.tensor_ids = self.adapter.module_tensor_ids(self.module)
+        # Hooks of submodules run inside the forward, so a graph replays those there were at capture
+        # (the module's own run around the block at every call)
+        self.hooked = self.adapter.hook_counter()
+        self.hook_changes = self.hooked[0]
+        self.hooks = self.adapter.hooks_fingerprint(self.mode_dicts)
         self._arm_attributes()
 
     def _plain_attributes(self) -> Dict[str, Any]:
@@ -167,18 +172,24 @@ class ModuleWatch:
             if self.adapter.module_tensor_ids(self.module) != self.tensor_ids:
                 return True
             self.registrations = self.registered[0]
+        if self.hooked[0] != self.hook_changes:  # a hook made or removed somewhere: one of this module's?
+            if self.adapter.hooks_fingerprint(self.mode_dicts) != self.hooks:
+                return True
+            self.hook_changes = self.hooked[0]
         return False
 
     def _recapture(self) -> None:
         if "recapture" not in self._warned:
             self._warned.add("recapture")
             logger.warning("%s: a parameter, buffer or submodule was replaced or added after capture (a new "
-                           "tensor, its data swapped, a new submodule), a parameter frozen or unfrozen, or a plain "
-                           "attribute of the module set to another value; its graphs are dropped and captured again",
-                           self.name)
+                           "tensor, its data swapped, a new submodule), a parameter frozen or unfrozen, a plain "
+                           "attribute of the module set to another value, or a hook of a submodule registered or "
+                           "removed; its graphs are dropped and captured again", self.name)
         self.counters.recaptures += 1
         self.release(keep_warmups=True)
         self.params = self.bridge.trainable_parameters(self.module)
+        if self.level:  # traced anew: what changed may be what Dynamo's guards skip (a submodule's hooks)
+            self.traced = self.bridge.traced(self.call, self.level, self.name)
         self._watch()
 
 

@@ -225,8 +225,8 @@ class PaddleAdapter:
         return (str(level), str(tracer._amp_dtype))
 
     @staticmethod
-    def math_mode_counter() -> list:
-        """Paddle's math-mode flags (paddle.set_flags) are not watched: a count that never moves."""
+    def math_mode_counter() -> bytes:
+        """Paddle's math-mode flags (paddle.set_flags) are not watched: a count (its len) that never moves."""
         return _NEVER
 
     @staticmethod
@@ -403,7 +403,7 @@ class PaddleAdapter:
 _registrations = [0]  # tensors or layers set on a Layer, in this process
 _conversions = [0]  # calls of Layer._apply in this process
 _registration_counter_installed = False
-_NEVER = [0]
+_NEVER = b""
 
 
 def _install_registration_counter() -> None:

@@ -226,8 +226,8 @@ class TorchAdapter:
                      if torch.is_autocast_enabled(device)) + ((("default dtype", default),) if default is not _float32 else ())
 
     @staticmethod
-    def math_mode_counter() -> list:
-        """[count] that setting TF32, reduced-precision reductions or deterministic algorithms bumps."""
+    def math_mode_counter() -> bytearray:
+        """What setting TF32, reduced-precision reductions or deterministic algorithms appends to (len: the count)."""
         return math_mode.counter()
 
     math_mode = staticmethod(math_mode.now)

@@ -7,6 +7,7 @@ graph; this follows torch.cuda.make_graphed_callables, with the differences grap
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -42,6 +43,7 @@ def _accumulates(t) -> bool:
 
 
 _math_changes = math_mode.counter()
+_traces = itertools.count()
 
 
 class _ReplayStep(torch.autograd.Function):
@@ -182,7 +184,14 @@ class TorchAutogradBridge:
         import torch._functorch.config as functorch_config
 
         functorch_config.donated_buffer = False
-        return torch.compile(fn, backend="aot_eager" if level == 1 else "inductor", dynamic=False)
+
+        def forward(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        # A code object of its own per trace: Dynamo keeps compiled code per code object, and its guards
+        # skip module hooks, so a block traced again after a submodule's hook changed needs a new one.
+        forward.__code__ = forward.__code__.replace(co_name=f"{forward.__name__}_{next(_traces)}")
+        return torch.compile(forward, backend="aot_eager" if level == 1 else "inductor", dynamic=False)
 
     @staticmethod
     def check_nested_grad() -> None:
@@ -329,8 +338,8 @@ class TorchAutogradBridge:
     def amp_state(self):
         """Autocast, and the math mode (TF32, reduced-precision reductions, deterministic algorithms: a
         graph replays the kernels chosen at its capture), for the dispatch key."""
-        if _math_changes[0] != self._math_seen:
-            self._math_seen = _math_changes[0]
+        if len(_math_changes) != self._math_seen:
+            self._math_seen = len(_math_changes)
             self._math_id = self._math_ids.setdefault(math_mode.now(), len(self._math_ids))
         if not _any_autocast():  # one call on the common path instead of four
             return self._math_id or None

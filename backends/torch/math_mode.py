@@ -8,7 +8,8 @@ through a torch._C setter looked up at call time (torch.backends.cuda.matmul, se
 use_deterministic_algorithms, torch.backends.cudnn.flags()) or a descriptor of torch.backends.cudnn
 that holds one: both are wrapped to bump a counter, and a replay reads the flags again only after
 a bump. Not seen: a C++ extension setting them through ATen directly. cudnn.benchmark is not part of it:
-it picks among algorithms of one precision.
+it picks among algorithms of one precision; nor is the attention backends' priority order, which torch
+itself reorders (seen on an H200 between two steps of a test, the model using no attention).
 """
 from __future__ import annotations
 
@@ -23,19 +24,22 @@ _SETTERS = ("_set_cublas_allow_tf32", "_set_cudnn_allow_tf32", "_set_float32_mat
             "_set_deterministic_algorithms", "_set_cudnn_enabled", "_set_cudnn_deterministic",
             # which attention kernel scaled_dot_product_attention picks (enable_flash_sdp, sdpa_kernel)
             "_set_sdp_use_flash", "_set_sdp_use_mem_efficient", "_set_sdp_use_math", "_set_sdp_use_cudnn",
-            "_set_sdp_use_fa3", "_set_sdp_use_overrideable", "_set_sdp_priority_order",
-            "_set_math_sdp_allow_fp16_bf16_reduction")
+            "_set_sdp_use_fa3", "_set_sdp_use_overrideable", "_set_math_sdp_allow_fp16_bf16_reduction")
 _PROPS = {"cudnn": ("enabled", "deterministic", "allow_tf32", "fp32_precision")}
 
-_changes: List[int] = [0]
+# One byte per bump, its length the count: appending to a bytearray is an operation Dynamo does not trace
+# (code torch.compile compiles may set a flag), so the append runs as Python, never as a value baked into
+# compiled code with a guard on it (which a list's `[0] += 1` became: counts that went back to values a
+# replay had accepted, and recompiles of the user's code at every other count).
+_log = bytearray()
 _reads: List[Tuple[str, Callable]] = []
 
 
-def counter() -> List[int]:
-    """[count] that every setter of a math-mode flag bumps, process-wide."""
+def counter() -> bytearray:
+    """What every setter of a math-mode flag appends to, process-wide: its len() is the count."""
     if not _reads:
         _install()
-    return _changes
+    return _log
 
 
 def now() -> Tuple:
@@ -47,7 +51,7 @@ def now() -> Tuple:
     for _, read in _reads:
         try:
             value = read()
-            values.append(tuple(value) if isinstance(value, list) else value)  # the attention priority order
+            values.append(tuple(value) if isinstance(value, list) else value)
         except Exception as exc:  # torch refuses some getters after a mix of its two TF32 APIs
             values.append(type(exc).__name__)
     return tuple(values)
@@ -84,19 +88,14 @@ def _counted(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def counted(*args, **kwargs):
         # Before and after: a replay in another thread that read the flags between the two sees the second.
-        _changes[0] += 1
+        _log.append(1)
         try:
             return fn(*args, **kwargs)
         finally:
-            _changes[0] += 1
+            _log.append(1)
 
-    # Dynamo must not trace it (code that torch.compile compiles may set a flag): traced, the count would
-    # become a value baked into the compiled code, and a guard that recompiles at every other count.
-    # torch's own lazy form of torch.compiler.disable: Dynamo is imported at the first call, not now.
-    hide = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
-    hidden = hide(counted)
-    hidden.__graph_opt_counted__ = True
-    return hidden
+    counted.__graph_opt_counted__ = True
+    return counted
 
 
 def _install() -> None:
@@ -124,7 +123,7 @@ def _install() -> None:
                         ("flash attention", "_get_flash_sdp_enabled"),
                         ("memory-efficient attention", "_get_mem_efficient_sdp_enabled"),
                         ("math attention", "_get_math_sdp_enabled"), ("cuDNN attention", "_get_cudnn_sdp_enabled"),
-                        ("FA3 attention", "_get_fa3_sdp_enabled"), ("attention priority", "_get_sdp_priority_order"),
+                        ("FA3 attention", "_get_fa3_sdp_enabled"),
                         ("math attention fp16/bf16 reduction", "_get_math_sdp_allow_fp16_bf16_reduction")):
         read = getattr(C, name, None)
         if read is not None:

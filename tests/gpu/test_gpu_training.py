@@ -25,6 +25,7 @@ from test_torch_training import (  # noqa: E402,F401  the module's state besides
     test_a_submodule_trains_with_graphs_while_its_decorated_model_serves_with_graphs,
     test_torch_compile_around_a_block_breaks_its_graph_there_and_the_block_replays,
     test_a_math_mode_change_between_steps_gets_a_graph_of_its_own,
+    test_a_hook_on_a_submodule_registered_or_removed_after_capture_is_captured_again,
 )
 
 

@@ -877,3 +877,36 @@ def test_a_math_mode_change_between_steps_gets_a_graph_of_its_own(device):
             cuda.allow_tf32 = was
         s = graph_opt.stats(m)
         assert s.keys == 2 and s.captures == 2 and s.fallbacks == 0, s
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_hook_on_a_submodule_registered_or_removed_after_capture_is_captured_again(device, level):
+    # Hooks of submodules run inside the forward: a graph replays those there were at its capture.
+    with _graphs(device):
+        torch.manual_seed(0)
+        ref = _Inner().to(device)
+        m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level)
+        handles = []
+
+        def hook_both(register):
+            handles.append([register(model) for model in (ref, m)])
+
+        for step in range(12):
+            if step == 4:
+                hook_both(lambda model: model.a.register_forward_hook(lambda mod, inp, out: out * 2))
+            if step == 7:
+                hook_both(lambda model: model.b.register_full_backward_hook(lambda mod, gi, go: (gi[0] * 0.5,)))
+            if step == 10:
+                for handle in handles.pop(0):
+                    handle.remove()
+            x = torch.randn(4, 8, device=device, requires_grad=True)
+            got = []
+            for model in (ref, m):
+                model.zero_grad()
+                xin = x.detach().clone().requires_grad_(True)
+                y = model(xin)
+                y.square().mean().backward()
+                got.append((y, xin.grad, model.a.weight.grad))
+            for a, b in zip(*got):
+                assert torch.equal(a, b), f"step {step}: differs by {(a - b).abs().max().item()}"
+        assert graph_opt.stats(m).recaptures == 3, graph_opt.stats(m)
