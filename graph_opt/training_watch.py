@@ -188,8 +188,6 @@ class ModuleWatch:
         self.counters.recaptures += 1
         self.release(keep_warmups=True)
         self.params = self.bridge.trainable_parameters(self.module)
-        if self.level:  # traced anew: what changed may be what Dynamo's guards skip (a submodule's hooks)
-            self.traced = self.bridge.traced(self.call, self.level, self.name)
         self._watch()
 
 

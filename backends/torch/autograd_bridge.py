@@ -7,7 +7,6 @@ graph; this follows torch.cuda.make_graphed_callables, with the differences grap
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -43,7 +42,6 @@ def _accumulates(t) -> bool:
 
 
 _math_changes = math_mode.counter()
-_traces = itertools.count()
 
 
 class _ReplayStep(torch.autograd.Function):
@@ -185,13 +183,21 @@ class TorchAutogradBridge:
 
         functorch_config.donated_buffer = False
 
-        def forward(*args, **kwargs):
-            return fn(*args, **kwargs)
+        compiled = torch.compile(fn, backend="aot_eager" if level == 1 else "inductor", dynamic=False)
+        import torch._dynamo.config as dynamo_config
 
-        # A code object of its own per trace: Dynamo keeps compiled code per code object, and its guards
-        # skip module hooks, so a block traced again after a submodule's hook changed needs a new one.
-        forward.__code__ = forward.__code__.replace(co_name=f"{forward.__name__}_{next(_traces)}")
-        return torch.compile(forward, backend="aot_eager" if level == 1 else "inductor", dynamic=False)
+        if not hasattr(dynamo_config, "skip_nnmodule_hook_guards"):
+            return compiled
+        hook_guards = dynamo_config.patch(skip_nnmodule_hook_guards=False)
+
+        def traced_forward(*args, **kwargs):
+            # Dynamo's guards skip module hooks by default: with them, a hook a submodule gained or lost
+            # since is traced again, in every frame (one after a graph break too). Only a key's warm-ups
+            # and capture run this, never a replay.
+            with hook_guards:
+                return compiled(*args, **kwargs)
+
+        return traced_forward
 
     @staticmethod
     def check_nested_grad() -> None:

@@ -879,12 +879,20 @@ def test_a_math_mode_change_between_steps_gets_a_graph_of_its_own(device):
         assert s.keys == 2 and s.captures == 2 and s.fallbacks == 0, s
 
 
+class _Breaks(_Inner):
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()  # the frame after it is compiled under this forward's own code object
+        return self.b(h)
+
+
+@pytest.mark.parametrize("breaks", [False, True], ids=["one-graph", "graph-break"])
 @pytest.mark.parametrize("level", [0, 1])
-def test_a_hook_on_a_submodule_registered_or_removed_after_capture_is_captured_again(device, level):
+def test_a_hook_on_a_submodule_registered_or_removed_after_capture_is_captured_again(device, level, breaks):
     # Hooks of submodules run inside the forward: a graph replays those there were at its capture.
     with _graphs(device):
         torch.manual_seed(0)
-        ref = _Inner().to(device)
+        ref = (_Breaks if breaks else _Inner)().to(device)
         m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level)
         handles = []
 
