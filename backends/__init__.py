@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import sys
 import types
 from typing import Any, Tuple
 
@@ -28,17 +27,6 @@ def load(framework: str) -> Any:
     module = importlib.import_module(f"{__name__}.{framework}.backend")
     module.check_version()
     return module
-
-
-def tracing_hooks(framework, fn) -> Tuple[Any, Any]:
-    """(is_tracing, opaque fn) where a compiler may trace code around fn (torch's Dynamo: is_tracing()
-    is true while it traces, and it calls opaque fn without tracing it), else (None, fn). A graphed
-    function (framework None) takes torch's where torch is loaded."""
-    if framework == "torch" or (framework is None and "torch" in sys.modules):
-        import torch
-
-        return torch.compiler.is_compiling, torch.compiler.disable(fn)
-    return None, fn
 
 
 def version_tuple(version: str) -> Tuple[int, int]:

@@ -263,7 +263,8 @@ def _check_same_options(cls, options: Dict[str, Any]) -> None:
     """Decorating a decorated class again is a no-op, unless it asks for other options: those would be lost."""
     had = cls.__graph_opt_options__
     # Only what this decoration asks for: a bare @support_graph_optimization asks for nothing.
-    asked = {name: value for name, value in options.items() if value != _DEFAULT_OPTIONS[name]}
+    defaults = inspect.signature(support_graph_optimization).parameters
+    asked = {name: value for name, value in options.items() if value != defaults[name].default}
     differ = [name for name, value in asked.items() if not _same_option(had[name], value)]
     if differ:
         was = ", ".join(f"{name}={had[name]!r}" for name in differ)
@@ -271,10 +272,6 @@ def _check_same_options(cls, options: Dict[str, Any]) -> None:
         raise GraphOptConfigError(
             f"@support_graph_optimization({now}) on {cls.__qualname__}: the class is already decorated with {was}; "
             "decorate it once, with all its options")
-
-
-_DEFAULT_OPTIONS = dict(dynamic_arg_dims=None, pad_values=None, host_outputs=None, host_ring_depth=2,
-                        dispatch_key_fn=None)
 
 
 def _same_option(a, b) -> bool:
@@ -348,9 +345,10 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
         raise GraphOptInputError(
             f"@support_graph_optimization(host_ring_depth={host_ring_depth!r}) on {cls.__qualname__}: "
             "host_ring_depth sizes the rings of host_outputs; name the outputs too (host_outputs=[...])")
+    options = dict(dynamic_arg_dims=dims, pad_values=pads, host_outputs=host_outputs, host_ring_depth=host_ring_depth,
+                   dispatch_key_fn=dispatch_key_fn)
     if cls.__dict__.get("__graph_opt_decorated__"):
-        _check_same_options(cls, dict(dynamic_arg_dims=dims, pad_values=pads, host_outputs=host_outputs,
-                                      host_ring_depth=host_ring_depth, dispatch_key_fn=dispatch_key_fn))
+        _check_same_options(cls, options)
         return cls
     _check_no_own_call(cls)
     orig_init = cls.__init__
@@ -358,9 +356,7 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
     # framework's own, or a call would go plugin -> "original" (the base's plugin call) -> plugin ...
     orig_call = getattr(cls.__call__, "_graph_opt_orig_call", cls.__call__)
     orig_setattr = getattr(cls.__setattr__, "_graph_opt_orig_setattr", cls.__setattr__)
-    cls.__graph_opt_options__ = dict(dynamic_arg_dims=dims, framework=framework, orig_call=orig_call,
-                                     dispatch_key_fn=dispatch_key_fn, pad_values=pads, host_outputs=host_outputs,
-                                     host_ring_depth=host_ring_depth)
+    cls.__graph_opt_options__ = dict(options, framework=framework, orig_call=orig_call)
 
     @functools.wraps(orig_init)
     def __init__(self, *args, graph_opt_config=None, **kwargs):

@@ -7,6 +7,7 @@ What it watches of the module (training_watch.py) and how a key's graphs are rec
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -41,8 +42,12 @@ class GraphedBlock(ModuleWatch):
         self.max_graphs = max_graphs
         self.disabled = env.disabled()
         self.framework = framework
-        # (is a compiler tracing now, dispatch hidden from it): see __call__
-        self.tracing, self.opaque = backends.tracing_hooks(framework, self.dispatch)
+        # (is a compiler tracing now, dispatch hidden from it): see __call__. A graphed function's
+        # framework is known at its first call; torch's Dynamo may trace around it before that.
+        self.tracing, self.opaque = None, self.dispatch
+        traced_by = framework or ("torch" if "torch" in sys.modules else None)
+        if traced_by is not None and not self.disabled:
+            self.tracing, self.opaque = backends.load(traced_by).tracing_hooks(self.dispatch)
         self.bridge = None
         self.adapter = None
         self.keys: Dict[Any, KeyState] = {}

@@ -37,3 +37,9 @@ def autograd_bridge():
     from .autograd_bridge import BRIDGE
 
     return BRIDGE
+
+
+def tracing_hooks(fn):
+    """(is Dynamo tracing now, fn hidden from it): a graphed block called inside code torch.compile traces
+    breaks the graph there and runs as itself."""
+    return torch.compiler.is_compiling, torch.compiler.disable(fn)

@@ -75,8 +75,7 @@ def _precision(op: str) -> str:
 
 def _tf32(legacy: str, op: str, default: bool) -> bool:
     """Whether TF32 is on for CUDA's float32 `op`s, as a boolean whichever API set it: torch's legacy getter
-    raises once the newer fp32_precision API was used, which then answers (an unset level inherits the
-    one above it: op, then the backend, then generic)."""
+    raises once the newer fp32_precision API was used, which then answers (_precision)."""
     try:
         return getattr(torch._C, legacy)()
     except RuntimeError:
