@@ -124,6 +124,11 @@ class CapturePhase:
             for t, saved in copies:
                 if not adapter.same_values(t, saved):
                     adapter.copy_(t, saved)
+            # The Python values the runs set are put back where the call runs Python once after them
+            # (the plain forward, or the translated code around the graphs); a level-0 replay runs none,
+            # and a capture that set one per run failed (_advances_message).
+            if entry is None or not self._replays_graphs_alone():
+                held.put_back_values()
         if rebound and entry is not None and self._replays_graphs_alone():
             self._rebinding_captures += 1
             if self._rebinding_captures > 1:  # again: the forward binds anew at every call
@@ -347,6 +352,9 @@ class CapturePhase:
                     rebound = bindings.rebound()
                     if rebound:
                         raise CaptureError(_rebinds_message(rebound))
+                    advanced = bindings.advanced()
+                    if advanced:
+                        raise CaptureError(_advances_message(advanced))
                 adapter.synchronize()
                 held = objects_holding_tensors(captured.outputs, adapter.is_tensor)
                 if held:
@@ -471,6 +479,14 @@ class CapturePhase:
                 main()
                 tail()
         captured.replay = replay
+
+
+def _advances_message(advanced: List[str]) -> str:
+    return (f"forward sets Python state as it runs ({', '.join(advanced[:3])}), as `self.t += 1` or a "
+            "list appended to do; a level-0 replay runs no Python, so it would neither set it nor compute "
+            "with the new value. Keep such a value in a tensor the forward updates in place (a buffer: "
+            "self.t.add_(1)), set it outside the forward, or use graph_opt_level 1, whose translated code "
+            "makes the store")
 
 
 def _rebinds_message(rebound: List[str]) -> str:

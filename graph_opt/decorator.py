@@ -23,6 +23,8 @@ from .testing import simulation_enabled
 logger = logging.getLogger("graph_opt")
 
 
+_ABSENT = object()  # no instance attribute `forward` before a call with hooks
+
 class GraphOptState:
     """Per-model plugin state: the config, the mode, and the runner once graphs are in use."""
 
@@ -38,6 +40,9 @@ class GraphOptState:
         self.adapter = self.backend.ADAPTER
         self.call_hooks = self.adapter.call_hooks
         self.orig_call = orig_call
+        self._hooks_lock = threading.Lock()  # _with_hooks: the calls running with our `forward` installed
+        self._hook_calls = 0
+        self._forward_before: Any = _ABSENT
         self.forward_fn = forward_fn = type(model).forward
         self.name = type(model).__name__
         # The forward without the module's hooks: the decorated call runs the hooks around the plugin,
@@ -154,7 +159,8 @@ class GraphOptState:
         return GraphRunner(
             adapter=self.adapter, config=cfg, strategy=strategy, eager=self.forward_call,
             dynamic_arg_dims=self.dynamic_arg_dims,
-            params=_params(self.forward_fn), name=self.name, host_outputs=self.host_outputs, guard=guard,
+            params=_params(self.forward_fn), keyword_defaults=_keyword_defaults(self.forward_fn), name=self.name,
+            host_outputs=self.host_outputs, guard=guard,
             model_state=self.model_state, pad_values=self.pad_values,
         )
 
@@ -178,18 +184,25 @@ class GraphOptState:
 
     def _with_hooks(self, args, kwargs):
         """The framework's own module call (its hooks, in its order), with the plugin as the forward it
-        calls: the instance attribute `forward` is ours for the duration of the call."""
+        calls: the instance attribute `forward` is ours while any such call runs. Counted, so that calls
+        that overlap (nested, or from two threads) put back what was there before the first."""
         held = self.model.__dict__
-        had = "forward" in held
-        previous = held.get("forward")
-        held["forward"] = self.forward
+        with self._hooks_lock:
+            if not self._hook_calls:
+                self._forward_before = held.get("forward", _ABSENT)
+                held["forward"] = self.forward
+            self._hook_calls += 1
         try:
             return self.orig_call(self.model, *args, **kwargs)
         finally:
-            if had:
-                held["forward"] = previous
-            else:
-                held.pop("forward", None)
+            with self._hooks_lock:
+                self._hook_calls -= 1
+                if not self._hook_calls:
+                    if self._forward_before is _ABSENT:
+                        held.pop("forward", None)
+                    else:
+                        held["forward"] = self._forward_before
+                    self._forward_before = _ABSENT
 
     # -- copies of the model (copy.deepcopy, pickle, torch.save) ------------------------------------
     def __reduce__(self):
@@ -226,6 +239,12 @@ def _state_for_call(model) -> Optional["GraphOptState"]:
         state = _new_state(model, state.config, state.owner)
         object.__setattr__(model, _STATE_ATTR, state)
     return state
+
+
+def _keyword_defaults(forward_fn) -> list:
+    """(name, default) of forward's keyword-only parameters that have a default."""
+    params = list(inspect.signature(forward_fn).parameters.values())[1:]
+    return [(p.name, p.default) for p in params if p.kind is p.KEYWORD_ONLY and p.default is not p.empty]
 
 
 def _params(forward_fn) -> list:
@@ -310,7 +329,8 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
     around it at every call, as around an eager forward.
 
     dynamic_arg_dims maps forward argument names to their batch dimension; by default dimension 0 of
-    every tensor argument is the batch dimension.
+    every tensor argument is the batch dimension. Given, it names every argument that has one: the
+    others are passed whole ({"x": 1, "mask": 0}, not {"x": 1} alone, for a mask batched in dim 0).
 
     pad_values maps forward argument names to the number their padding rows hold when a call is padded
     to a captured size (default 0): {"slot_mapping": -1} for a kernel that skips slot -1 (see

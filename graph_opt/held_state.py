@@ -6,7 +6,8 @@ must leave that state as one eager call would: HeldState copies the tensors asid
 back the values a run changed) and remembers which object each container held, so that a forward that
 binds a new tensor where an old one was (`self.cache = torch.zeros(...)` made lazily, `st.steps =
 st.steps + 1`) is seen and put back. A level-0 replay cannot make that binding (capture_phase: such a
-capture fails, or, for state made at the first call, waits for a later call).
+capture fails, or, for state made at the first call, waits for a later call). Nor can it set a Python
+value (`self.t += 1`): `advanced()` names those a run changed, and `put_back_values()` undoes them.
 """
 from __future__ import annotations
 
@@ -15,11 +16,20 @@ import functools
 import types
 from typing import Any, List, Tuple
 
-from .pytree import holds_tensor
+from .pytree import holds_tensor, value_key
 
 _DEPTH = 6  # containers followed below a module's attribute
 _OPAQUE = (str, bytes, int, float, complex, bool, type, types.FunctionType, types.BuiltinFunctionType,
            types.MethodType, types.ModuleType, functools.partial)
+
+
+def state_key(value) -> Any:
+    """What a level-0 replay compares of an attribute value: plain values by type and value, the rest by identity."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, complex)):
+        return value_key(value)
+    if isinstance(value, tuple) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        return (tuple, tuple(value_key(v) for v in value))
+    return ("id", id(value))
 
 
 class HeldState:
@@ -103,6 +113,32 @@ class HeldState:
                     _put_back(container, saved, keys)
         return names
 
+    def advanced(self) -> List[str]:
+        """The names of the entries holding no tensor that a run set to another value (`self.t += 1`, a
+        list appended to, an object made anew): a level-0 replay runs no Python, so it would neither set
+        them nor compute with the new value. Equal plain values in new objects are no change."""
+        names = []
+        for name, container, saved, skip in self._bindings:
+            keys = [k for k in self._changes(container, saved, skip) if not self._same(container, saved, k)]
+            if keys and not any(self._holds(v) for v in self._values(container, saved, keys)):
+                names.append(_named(name, container, keys) + _transition(container, saved, keys[0]))
+        return names
+
+    def put_back_values(self) -> None:
+        """Every entry holding no tensor as it was when this record was taken (the runs' Python stores
+        undone); entries holding tensors are rebound()'s."""
+        for _, container, saved, skip in self._bindings:
+            keys = [k for k in self._changes(container, saved, skip) if not self._same(container, saved, k)]
+            if keys and not any(self._holds(v) for v in self._values(container, saved, keys)):
+                _put_back(container, saved, keys)
+
+    @staticmethod
+    def _same(container, saved, key) -> bool:
+        if isinstance(container, (list, collections.deque)):
+            return len(container) == len(saved) and all(map(_equal, container, saved))
+        now = getattr(container, key, _MISSING) if not isinstance(container, dict) else container.get(key, _MISSING)
+        return _equal(now, saved.get(key, _MISSING))
+
     @staticmethod
     def _changes(container, saved, skip) -> list:
         """The keys (indices) whose entry is no longer the object it was; every index where a list or
@@ -130,11 +166,29 @@ class HeldState:
 _MISSING = object()
 
 
+def _equal(a, b) -> bool:
+    if a is b:
+        return True
+    key = state_key(a)
+    return key[0] != "id" and key == state_key(b)
+
+
 def _named(name: str, container, keys) -> str:
     """A rebound container's name with the keys that changed: "attribute of the model 'state'"."""
     if isinstance(container, (list, collections.deque)):
         return name
     return f"{name} {', '.join(repr(k) for k in sorted(keys, key=str)[:3])}"
+
+
+def _transition(container, saved, key) -> str:
+    """": 3 -> 4" for a plain value a run set; "" for anything else."""
+    if isinstance(container, (list, collections.deque)):
+        return f": {len(saved)} -> {len(container)} items"
+    now = getattr(container, key, _MISSING) if not isinstance(container, dict) else container.get(key, _MISSING)
+    was = saved.get(key, _MISSING)
+    if state_key(now)[0] == "id" or state_key(was)[0] == "id":
+        return ""
+    return f": {was!r:.40} -> {now!r:.40}"
 
 
 def _put_back(container, saved, keys) -> None:
@@ -167,6 +221,12 @@ class _NothingHeld:
     @staticmethod
     def rebound() -> List[str]:
         return []
+
+    advanced = rebound
+
+    @staticmethod
+    def put_back_values() -> None:
+        pass
 
 
 NOTHING_HELD = _NothingHeld()

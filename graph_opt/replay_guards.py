@@ -32,22 +32,13 @@ from __future__ import annotations
 import operator
 from typing import Any, Dict, List, Optional, Tuple
 
-from .held_state import NOTHING_HELD, HeldState
+from .held_state import NOTHING_HELD, HeldState, state_key
 from .pytree import value_key
 
 STATE_ATTR = "_graph_opt_state"  # the instance attribute where the decorator keeps a model's state
 
 _MISSING = object()
 _training = operator.itemgetter("training")  # every nn.Module / Layer keeps its flag in its __dict__
-
-
-def state_key(value) -> Any:
-    """What a level-0 replay compares of an attribute value: plain values by type and value, the rest by identity."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes, complex)):
-        return value_key(value)
-    if isinstance(value, tuple) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
-        return (tuple, tuple(value_key(v) for v in value))
-    return ("id", id(value))
 
 
 class ModelState:

@@ -25,7 +25,7 @@ from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH, _MOVED, in_place
 from .errors import GraphOptError, GuardFailed, ReplayDivergence
 from .fast_replay import MISS, FastReplay, plan_for
 from .host_outputs import HostRingFull
-from .pytree import flatten
+from .pytree import flatten, value_key
 from .replay_guards import ModelState, Unwatched
 from .signature import REQUIRED, Signature, SignatureChecks
 from .sizes import PaddingTable
@@ -39,6 +39,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
 
     def __init__(self, *, adapter, config, strategy, eager: Callable, dynamic_arg_dims,
                  params: Sequence[Tuple[str, Any]], name: str, host_outputs=None, guard=None,
+                 keyword_defaults: Sequence[Tuple[str, Any]] = (),
                  model_state: Optional[ModelState] = None, pad_values: Optional[Dict[str, Any]] = None):
         self.adapter = adapter
         self.host_outputs = host_outputs  # HostOutputs whose copies captured sizes make in their graphs
@@ -53,6 +54,8 @@ class GraphRunner(SignatureChecks, CapturePhase):
         # forward's positional-or-keyword parameters after self: (name, default or REQUIRED)
         self.params = list(params)
         self.arg_names = [name for name, _ in self.params]
+        # keyword-only parameters with a default, as value keys: m(x, flag=False) is m(x)
+        self.keyword_defaults = [(name, value_key(default)) for name, default in keyword_defaults]
         self.name = name
         self.pad_values = pad_values or {}
         # Training flags, autocast, replaced parameters, level-0 attributes: checked before every replay.
@@ -243,7 +246,8 @@ class GraphRunner(SignatureChecks, CapturePhase):
 
     def canonical(self, args, kwargs):
         """Arguments as one positional tuple in forward's order, defaults filled in, so that m(x),
-        m(x=x) and m(x, scale=1.0) (the default) share one signature."""
+        m(x=x) and m(x, scale=1.0) (the default) share one signature; a keyword-only argument given its
+        default (m(x, flag=False)) is left out, as in m(x)."""
         args = list(args)
         kwargs = dict(kwargs)
         for name, default in self.params[len(args):]:
@@ -253,6 +257,9 @@ class GraphRunner(SignatureChecks, CapturePhase):
                 args.append(default)
             else:
                 break
+        for name, default in self.keyword_defaults:
+            if name in kwargs and value_key(kwargs[name]) == default:
+                del kwargs[name]
         return tuple(args), kwargs
 
     def _disabled_call(self, args, kwargs):
@@ -271,14 +278,15 @@ class GraphRunner(SignatureChecks, CapturePhase):
             self.fallback_reasons[kind] = self.fallback_reasons.get(kind, 0) + 1
             self._warn_once(why[2] if len(why) > 2 else why[:2],
                             message if message.endswith("without graphs") else f"{message}; this call runs without graphs")
-            if kind in _EAGER_KINDS:
+            if kind in _EAGER_KINDS or kind == "ambient" and not self.adapter.static_follows_ambient:
                 # Paddle's SOT runs its programs on the parameters it traced with, and neither
                 # translator guards every hook.
                 return self.eager(*args, **kwargs)
         state = self.model_state
         if state.captured:  # any other fallback (autograd on, a size above the max) after such a change too
             changed = state.check()
-            if changed is not None and changed[0] in _EAGER_KINDS:
+            if changed is not None and (changed[0] in _EAGER_KINDS or
+                                        changed[0] == "ambient" and not self.adapter.static_follows_ambient):
                 return self.eager(*args, **kwargs)
         if self._eager_with_grad and self.adapter.grad_enabled():
             return self.eager(*args, **kwargs)

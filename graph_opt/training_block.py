@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import backends, env, guards
 from .capture_phase import frozen_gc
-from .errors import GraphOptError, GraphOptInputError
+from .errors import CaptureError, GraphOptError, GraphOptInputError
 from .failures import describe
 from .held_state import HeldState
 from .host_outputs import _pending as _pending_host_copies, land_pending_copies
@@ -68,11 +68,13 @@ class GraphedBlock(ModuleWatch):
         self.hook_changes = 0
         self.hooks: Any = None
         self.tensor_ids: tuple = ()  # the module's submodules, parameters and buffers at capture
-        self.attr_names: tuple = ()  # the module's own plain attributes (numbers, strings ...) at capture
-        self.attr_get: Callable = lambda d: ()
-        self.attr_values: tuple = ()
-        self.attr_keys: tuple = ()
-        self.attr_count = 0
+        # the plain attributes (numbers, strings ...) of the module and its submodules at capture
+        self.attr_dicts: list = []
+        self.attr_names: list = []
+        self.attr_values: list = []
+        self.attr_keys: list = []
+        self.attr_root = 0  # how many of them are the module's own
+        self.attr_count = 0  # len(the module's __dict__)
         self.attr_written: set = set()  # plain attributes the forward itself writes: not watched
         self.tensors_bound: set = set()  # (id of a module's __dict__, name): tensor attributes it binds anew
         # Parameters an eager run of the forward wrote in place (an EMA codebook kept as a frozen
@@ -231,6 +233,13 @@ class GraphedBlock(ModuleWatch):
         return self.backward_replay(graphs, ctx.pending, wanted)
 
     def backward_replay(self, graphs: StepGraphs, pending: PendingBackward, grads):
+        try:
+            return self._backward_replay(graphs, pending, grads)
+        except BaseException:
+            pending.release()  # a backward that raised is not waited for: later calls replay again
+            raise
+
+    def _backward_replay(self, graphs: StepGraphs, pending: PendingBackward, grads):
         if pending.generation != self.generation or graphs.backward is None:
             raise GraphOptError(
                 f"{self.name}: backward through a graphed forward whose activations a later forward replay "
@@ -389,6 +398,10 @@ class GraphedBlock(ModuleWatch):
                 self.pool = adapter.new_pool()
             with guards.state_lock, frozen_gc(collect=False), guards.capture_custom_allreduce(), adapter.capture_stream():
                 graphs = _capture_key(self, state.run, leaves, spec, needs_grad, simulated, rng, (args, kwargs))
+            advanced = held.advanced() if held is not None else None
+            if advanced:
+                held.put_back_values()  # the eager call that answers instead sets them once
+                raise CaptureError(_ADVANCES.format(", ".join(advanced[:3])))
         except Exception as exc:  # noqa: BLE001 - any failure leaves the key eager, with one warning
             bridge.set_rng_state(rng)
             self._capture_failed(state, exc)
@@ -476,6 +489,12 @@ _LEVEL_NAMES = {0: "", 1: ", level 1 (traced: Dynamo and AOTAutograd)", 2: ", le
 _PENDING_WARNING = ("{name}: called again while the previous graphed forward's backward has not run; the "
                     "replay would overwrite the activations it reads, so this call runs eagerly. Run backward "
                     "(or drop the outputs) before the next forward, or call under no_grad")
+
+
+_ADVANCES = ("the forward sets Python state as it runs ({}), as `self.t += 1`, `self.last = x.shape[0]` or a "
+             "list appended to do; a replay runs no Python, so it would neither set it nor compute with the new "
+             "value. Keep such a value in a tensor the forward updates in place (a buffer: self.t.add_(1)), or set "
+             "it outside the block")
 
 
 def _rebuilt_block(module, warmup_steps, dispatch_key_fn, max_graphs, level=0) -> "GraphedBlock":

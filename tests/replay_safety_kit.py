@@ -601,6 +601,50 @@ def test_sizes_captured_at_calls_advance_a_counter_held_in_an_object_once_per_ca
     assert graph_opt.stats(m).lazy_captures == 2
 
 
+@pytest.mark.parametrize("at_calls", [False, True], ids=["capture_model", "at_calls"])
+def test_a_python_value_the_forward_sets_at_every_call_is_never_replayed_stale(F, M, level, logs, at_calls):
+    """`self.calls += 1; return y * self.calls`: a level-0 replay runs no Python, so it would neither count
+    nor compute with the new count. Its capture fails with one warning naming the attribute, and every
+    call answers as eager, the counter advanced once per call. At level >= 1 the translated code makes
+    the store. Captured at a call, the capture's runs must not advance it either."""
+    m, twin = pair(F, M.CountsCalls, level)
+    if not at_calls:
+        with F.graphs():  # at level 1 Paddle's SOT may refuse the forward: that too answers as eager
+            report = graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
+        assert report.failed is not None or level >= 1
+        twin.calls = m.calls
+    with F.graphs(), F.no_grad():
+        for step, real in enumerate((4, 3, 4, 8, 2)):
+            x = F.randn(real, HIDDEN, seed=step)
+            assert F.close(m(x), twin(x)), f"step {step}"
+            assert m.calls == twin.calls, f"step {step}: the counter"
+    if level == 0:
+        assert len(warned(logs, "sets Python state as it runs", "'calls'")) == 1
+        assert graph_opt.stats(m).replays == 0
+
+
+def test_a_python_list_the_forward_appends_to_is_never_left_behind_at_level_0(F, M, logs):
+    m, twin = pair(F, M.LogsCalls, 0)
+    with F.graphs(), F.no_grad():
+        for step, real in enumerate((4, 3, 4)):
+            x = F.randn(real, HIDDEN, seed=step)
+            assert F.equal(m(x), twin(x)), f"step {step}"
+            assert m.seen == twin.seen, f"step {step}: the list"
+    assert warned(logs, "sets Python state as it runs", "'seen'")
+
+
+def test_a_flag_the_forward_sets_at_its_first_call_only_still_replays(F, M, level, logs):
+    m, twin = pair(F, M.ReadyOnce, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    twin.ready = m.ready
+    with F.graphs(), F.no_grad():
+        for step, real in enumerate((4, 3, 8)):
+            x = F.randn(real, HIDDEN, seed=step)
+            assert same(F, level, m(x), twin(x)), f"step {step}"
+    assert m.ready is True
+    assert graph_opt.stats(m).replays == 3 and not warned(logs, "sets Python state")
+
+
 def test_a_model_writing_more_state_than_a_call_copies_aside_is_captured_only_by_capture_model(F, M, level, logs):
     """Each of a capture's runs would advance the large buffer, and it is too large to put back."""
     m, twin = pair(F, M.HoldsLargeBuffer, level)

@@ -213,6 +213,20 @@ def test_dropout_draws_new_masks_per_replay_and_follows_the_seed(F):
     assert graph_opt.stats(m).replays == 5
 
 
+def test_a_dropout_rate_set_on_a_submodule_after_capture_is_captured_again(F, caplog):
+    """A dropout schedule (`block.drop.p = 0.5` between steps): the graphs baked the rate the forward
+    read, so they are captured again, once per change, and every step draws eager's masks."""
+    ref, m = twins(F, warmup_steps=1, dropout=0.0)
+    x = F.randn([4, 6, F.hidden], seed=3)
+    for step, p in enumerate((0.0, 0.0, 0.0, 0.5, 0.5, 0.0)):
+        ref.drop.p = m.drop.p = p
+        F.zero_grads(ref), F.zero_grads(m)
+        assert_same_step(F, ref, m, x, seed=step)
+    s = graph_opt.stats(m)
+    assert (s.recaptures, s.replays) == (2, 5), s
+    assert any("a dropout's p" in r.getMessage() for r in graph_warnings(caplog))
+
+
 # -- 6. mixed precision ------------------------------------------------------------------------------
 def test_autocast_forward_and_backward_graphed(F, autocast_tolerance):
     """Two micro-batches per autocast region, the optimizer step outside it, as autocast asks. The

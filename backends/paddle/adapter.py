@@ -216,13 +216,14 @@ class PaddleAdapter:
         return paddle.no_grad()
 
     def ambient(self):
-        """The auto_cast state a replay must match; None (the common case) without it. (Paddle's CPU
-        build ignores auto_cast: there this is always None.)"""
+        """The auto_cast state and default dtype a replay must match; None (the common case) without
+        auto_cast and with float32 as the default dtype. (Paddle's CPU build ignores auto_cast.)"""
+        default = _default_dtype(_LayerHelperBase)
         tracer = paddle.base.framework._dygraph_tracer()
         level = tracer._amp_level
         if level == paddle.base.core.AmpLevel.O0:
-            return None
-        return (str(level), str(tracer._amp_dtype))
+            return None if default == "float32" else (("default dtype", default),)
+        return ((str(level), str(tracer._amp_dtype)),) + ((("default dtype", default),) if default != "float32" else ())
 
     @staticmethod
     def math_mode_counter() -> bytes:
@@ -240,9 +241,11 @@ class PaddleAdapter:
     def describe_ambient(self, ambient) -> str:
         if not ambient:
             return "no auto_cast"
-        return f"paddle.amp.auto_cast (level {ambient[0]}, dtype {ambient[1]})"
+        return " and ".join(f"paddle.set_default_dtype({b!r})" if a == "default dtype" else
+                            f"paddle.amp.auto_cast (level {a}, dtype {b})" for a, b in ambient)
 
     # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
+    static_follows_ambient = False  # SOT, as graph_opt runs it, keeps a translation made under another default dtype
     static_reads_replaced_tensors = False  # SOT replays run on the parameters captured
     value_types = (paddle.dtype, paddle.base.core.Place, paddle.CPUPlace)  # immutable non-tensor values
     def module_dicts(self, model):
@@ -274,7 +277,7 @@ class PaddleAdapter:
         return _conversions
 
     def tensor_fingerprint(self, model):
-        return tuple((t.data_ptr(), t.dtype, str(t.place)) for t in list(model.parameters()) + list(model.buffers()))
+        return tuple((address(t), t.dtype, str(t.place)) for t in list(model.parameters()) + list(model.buffers()))
 
     def after_failed_capture(self) -> None:
         pass  # Paddle's generators: not known to need it (its CUDA path is not run here)
@@ -285,7 +288,9 @@ class PaddleAdapter:
         return _mode_changes
 
     def named_buffers(self, model):
-        return list(model.named_buffers())
+        """Those holding memory: a buffer without any yet (the RNN layers' `_dropout_state`) has no
+        values to copy aside or compare."""
+        return [(name, b) for name, b in model.named_buffers() if b._is_initialized()]
 
     def module_tensor_ids(self, model):
         return tuple((name, id(t)) for name, t in list(model.named_parameters()) + list(model.named_buffers()))
@@ -466,3 +471,17 @@ def _equal_elements(a, b):
 
 
 ADAPTER = PaddleAdapter()
+
+
+# paddle.get_default_dtype() is two Python calls (0.3 µs); a replay reads the class attribute they return
+_LayerHelperBase = paddle.base.layer_helper_base.LayerHelperBase
+
+
+def _default_dtype(helper) -> str:
+    return helper._LayerHelperBase__dtype
+
+
+def address(t) -> int:
+    """data_ptr(), or 0 for a tensor without memory yet (the RNN layers' `_dropout_state` buffer), whose
+    data_ptr() raises."""
+    return t.data_ptr() if t._is_initialized() else 0

@@ -13,6 +13,7 @@ import threading
 import paddle
 
 from ...errors import GraphOptError, GraphOptInputError
+from .adapter import address
 
 
 class _ReplayStep(paddle.autograd.PyLayer):
@@ -173,7 +174,7 @@ class PaddleAutogradBridge:
 
     @staticmethod
     def addresses(tensors):
-        return [t.data_ptr() for t in tensors]
+        return [address(t) for t in tensors]
 
     @staticmethod
     def traced(fn, level: int, name: str):
@@ -243,7 +244,11 @@ class PaddleAutogradBridge:
         return paddle.enable_grad()
 
     def grad(self, outputs, inputs, grad_outputs, retain_graph: bool = False):
-        return paddle.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph, allow_unused=True)
+        grads = paddle.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph, allow_unused=True)
+        if any(g is not None and g.is_selected_rows() for g in grads):
+            raise RuntimeError("a sparse gradient (Embedding(sparse=True), say): a graph replays dense buffers; "
+                               "use sparse=False for the graphed block")
+        return grads
 
     def apply(self, block, graphs, tensors):
         return _ReplayStep.apply(block, graphs, *tensors)
@@ -265,7 +270,7 @@ class PaddleAutogradBridge:
         stop_gradient in Paddle): a capture runs the forward, and its updates of them must not count as a
         step."""
         with paddle.no_grad():
-            state = [b for b in layer.buffers()] + [p for p in layer.parameters() if p.stop_gradient]
+            state = [b for b in layer.buffers() if b._is_initialized()] + [p for p in layer.parameters() if p.stop_gradient]
             return [(b, b.clone()) for b in state]
 
     @staticmethod
@@ -311,8 +316,9 @@ class PaddleAutogradBridge:
 
     # -- autocast and random state ---------------------------------------------------------------
     def amp_state(self):
+        """auto_cast and the default dtype (a tensor the forward makes without a dtype takes it)."""
         tracer = paddle.base.framework._dygraph_tracer()
-        return tracer._amp_level, tracer._amp_dtype
+        return tracer._amp_level, tracer._amp_dtype, paddle.get_default_dtype()
 
     def amp_cache_disabled(self):
         return contextlib.nullcontext()  # Paddle's auto_cast keeps no cache of cast weights

@@ -244,6 +244,7 @@ class TorchAdapter:
         return " and ".join(parts)
 
     # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
+    static_follows_ambient = True  # Dynamo guards autocast and the default dtype
     static_reads_replaced_tensors = True  # level >= 1: a replaced parameter reaches the graph (dynamo.py)
     # immutable non-tensor values (an operator such as torch.ops.aten.relu.default is one)
     value_types = (torch.dtype, torch.device, torch.layout, torch.memory_format, torch._ops.OpOverload,

@@ -17,6 +17,8 @@ from .grad_hooks import leaves_reached
 
 _data_ptr = torch.Tensor.data_ptr
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_default_dtype = torch.get_default_dtype
+_float32 = torch.float32
 _keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: False)
 _will_run = getattr(torch._C, "_will_engine_execute_node", None)
 _saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -347,10 +349,11 @@ class TorchAutogradBridge:
         if len(_math_changes) != self._math_seen:
             self._math_seen = len(_math_changes)
             self._math_id = self._math_ids.setdefault(math_mode.now(), len(self._math_ids))
+        default = _default_dtype()  # a tensor the forward makes without a dtype takes it
         if not _any_autocast():  # one call on the common path instead of four
-            return self._math_id or None
+            return (self._math_id or None) if default is _float32 else (self._math_id, default)
         return (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
-                torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), self._math_id)
+                torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), self._math_id, default)
 
     @contextlib.contextmanager
     def amp_cache_disabled(self):

@@ -408,7 +408,44 @@ class WritesAndPasses(Scaled):
         return self.lin(x) + y, z
 
 
-MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+class CountsCalls(Scaled):
+    """A Python counter the forward advances and computes with: a replay would do neither."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * float(self.calls)
+
+
+class LogsCalls(Scaled):
+    """Appends to a Python list at every call (a log the output does not use)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.shape[0])
+        return self.lin(x)
+
+
+class ReadyOnce(Scaled):
+    """Sets a Python flag at its first call only: a replay need not set it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.ready = False
+
+    def forward(self, x):
+        if not self.ready:
+            self.ready = True
+        return self.lin(x)
+
+
+MODELS = types.SimpleNamespace(Scaled=Scaled, CountsCalls=CountsCalls, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
@@ -633,3 +670,51 @@ def test_a_buffer_written_through_a_view_is_written_by_every_call_or_the_capture
                 assert F.equal(m.cache, twin.cache), f"step {step}: the cache"
     assert graph_opt.stats(m).replays == (4 if level == 0 else 0)
     assert level == 0 or warned(logs, "buffer 'cache'")
+
+
+class _DefaultDtype(Scaled):
+    def forward(self, x):
+        return self.lin(x) + paddle.zeros([HIDDEN]) + 0.1  # follows Paddle's default dtype
+
+
+def test_the_default_dtype_is_part_of_what_a_replay_must_match(F, level, logs):
+    """paddle.set_default_dtype after capture: the graphs made float32 zeros; the call answers as eager
+    (at level 1 too: SOT's translation, as graph_opt runs it, would keep the float32 program)."""
+    m, twin = pair(F, _DefaultDtype, level)
+    with F.graphs():
+        graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
+    x = F.randn(3, HIDDEN, seed=1)
+    paddle.set_default_dtype("float64")
+    try:
+        with F.graphs(), paddle.no_grad():
+            out, ref = m(x), twin(x)
+    finally:
+        paddle.set_default_dtype("float32")
+    assert out.dtype == ref.dtype == paddle.float64 and F.equal(out, ref)
+    assert graph_opt.stats(m).fallback_reasons == {"ambient": 1}
+    assert warned(logs, "set_default_dtype('float64')")
+    with F.graphs(), paddle.no_grad():
+        assert F.equal(m(x), twin(x)) and graph_opt.stats(m).replays == 1
+
+
+class _Recurrent(paddle.nn.Layer):
+    """Paddle's RNN layers hold a buffer without memory (`_dropout_state`): data_ptr() of it raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = paddle.nn.LSTM(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+def test_a_recurrent_layer_with_a_buffer_without_memory_is_captured(F, level):
+    m, twin = pair(F, _Recurrent, level)
+    with F.graphs():
+        report = graph_opt.capture_model(m, lambda n: F.randn(n, 5, HIDDEN, seed=n), progress=False)
+    assert report.failed is None, report.failed
+    with F.graphs(), paddle.no_grad():
+        for real in (4, 2, 8):
+            x = F.randn(real, 5, HIDDEN, seed=real)
+            assert F.equal(m(x), twin(x)), f"{real} rows"
+    assert graph_opt.stats(m).replays == 3

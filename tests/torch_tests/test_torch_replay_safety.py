@@ -3,6 +3,7 @@ on CPU, plus the torch-only cases (autocast, inference_mode, a replaced paramete
 import collections
 import functools
 import operator
+import threading
 import types
 
 import pytest
@@ -655,3 +656,67 @@ def test_a_callable_object_passed_as_an_argument_is_refused_at_level_0(F, kind):
     m, twin = pair(F, _Applies, 0)
     with F.graphs(), pytest.raises(graph_opt.GraphOptInputError, match=r"forward argument act \(a "):
         graph_opt.capture_model(m, lambda n: (F.randn(n, HIDDEN, seed=n), act), progress=False)
+
+
+def test_calls_with_hooks_overlapping_from_two_threads_leave_no_forward_attribute_behind(F):
+    """The decorated call installs the plugin as the instance's `forward` while the framework runs the
+    hooks around it. Thread A enters, B enters, A leaves, B leaves: B must not put back A's
+    temporary attribute (afterwards `m.forward(x)` would have replayed a graph, not run forward)."""
+    m, twin = pair(F, Scaled, 0)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def hook(module, args):
+        if threading.current_thread().name == "A":
+            a_in.set()
+            b_in.wait(5)
+        elif threading.current_thread().name == "B":
+            b_in.set()
+            a_done.wait(5)
+
+    m.register_forward_pre_hook(hook)
+    outs = {}
+
+    def call(name, rows):
+        if name == "B":
+            a_in.wait(5)
+        try:
+            with torch.no_grad():
+                outs[name] = m(F.randn(rows, HIDDEN, seed=rows))
+        except graph_opt.GraphOptError as exc:  # the runner admits one thread at a time
+            outs[name] = exc
+        if name == "A":
+            a_done.set()
+
+    with F.graphs():
+        threads = [threading.Thread(target=call, args=(name, rows), name=name) for name, rows in (("A", 3), ("B", 5))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    assert sorted(outs) == ["A", "B"]
+    assert "forward" not in m.__dict__
+    replays = graph_opt.stats(m).replays
+    with torch.no_grad():
+        x = F.randn(4, HIDDEN, seed=1)
+        assert torch.equal(m.forward(x), twin(x))
+    assert graph_opt.stats(m).replays == replays  # the plain forward ran
+
+
+class _KeywordOnly(Scaled):
+    def forward(self, x, scale=1.0, *, flag=False):
+        y = self.lin(x) * scale
+        return -y if flag else y
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_keyword_only_argument_given_its_default_replays_as_the_call_without_it(F, level):
+    m, twin = pair(F, _KeywordOnly, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    with F.graphs(), torch.no_grad():
+        for kwargs in ({}, {"flag": False}, {"scale": 1.0, "flag": False}):
+            assert torch.equal(m(x, **kwargs), twin(x, **kwargs)), kwargs
+        assert torch.equal(m(x, flag=True), twin(x, flag=True))  # another value: its own signature
+    s = graph_opt.stats(m)
+    assert s.replays == 3 and s.fallback_reasons == {"new_signature": 1}, s

@@ -275,17 +275,14 @@ class _Bookkeeping(torch.nn.Module):
     def __init__(self, hidden):
         super().__init__()
         self.lin = torch.nn.Linear(hidden, hidden)
-        self.calls = 0
 
     def forward(self, x):
-        self.calls += 1  # the forward's own bookkeeping: not an input a user sets
-        self.last_rows = x.shape[0]
         return torch.tanh(self.lin(x)) / self.temperature
 
 
-def test_attributes_the_forward_writes_are_not_watched_and_a_class_default_shadowed_is(F):
-    """Two shapes alternating through a forward that counts its calls: captured once per shape, never
-    again. Then `block.temperature = 2.0` over the class default: captured again, eager's values."""
+def test_a_class_default_shadowed_after_capture_is_captured_again(F):
+    """Two shapes alternating: captured once per shape, never again. Then `block.temperature = 2.0`
+    over the class default: captured again, eager's values."""
     torch.manual_seed(0)
     ref = _Bookkeeping(F.hidden)
     m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
@@ -302,6 +299,39 @@ def test_attributes_the_forward_writes_are_not_watched_and_a_class_default_shado
         assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
     s = graph_opt.stats(m)
     assert (s.captures, s.recaptures) == (4, 1), s
+
+
+class _Counts(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # a schedule the math reads: a replay would neither count nor read the new count
+        return self.lin(x) * min(1.0, self.calls / 4)
+
+
+@pytest.mark.parametrize("level", [0, 1, pytest.param(2, marks=pytest.mark.inductor)])
+def test_a_python_value_the_forward_sets_at_every_call_fails_the_capture_and_counts_as_eager(F, level, caplog):
+    torch.manual_seed(0)
+    ref = _Counts(F.hidden)
+    block = copy.deepcopy(ref)
+    m = graph_opt.autocudagraph(block, warmup_steps=1, level=level)
+    for step in range(6):
+        x = F.randn([3, F.hidden], seed=step)
+        got = []
+        for model in (ref, m):
+            model.zero_grad(set_to_none=True)
+            y = model(x)
+            F.loss(y).backward()
+            got.append((y, model.lin.weight.grad))
+        assert F.equal(got[0][0], got[1][0]) and F.equal(got[0][1], got[1][1]), f"step {step}"
+        assert block.calls == ref.calls, f"step {step}: the count"
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.capture_failures == 1, s
+    assert any("sets Python state as it runs" in r.getMessage() and "'calls': " in r.getMessage()
+               for r in caplog.records)
 
 
 @dataclasses.dataclass
@@ -425,7 +455,10 @@ def test_a_backward_after_the_parameters_changed_in_place_raises_as_eager(level)
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 out[:, 1].sum().backward()
             opt.zero_grad()
-    assert graph_opt.stats(m).backward_replays >= 1
+    s = graph_opt.stats(m)
+    assert s.backward_replays >= 1
+    # a backward that raised is not waited for: every later forward replayed
+    assert "backward_pending" not in s.fallback_reasons and s.replays >= 2, s
 
 
 def test_a_tower_with_a_frozen_weight_applied_twice_per_step_gives_eager_s_gradients():
@@ -918,3 +951,37 @@ def test_a_hook_on_a_submodule_registered_or_removed_after_capture_is_captured_a
             for a, b in zip(*got):
                 assert torch.equal(a, b), f"step {step}: differs by {(a - b).abs().max().item()}"
         assert graph_opt.stats(m).recaptures == 3, graph_opt.stats(m)
+
+
+class _DefaultDtype(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + torch.full((x.shape[0], 8), 0.1, device=x.device)  # follows the default dtype
+
+
+def test_the_default_dtype_is_in_the_key(F):
+    """torch.set_default_dtype between steps: the float32 graphs are not replayed for a float64 step."""
+    torch.manual_seed(0)
+    ref = _DefaultDtype()
+    block = copy.deepcopy(ref)
+    m = graph_opt.autocudagraph(block, warmup_steps=1)
+    try:
+        for step in range(6):
+            if step == 3:
+                torch.set_default_dtype(torch.float64)
+            x = F.randn([4, 8], seed=step).float()
+            outs = []
+            for model in (ref, m):
+                model.zero_grad(set_to_none=True)
+                y = model(x)
+                y.sum().backward()
+                outs.append((y, model.lin.weight.grad))
+            assert outs[0][0].dtype == outs[1][0].dtype, f"step {step}"
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), f"step {step}"
+    finally:
+        torch.set_default_dtype(torch.float32)
+    s = graph_opt.stats(m)
+    assert s.captures == 2 and s.fallbacks == 0, s

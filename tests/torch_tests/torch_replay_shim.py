@@ -418,7 +418,44 @@ class AdvancesInPlace(CountsSteps):
         return self.lin(x) + self.steps
 
 
-MODELS = types.SimpleNamespace(Scaled=Scaled, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+class CountsCalls(Scaled):
+    """A Python counter the forward advances and computes with: a replay would do neither."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * float(self.calls)
+
+
+class LogsCalls(Scaled):
+    """Appends to a Python list at every call (a log the output does not use)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.shape[0])
+        return self.lin(x)
+
+
+class ReadyOnce(Scaled):
+    """Sets a Python flag at its first call only: a replay need not set it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.ready = False
+
+    def forward(self, x):
+        if not self.ready:
+            self.ready = True
+        return self.lin(x)
+
+
+MODELS = types.SimpleNamespace(Scaled=Scaled, CountsCalls=CountsCalls, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
