@@ -70,12 +70,15 @@ class ModuleWatch:
 
     def _plain_attributes(self) -> Dict[Tuple[int, str], Any]:
         """(id of a module's __dict__, name) -> key of each plain value (number, string, bool, None) the
-        module and its submodules hold: `self.temperature`, a dropout's `p`."""
+        module holds (`self.temperature`) and of the public ones its submodules hold (a dropout's `p`;
+        not the framework's own, nor private bookkeeping such as transformers' `_is_hf_initialized`)."""
         out = {}
+        framework = self.adapter.framework_attributes
+        root = self.mode_root
         for d in self.mode_dicts:
-            where = id(d)
+            where, own = id(d), d is root
             for k, v in d.items():
-                if k != "training":
+                if k != "training" and (own or k[:1] != "_" and k not in framework):
                     key = state_key(v)
                     if key[0] != "id":
                         out[(where, k)] = key
