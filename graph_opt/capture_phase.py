@@ -328,8 +328,11 @@ class CapturePhase:
                 self._copy_in(sig, static, leaves, padded)
                 versions = [adapter.version(t) for t in static]
                 buffers = self.model_state.buffer_versions()
-                # What the captured run binds, which a level-0 replay (the graphs alone) would not
-                bindings = self.model_state.held_state() if self._replays_graphs_alone() else None
+                # What the captured run binds or sets, which a level-0 replay (the graphs alone) would not
+                # make again, nor a level-1 replay through Paddle's SOT (found so: its capture's check
+                # then failed, blaming the numbers)
+                checks_state = self._replays_graphs_alone() or not adapter.static_makes_python_stores
+                bindings = self.model_state.held_state() if checks_state else None
                 folds = getattr(self.strategy, "folds_tail", False)
                 if folds:
                     # The output copies into a larger size's storage and the host copies become the last
@@ -483,10 +486,9 @@ class CapturePhase:
 
 def _advances_message(advanced: List[str]) -> str:
     return (f"forward sets Python state as it runs ({', '.join(advanced[:3])}), as `self.t += 1` or a "
-            "list appended to do; a level-0 replay runs no Python, so it would neither set it nor compute "
-            "with the new value. Keep such a value in a tensor the forward updates in place (a buffer: "
-            "self.t.add_(1)), set it outside the forward, or use graph_opt_level 1, whose translated code "
-            "makes the store")
+            "list appended to do; a replay of the graphs would neither set it nor compute with the new value. "
+            "Keep such a value in a tensor the forward updates in place (a buffer: self.t.add_(1)), or set it "
+            "outside the forward (torch: graph_opt_level 1, whose translated code makes the store)")
 
 
 def _rebinds_message(rebound: List[str]) -> str:

@@ -120,7 +120,8 @@ class ModelState:
 
     def held_state(self) -> HeldState:
         """What a forward may advance besides its arguments (held_state.py), as it is now."""
-        return HeldState(self.adapter, self.model, self.buffers(), self.adapter.framework_attributes)
+        # `forward`: the translators' own (Paddle's SOT binds its static forwards on sublayers)
+        return HeldState(self.adapter, self.model, self.buffers(), self.adapter.framework_attributes | {"forward"})
 
     def decorated_submodules(self) -> List[str]:
         """Paths of the submodules that are models decorated on their own."""

@@ -246,6 +246,7 @@ class PaddleAdapter:
 
     # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
     static_follows_ambient = False  # SOT, as graph_opt runs it, keeps a translation made under another default dtype
+    static_makes_python_stores = False  # its captures check what the forward binds and sets, as level 0
     static_reads_replaced_tensors = False  # SOT replays run on the parameters captured
     value_types = (paddle.dtype, paddle.base.core.Place, paddle.CPUPlace)  # immutable non-tensor values
     def module_dicts(self, model):
