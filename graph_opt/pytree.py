@@ -50,6 +50,17 @@ def value_key(value):
     return (kind, value)
 
 
+def strict_key(value):
+    """value_key, element by element through tuples, lists and dicts: (1,) and (1.0,) differ, as do
+    (0.0,) and (-0.0,)."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return (kind, tuple(map(strict_key, value)))
+    if kind is dict:
+        return (kind, tuple((k, strict_key(v)) for k, v in value.items()))
+    return value_key(value)
+
+
 class _Const:
     """A non-tensor value in a spec: equal to another only by value_key (1 and 1.0 differ, NaN matches NaN)."""
 

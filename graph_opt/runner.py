@@ -25,7 +25,7 @@ from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH, _MOVED, in_place
 from .errors import GraphOptError, GuardFailed, ReplayDivergence
 from .fast_replay import MISS, FastReplay, plan_for
 from .host_outputs import HostRingFull
-from .pytree import flatten, value_key
+from .pytree import flatten, strict_key
 from .replay_guards import ModelState, Unwatched
 from .signature import REQUIRED, Signature, SignatureChecks
 from .sizes import PaddingTable
@@ -55,7 +55,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         self.params = list(params)
         self.arg_names = [name for name, _ in self.params]
         # keyword-only parameters with a default, as value keys: m(x, flag=False) is m(x)
-        self.keyword_defaults = [(name, value_key(default)) for name, default in keyword_defaults]
+        self.keyword_defaults = [(name, strict_key(default)) for name, default in keyword_defaults]
         self.name = name
         self.pad_values = pad_values or {}
         # Training flags, autocast, replaced parameters, level-0 attributes: checked before every replay.
@@ -258,7 +258,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
             else:
                 break
         for name, default in self.keyword_defaults:
-            if name in kwargs and value_key(kwargs[name]) == default:
+            if name in kwargs and strict_key(kwargs[name]) == default:
                 del kwargs[name]
         return tuple(args), kwargs
 

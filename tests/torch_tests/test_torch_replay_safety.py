@@ -720,3 +720,22 @@ def test_a_keyword_only_argument_given_its_default_replays_as_the_call_without_i
         assert torch.equal(m(x, flag=True), twin(x, flag=True))  # another value: its own signature
     s = graph_opt.stats(m)
     assert s.replays == 3 and s.fallback_reasons == {"new_signature": 1}, s
+
+
+class _TupleDefaults(Scaled):
+    def forward(self, x, *, eps=(0.0,), n=(1,)):
+        y = self.lin(x)
+        return y + (1.0 / torch.tensor(eps[0])).clamp(-5, 5) + float(torch.tensor(n[0]).is_floating_point())
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_keyword_only_tuple_equal_to_its_default_only_by_value_is_its_own_signature(F, level):
+    """(-0.0,) == (0.0,) and (1.0,) == (1,) in Python; to the forward they are other values."""
+    m, twin = pair(F, _TupleDefaults, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    with F.graphs(), torch.no_grad():
+        for kwargs in ({}, {"eps": (0.0,)}, {"n": (1,)}, {"eps": (-0.0,)}, {"n": (1.0,)}, {"n": (True,)}):
+            assert torch.equal(m(x, **kwargs), twin(x, **kwargs)), kwargs
+    s = graph_opt.stats(m)
+    assert s.replays == 3 and s.fallback_reasons == {"new_signature": 3}, s
