@@ -7,12 +7,15 @@ back the values a run changed) and remembers which object each container held, s
 binds a new tensor where an old one was (`self.cache = torch.zeros(...)` made lazily, `st.steps =
 st.steps + 1`) is seen and put back. A level-0 replay cannot make that binding (capture_phase: such a
 capture fails, or, for state made at the first call, waits for a later call). Nor can it set a Python
-value (`self.t += 1`): `advanced()` names those a run changed, and `put_back_values()` undoes them.
+value (`self.t += 1`, a set or a numpy array changed in place): `advanced()` names those a run changed,
+and `put_back_values()` undoes them.
 """
 from __future__ import annotations
 
+import array
 import collections
 import functools
+import sys
 import types
 from typing import Any, List, Tuple
 
@@ -29,6 +32,9 @@ def state_key(value) -> Any:
         return value_key(value)
     if isinstance(value, tuple) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
         return (tuple, tuple(value_key(v) for v in value))
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.generic):  # np.float32(0.5): a plain value too
+        return (type(value), value.tobytes())
     return ("id", id(value))
 
 
@@ -78,7 +84,10 @@ class HeldState:
         elif isinstance(obj, (list, collections.deque)):
             self._bindings.append((name, obj, list(obj), None))
             values = list(obj)
-        elif isinstance(obj, (tuple, set, frozenset)):
+        elif _is_value(obj):  # changed in place, not rebound: a copy of the whole value
+            self._bindings.append((name, obj, _copy_value(obj), None))
+            values = list(obj) if isinstance(obj, set) else []
+        elif isinstance(obj, (tuple, frozenset)):
             values = list(obj)
         else:
             attributes = getattr(obj, "__dict__", None)
@@ -134,6 +143,8 @@ class HeldState:
 
     @staticmethod
     def _same(container, saved, key) -> bool:
+        if _is_value(container):
+            return _same_value(container, saved)
         if isinstance(container, (list, collections.deque)):
             return len(container) == len(saved) and all(map(_equal, container, saved))
         now = getattr(container, key, _MISSING) if not isinstance(container, dict) else container.get(key, _MISSING)
@@ -142,7 +153,9 @@ class HeldState:
     @staticmethod
     def _changes(container, saved, skip) -> list:
         """The keys (indices) whose entry is no longer the object it was; every index where a list or
-        deque changed length."""
+        deque changed length; ["value"] where a set's, bytearray's or array's value changed."""
+        if _is_value(container):
+            return [] if _same_value(container, saved) else ["value"]
         if isinstance(container, (list, collections.deque)):
             same = len(container) == len(saved) and all(a is b for a, b in zip(container, saved))
             return [] if same else list(range(max(len(container), len(saved))))
@@ -153,6 +166,10 @@ class HeldState:
 
     @staticmethod
     def _values(container, saved, keys) -> list:
+        if isinstance(container, set):
+            return list(container) + list(saved)
+        if _is_value(container):
+            return []
         if isinstance(container, (list, collections.deque)):
             return list(container) + list(saved)
         if not isinstance(container, dict):
@@ -175,15 +192,17 @@ def _equal(a, b) -> bool:
 
 def _named(name: str, container, keys) -> str:
     """A rebound container's name with the keys that changed: "attribute of the model 'state'"."""
-    if isinstance(container, (list, collections.deque)):
+    if isinstance(container, (list, collections.deque)) or _is_value(container):
         return name
     return f"{name} {', '.join(repr(k) for k in sorted(keys, key=str)[:3])}"
 
 
 def _transition(container, saved, key) -> str:
     """": 3 -> 4" for a plain value a run set; "" for anything else."""
-    if isinstance(container, (list, collections.deque)):
-        return f": {len(saved)} -> {len(container)} items"
+    if isinstance(container, (list, collections.deque, set, bytearray, array.array)):
+        return f": {len(saved)} -> {len(container)} items" if len(saved) != len(container) else ""
+    if _is_value(container):
+        return ""
     now = getattr(container, key, _MISSING) if not isinstance(container, dict) else container.get(key, _MISSING)
     was = saved.get(key, _MISSING)
     if state_key(now)[0] == "id" or state_key(was)[0] == "id":
@@ -192,7 +211,15 @@ def _transition(container, saved, key) -> str:
 
 
 def _put_back(container, saved, keys) -> None:
-    if isinstance(container, collections.deque):
+    if isinstance(container, set):
+        container.clear()
+        container.update(saved)
+    elif isinstance(container, (bytearray, array.array)):
+        container[:] = saved
+    elif _is_value(container):  # a numpy array
+        if container.shape == saved.shape and container.dtype == saved.dtype:
+            container[...] = saved
+    elif isinstance(container, collections.deque):
         container.clear()
         container.extend(saved)
     elif isinstance(container, list):
@@ -206,6 +233,27 @@ def _put_back(container, saved, keys) -> None:
                 container[k] = saved[k]
             else:
                 del container[k]
+
+
+def _is_value(obj) -> bool:
+    """A mutable value a forward may change in place that is not a container of entries (a set, a
+    bytearray, an array.array, a numpy array): recorded as a copy of the whole."""
+    if isinstance(obj, (set, bytearray, array.array)):
+        return True
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(obj, numpy.ndarray)
+
+
+def _copy_value(obj):
+    return set(obj) if isinstance(obj, set) else obj[:] if isinstance(obj, (bytearray, array.array)) else obj.copy()
+
+
+def _same_value(now, saved) -> bool:
+    if isinstance(now, (set, bytearray)):
+        return now == saved
+    if isinstance(now, array.array):  # by bytes: NaN is itself, -0.0 is not 0.0
+        return now.typecode == saved.typecode and now.tobytes() == saved.tobytes()
+    return now.shape == saved.shape and now.dtype == saved.dtype and now.tobytes() == saved.tobytes()
 
 
 def _own(key: str, skip: frozenset) -> bool:

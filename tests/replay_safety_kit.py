@@ -633,6 +633,46 @@ def test_a_python_list_the_forward_appends_to_is_never_left_behind_at_level_0(F,
     assert warned(logs, "sets Python state as it runs", "'seen'")
 
 
+def in_place_counter(kind):
+    """A new count of `kind` a forward advances in place: a set, a numpy array, a bytearray, an array.array."""
+    import array
+
+    import numpy
+    return {"set": set, "numpy": lambda: numpy.zeros(1), "bytearray": bytearray, "array": lambda: array.array("d")}[kind]()
+
+
+def advance_in_place(counter) -> float:
+    """Advance the count in place (no new binding) and return it."""
+    if isinstance(counter, set):
+        counter.add(len(counter))
+        return float(len(counter))
+    if hasattr(counter, "dtype"):  # numpy
+        counter += 1
+        return float(counter[0])
+    counter.append(1)
+    return float(len(counter))
+
+
+@pytest.mark.parametrize("kind", ["set", "numpy", "bytearray", "array"])
+@pytest.mark.parametrize("at_calls", [False, True], ids=["capture_model", "at_calls"])
+def test_a_count_the_forward_keeps_in_a_set_or_array_changed_in_place_is_never_replayed_stale(F, M, logs, kind, at_calls):
+    """No binding changes, only the value inside the object: its capture fails naming it, and every call
+    answers as eager, the count advanced once per call (a capture at a call puts it back)."""
+    m, twin = pair(F, type(f"Counts_{kind}", (M.CountsInPlace,), {"kind": kind}), 0)
+    if not at_calls:
+        with F.graphs():
+            report = graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
+        assert report.failed is not None and "'seen'" in report.failed
+        twin.seen = copy.copy(m.seen)
+    with F.graphs(), F.no_grad():
+        for step, real in enumerate((4, 3, 4, 8)):
+            x = F.randn(real, HIDDEN, seed=step)
+            assert F.equal(m(x), twin(x)), f"step {step}"
+            assert advance_in_place(copy.copy(m.seen)) == advance_in_place(copy.copy(twin.seen)), f"step {step}: the count"
+    assert len(warned(logs, "sets Python state as it runs", "'seen'")) == 1
+    assert graph_opt.stats(m).replays == 0
+
+
 def test_a_flag_the_forward_sets_at_its_first_call_only_still_replays(F, M, level, logs):
     m, twin = pair(F, M.ReadyOnce, level)
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))

@@ -14,6 +14,7 @@ import graph_opt  # noqa: E402
 from training_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
 from training_kit import assert_same_step, graph_warnings, twins  # noqa: E402
 from torch_training_shim import Block, TorchShim  # noqa: E402
+from replay_safety_kit import advance_in_place, in_place_counter  # noqa: E402
 
 
 @pytest.fixture
@@ -332,6 +333,40 @@ def test_a_python_value_the_forward_sets_at_every_call_fails_the_capture_and_cou
     assert s.replays == 0 and s.capture_failures == 1, s
     assert any("sets Python state as it runs" in r.getMessage() and "'calls': " in r.getMessage()
                for r in caplog.records)
+
+
+class _CountsInPlace(torch.nn.Module):
+    kind = "set"
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.seen = in_place_counter(self.kind)
+
+    def forward(self, x):
+        return self.lin(x) * min(1.0, advance_in_place(self.seen) / 4)
+
+
+@pytest.mark.parametrize("kind", ["set", "numpy", "bytearray", "array"])
+def test_a_count_kept_in_a_set_or_array_the_forward_changes_in_place_fails_the_capture(F, kind, caplog):
+    """No binding changes, only the value inside the object: the capture sees it and puts it back."""
+    torch.manual_seed(0)
+    ref = type(f"Counts_{kind}", (_CountsInPlace,), {"kind": kind})(F.hidden)
+    block = copy.deepcopy(ref)
+    m = graph_opt.autocudagraph(block, warmup_steps=1)
+    for step in range(5):
+        x = F.randn([3, F.hidden], seed=step)
+        got = []
+        for model in (ref, m):
+            model.zero_grad(set_to_none=True)
+            y = model(x)
+            F.loss(y).backward()
+            got.append((y, model.lin.weight.grad))
+        assert F.equal(got[0][0], got[1][0]) and F.equal(got[0][1], got[1][1]), f"step {step}"
+        assert advance_in_place(copy.copy(block.seen)) == advance_in_place(copy.copy(ref.seen)), f"step {step}"
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.capture_failures == 1, s
+    assert any("sets Python state as it runs" in r.getMessage() and "'seen'" in r.getMessage() for r in caplog.records)
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import graph_opt
-from replay_safety_kit import HIDDEN
+from replay_safety_kit import HIDDEN, advance_in_place, in_place_counter
 
 GLOBAL_SCALE = 1.0  # read by ScaledByGlobal.forward
 
@@ -442,6 +442,19 @@ class LogsCalls(Scaled):
         return self.lin(x)
 
 
+class CountsInPlace(Scaled):
+    """A count kept in an object the forward changes in place (a set, a numpy array ...: `kind`)."""
+
+    kind = "set"
+
+    def __init__(self):
+        super().__init__()
+        self.seen = in_place_counter(self.kind)
+
+    def forward(self, x):
+        return self.lin(x) * advance_in_place(self.seen)
+
+
 class ReadyOnce(Scaled):
     """Sets a Python flag at its first call only: a replay need not set it again."""
 
@@ -455,7 +468,7 @@ class ReadyOnce(Scaled):
         return self.lin(x)
 
 
-MODELS = types.SimpleNamespace(Scaled=Scaled, CountsCalls=CountsCalls, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+MODELS = types.SimpleNamespace(Scaled=Scaled, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
