@@ -73,6 +73,12 @@ class GraphedBlock(ModuleWatch):
         self.attr_names: list = []
         self.attr_values: list = []
         self.attr_keys: list = []
+        self.attr_types: list = []
+        self.attr_zeros: list = []  # indices of the values 0.0 or -0.0, and their signs
+        self.attr_signs: list = []
+        self.obj_dicts: list = []  # the other objects the module holds, by identity
+        self.obj_names: list = []
+        self.obj_values: list = []
         self.attr_root = 0  # how many of them are the module's own
         self.attr_count = 0  # len(the module's __dict__)
         self.attr_written: set = set()  # plain attributes the forward itself writes: not watched

@@ -7,8 +7,10 @@ set to another value is found at the next call, and the graphs are dropped and c
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import math
 import operator
 import sys
 from typing import Any, Callable, Dict, Tuple
@@ -71,17 +73,32 @@ class ModuleWatch:
     def _plain_attributes(self) -> Dict[Tuple[int, str], Any]:
         """(id of a module's __dict__, name) -> key of each plain value (number, string, bool, None) the
         module holds (`self.temperature`) and of the public ones its submodules hold (a dropout's `p`;
-        not the framework's own, nor private bookkeeping such as transformers' `_is_hf_initialized`)."""
+        not the framework's own, nor private bookkeeping such as transformers' `_is_hf_initialized`);
+        and of the other objects the module holds itself (an enum, a list), by identity."""
         out = {}
         framework = self.adapter.framework_attributes
+        is_tensor = self.adapter.is_tensor
         root = self.mode_root
         for d in self.mode_dicts:
             where, own = id(d), d is root
             for k, v in d.items():
                 if k != "training" and (own or k[:1] != "_" and k not in framework):
                     key = state_key(v)
-                    if key[0] != "id":
+                    if key[0] != "id" or own and k not in framework and k != "forward" \
+                            and not k.startswith("_graph_opt") and not is_tensor(v):
                         out[(where, k)] = key
+        return out
+
+    def _class_defaults(self) -> list:
+        """(id of a submodule's __dict__, name) of the public plain class attributes of submodules' own
+        classes (not the framework's) that the instance does not set: one set on a submodule later
+        (`sub.scale = 7.0` over `scale = 1.0`) is seen. The module's own are its __dict__'s length."""
+        out = []
+        framework = self.adapter.name
+        root = self.mode_root
+        for d, cls in zip(self.mode_dicts, self.adapter.module_classes(self.module)):
+            if d is not root:
+                out += [(id(d), k) for k in _class_plain_names(cls, framework) if k not in d]
         return out
 
     def _note_writes(self, before: Dict[Tuple[int, str], Any]) -> None:
@@ -96,12 +113,22 @@ class ModuleWatch:
         they are now, but those its forward writes itself at its first calls: a replay runs no Python,
         so they are not inputs a user sets (one written at every call fails the capture)."""
         by_id = {id(d): d for d in self.mode_dicts}
-        watched = [k for k in self._plain_attributes() if k not in self.attr_written]
-        self.attr_dicts = [by_id[where] for where, _ in watched]
-        self.attr_names = [name for _, name in watched]
-        self.attr_values = list(map(dict.get, self.attr_dicts, self.attr_names))
+        now = self._plain_attributes()
+        kept = [k for k in now if k not in self.attr_written]
+        plain = [k for k in kept if now[k][0] != "id"] + [k for k in self._class_defaults() if k not in self.attr_written]
+        objects = [k for k in kept if now[k][0] == "id"]
+        self.attr_dicts = [by_id[where] for where, _ in plain]
+        self.attr_names = [name for _, name in plain]
+        self.attr_values = list(map(dict.get, self.attr_dicts, self.attr_names, _GONE_ITER))
+        # Python's == takes 1 for 1.0 or True, and -0.0 for 0.0: the types and the zeros' signs are compared too
+        self.attr_types = list(map(type, self.attr_values))
+        self.attr_zeros = [i for i, v in enumerate(self.attr_values) if type(v) is float and v == 0.0]
+        self.attr_signs = [math.copysign(1.0, self.attr_values[i]) for i in self.attr_zeros]
         self.attr_keys = list(map(state_key, self.attr_values))
-        self.attr_root = sum(1 for where, _ in watched if where == id(self.mode_root))
+        self.obj_dicts = [by_id[where] for where, _ in objects]
+        self.obj_names = [name for _, name in objects]
+        self.obj_values = list(map(dict.get, self.obj_dicts, self.obj_names))
+        self.attr_root = sum(1 for where, _ in kept if where == id(self.mode_root))
         self.attr_count = len(self.mode_root)
 
     def _eager(self, run: Callable, args, kwargs):
@@ -153,9 +180,10 @@ class ModuleWatch:
 
     def _attributes_changed(self) -> bool:
         """A plain value (number, string, bool, None) of the module's or a submodule's attributes set to
-        another since capture (`self.temperature = 2.0`, `drop.p = 0.2`), or one set on the module over a
-        class default: the graphs bake what the forward read. Same objects: one C-level pass over them
-        (a few µs for a BERT-base)."""
+        another since capture (`self.temperature = 2.0`, `drop.p = 0.2`, 1 to 1.0), one set over a class
+        default, or another object bound to an attribute of the module (an enum member, a new list): the
+        graphs bake what the forward read. Same objects: C-level passes over them (a few µs for a
+        BERT-base)."""
         root = self.mode_root
         if len(root) != self.attr_count:  # added (over a class default) or deleted
             now = sum(1 for (where, k) in self._plain_attributes()
@@ -164,12 +192,14 @@ class ModuleWatch:
                 return True
             self.attr_count = len(root)
         values = list(map(dict.get, self.attr_dicts, self.attr_names, _GONE_ITER))
-        if values == self.attr_values:  # identity first, element by element, in C
-            return False
-        if list(map(state_key, values)) != self.attr_keys:
+        if values != self.attr_values or list(map(type, values)) != self.attr_types:  # == is identity first, in C
+            if list(map(state_key, values)) != self.attr_keys:
+                return True
+            self.attr_values = values  # equal values in new objects
+        zeros = self.attr_zeros
+        if zeros and [math.copysign(1.0, values[i]) for i in zeros] != self.attr_signs:
             return True
-        self.attr_values = values  # equal values in new objects
-        return False
+        return not all(map(operator.is_, map(dict.get, self.obj_dicts, self.obj_names, _GONE_ITER), self.obj_values))
 
     def _params_moved(self) -> bool:
         """A parameter or buffer replaced (a new object, or its data swapped), one added or a submodule
@@ -207,6 +237,17 @@ class ModuleWatch:
 _UNSET = object()
 _GONE = object()  # what a deleted attribute reads as
 _GONE_ITER = itertools.repeat(_GONE)
+
+
+@functools.lru_cache(maxsize=None)
+def _class_plain_names(cls, framework: str) -> tuple:
+    """Names of the public class attributes with plain values that `cls` and its bases outside the framework
+    define (a value set on the class later is read by the forward as a global is: not watched)."""
+    names = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__module__.split(".")[0] not in (framework, "builtins"):
+            names.update((k, v) for k, v in vars(klass).items() if k[:1] != "_")
+    return tuple(k for k, v in names.items() if state_key(v)[0] != "id")
 
 
 def _framework_of_call(args, kwargs, name: str) -> str:

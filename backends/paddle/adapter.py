@@ -252,6 +252,10 @@ class PaddleAdapter:
     def module_dicts(self, model):
         return [(path, layer.__dict__) for path, layer in model.named_sublayers(include_self=True)]
 
+    def module_classes(self, model) -> list:
+        """The class of each module, in module_dicts' order."""
+        return [type(layer) for _, layer in model.named_sublayers(include_self=True)]
+
     @functools.cached_property
     def framework_attributes(self) -> frozenset:
         """Attributes Layer keeps for itself (_built, hooks, training): not the model's state a replay checks."""

@@ -253,6 +253,10 @@ class TorchAdapter:
     def module_dicts(self, model):
         return [(path, m.__dict__) for path, m in model.named_modules(remove_duplicate=False)]
 
+    def module_classes(self, model) -> list:
+        """The class of each module, in module_dicts' order."""
+        return [type(m) for _, m in model.named_modules(remove_duplicate=False)]
+
     @functools.cached_property
     def framework_attributes(self) -> frozenset:
         """Attributes nn.Module keeps for itself (hooks, training): not the model's state a replay checks."""

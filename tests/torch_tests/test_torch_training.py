@@ -4,8 +4,10 @@ with the torch shim below (tests/gpu/test_gpu_training.py runs it on real graphs
 import contextlib
 import copy
 import dataclasses
+import enum
 import types
 
+import numpy
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -367,6 +369,70 @@ def test_a_count_kept_in_a_set_or_array_the_forward_changes_in_place_fails_the_c
     s = graph_opt.stats(m)
     assert s.replays == 0 and s.capture_failures == 1, s
     assert any("sets Python state as it runs" in r.getMessage() and "'seen'" in r.getMessage() for r in caplog.records)
+
+
+class _Mode(enum.Enum):
+    A = 1
+    B = 2
+
+
+class _ScaledByClassDefault(torch.nn.Module):
+    scale = 1.0
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class _Scheduled(torch.nn.Module):
+    """Attributes a schedule may set between steps, each read by the forward."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.sc = _ScaledByClassDefault()
+        self.mode = _Mode.A
+        self.temp = numpy.float32(1.0)
+        self.gains = [1.0]
+        self.count = 1
+        self.shift = 0.0
+
+    def forward(self, x):
+        y = self.sc(self.lin(x)) / float(self.temp) * self.gains[0] * (1.0 if self.mode is _Mode.A else 3.0)
+        return y * torch.tensor(self.count).to(y.dtype) + torch.full_like(y, self.shift).reciprocal().clamp(-2, 2)
+
+
+_SCHEDULES = {
+    "an enum member": lambda m: setattr(m, "mode", _Mode.B),
+    "a numpy scalar": lambda m: setattr(m, "temp", numpy.float32(4.0)),
+    "a new list": lambda m: setattr(m, "gains", [5.0]),
+    "a submodule's attribute over its class default": lambda m: setattr(m.sc, "scale", 7.0),
+    "1 to 1.0": lambda m: setattr(m, "count", 1.0),
+    "0.0 to -0.0": lambda m: setattr(m, "shift", -0.0),
+}
+
+
+# At level 1 Dynamo's own float guards take -0.0 for 0.0, as under torch.compile (docs/training.md)
+@pytest.mark.parametrize("change, level", [(c, lv) for c in _SCHEDULES for lv in (0, 1) if lv == 0 or c != "0.0 to -0.0"])
+def test_an_attribute_a_schedule_sets_to_another_value_is_captured_again(F, change, level):
+    """Each is another value to the forward, though Python's == may call it equal (1 == 1.0, 0.0 == -0.0)."""
+    torch.manual_seed(0)
+    ref = _Scheduled(F.hidden)
+    block = copy.deepcopy(ref)
+    m = graph_opt.autocudagraph(block, warmup_steps=1, level=level)
+    for step in range(6):
+        if step == 3:
+            _SCHEDULES[change](ref)
+            _SCHEDULES[change](block)
+        x = F.randn([3, F.hidden], seed=step)
+        got = []
+        for model in (ref, m):
+            model.zero_grad(set_to_none=True)
+            y = model(x)
+            F.loss(y).backward()
+            got.append((y, model.lin.weight.grad))
+        assert F.equal(got[0][0], got[1][0]) and F.equal(got[0][1], got[1][1]), f"step {step}"
+    s = graph_opt.stats(m)
+    assert s.recaptures == 1 and s.replays == (5 if level == 0 else 3), s  # level 1: a first call per trace
 
 
 @dataclasses.dataclass
