@@ -82,6 +82,7 @@ class GraphedBlock(ModuleWatch):
         self.attr_root = 0  # how many of them are the module's own
         self.attr_count = 0  # len(the module's __dict__)
         self.attr_written: set = set()  # plain attributes the forward itself writes: not watched
+        self.own_at: list = []  # ((id, name), its __dict__, name) of those, checked before each replay
         self.tensors_bound: set = set()  # (id of a module's __dict__, name): tensor attributes it binds anew
         # Parameters an eager run of the forward wrote in place (an EMA codebook kept as a frozen
         # Parameter): a capture runs the forward, and puts them back after, as it does the buffers.
@@ -158,6 +159,9 @@ class GraphedBlock(ModuleWatch):
                 graphs = None
             elif self.pending:
                 return self._fallback("backward_pending", args, kwargs, _PENDING_WARNING.format(name=self.name))
+            elif self.own_at and not self._own_as_captured(state):
+                return self._fallback("forward_state", args, kwargs, _OWN_WARNING.format(
+                    name=self.name, what=", ".join(self._own_changed(state)[:3])))
             else:
                 return self._replay(graphs, leaves, key[1])
         if state.failed is not None:
@@ -377,9 +381,10 @@ class GraphedBlock(ModuleWatch):
             self._reclaim()
         buffers = None
         if self.module is not None and self.watched_tensors and self._params_moved():
-            # Changed since the graphs of other keys were captured: theirs are as stale as a replay would be
+            # Changed since the graphs of other keys were captured: theirs are as stale as a replay would be.
+            # Before any capture (a buffer the forward registers at its first call) nothing is stale.
             run = state.run
-            self._recapture()
+            self._recapture(quiet=not any(k.graphs is not None for k in self.keys.values()))
             state.run = run  # this key's outputs were counted at its first call, after the change
         held = None
         if self.module is not None:  # what the graphs will read: parameters as they are now
@@ -407,7 +412,14 @@ class GraphedBlock(ModuleWatch):
             advanced = held.advanced() if held is not None else None
             if advanced:
                 held.put_back_values()  # the eager call that answers instead sets them once
-                raise CaptureError(_ADVANCES.format(", ".join(advanced[:3])))
+                if self.ran_eagerly or state.retried:
+                    raise CaptureError(_ADVANCES.format(", ".join(advanced[:3])))
+                # warmup_steps=0: the capture was the forward's first run, and what a first run sets once
+                # (a flag) is the forward's own; this call runs eagerly, and the next captures again
+                state.retried = True
+                graphs.release()
+                bridge.set_rng_state(rng)
+                graphs = None
         except Exception as exc:  # noqa: BLE001 - any failure leaves the key eager, with one warning
             bridge.set_rng_state(rng)
             self._capture_failed(state, exc)
@@ -423,6 +435,9 @@ class GraphedBlock(ModuleWatch):
                 # (a frozen weight of a tower applied twice) would refuse its backward.
                 same = adapter.same_values
                 bridge.restore_buffers([(t, saved) for t, saved in buffers if not same(t, saved)])
+        if graphs is None:
+            self.counters.warmups += 1
+            return None
         if simulated:
             bridge.set_rng_state(rng)  # a simulated capture ran the block; the replay must draw as eager would
         else:
@@ -433,6 +448,7 @@ class GraphedBlock(ModuleWatch):
         if attrs_before is not None:  # what the capture's forward wrote is the forward's own
             self._note_writes(attrs_before)
             self._note_rebinding(bound_before)
+            state.attrs = self._plain_attributes()
         state.graphs = graphs
         self.counters.captures += 1
         self.counters.capture_seconds += time.perf_counter() - start
@@ -492,6 +508,9 @@ class GraphedBlock(ModuleWatch):
 
 _LEVEL_NAMES = {0: "", 1: ", level 1 (traced: Dynamo and AOTAutograd)", 2: ", level 2 (traced, Inductor)"}
 
+_OWN_WARNING = ("{name}: an attribute the forward writes itself holds another value than when this call's graphs "
+                "were captured ({what}), so their replay would not be what the forward does now; such calls "
+                "run eagerly. Keep such a value in a tensor the forward updates in place, or out of the block")
 _PENDING_WARNING = ("{name}: called again while the previous graphed forward's backward has not run; the "
                     "replay would overwrite the activations it reads, so this call runs eagerly. Run backward "
                     "(or drop the outputs) before the next forward, or call under no_grad")

@@ -66,6 +66,10 @@ class KeyState:
     graphs: Optional[StepGraphs] = None
     failed: Optional[str] = None
     run: Optional[Callable] = None  # the forward its calls and capture run: eager, or traced (levels 1, 2)
+    # the module's plain attributes at capture ((id of a __dict__, name) -> key): those the forward writes
+    # itself must hold these values for a replay to be what the forward would do (training_watch)
+    attrs: Optional[dict] = None
+    retried: bool = False  # a capture with no eager call before it set Python state: tried once more
 
 
 _PLACEHOLDER = object()  # stands for an output tensor in the outputs' template

@@ -130,6 +130,24 @@ class ModuleWatch:
         self.obj_values = list(map(dict.get, self.obj_dicts, self.obj_names))
         self.attr_root = sum(1 for where, _ in kept if where == id(self.mode_root))
         self.attr_count = len(self.mode_root)
+        # What the forward writes itself, checked against each key's capture before a replay
+        self.own_at = [(k, by_id[k[0]], k[1]) for k in self.attr_written if k[0] in by_id]
+
+    def _own_now(self, entry) -> Any:
+        value = entry[1].get(entry[2], _GONE)
+        return None if value is _GONE else state_key(value)
+
+    def _own_as_captured(self, state) -> bool:
+        """The attributes the forward writes itself hold what they held when `state`'s graphs were
+        captured: the capture found that a run from there leaves them so (else it failed), so a replay
+        is what the forward would do. A value that depends on the call (`self.rows = x.shape[0]` with
+        shapes alternating) or one written after this key's capture runs the call eagerly instead."""
+        attrs = state.attrs or {}
+        return all(self._own_now(e) == attrs.get(e[0]) for e in self.own_at)
+
+    def _own_changed(self, state) -> list:
+        attrs = state.attrs or {}
+        return [f"{e[2]!r}" for e in self.own_at if self._own_now(e) != attrs.get(e[0])]
 
     def _eager(self, run: Callable, args, kwargs):
         """An eager (or traced, not replayed) call of the block: attributes it writes are the forward's
@@ -221,7 +239,12 @@ class ModuleWatch:
             self.hook_changes = self.hooked[0]
         return False
 
-    def _recapture(self) -> None:
+    def _recapture(self, quiet: bool = False) -> None:
+        if quiet:  # nothing captured yet: only what is watched changes
+            self.release(keep_warmups=True)
+            self.params = self.bridge.trainable_parameters(self.module)
+            self._watch()
+            return
         if "recapture" not in self._warned:
             self._warned.add("recapture")
             logger.warning("%s: a parameter, buffer or submodule was replaced or added after capture (a new "

@@ -435,6 +435,84 @@ def test_an_attribute_a_schedule_sets_to_another_value_is_captured_again(F, chan
     assert s.recaptures == 1 and s.replays == (5 if level == 0 else 3), s  # level 1: a first call per trace
 
 
+class _KeepsRows(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.rows = 0
+
+    def forward(self, x):
+        self.rows = x.shape[0]  # the same at every run of one key, another at the other key
+        return self.lin(x)
+
+
+def test_a_value_the_forward_sets_per_key_is_never_left_stale_by_a_replay(F, caplog):
+    """Each key's capture sees its runs leave `rows` as they found it; a replay after a call of the other
+    key would leave it stale (it runs no Python), so such calls run eagerly, with one warning."""
+    torch.manual_seed(0)
+    ref = _KeepsRows(F.hidden)
+    block = copy.deepcopy(ref)
+    m = graph_opt.autocudagraph(block, warmup_steps=1)
+    for step, rows in enumerate((2, 2, 2, 4, 4, 4, 2, 4, 2, 4)):
+        x = F.randn([rows, F.hidden], seed=step)
+        got = []
+        for model in (ref, m):
+            model.zero_grad(set_to_none=True)
+            y = model(x)
+            F.loss(y).backward()
+            got.append((y, model.lin.weight.grad))
+        assert F.equal(got[0][0], got[1][0]) and F.equal(got[0][1], got[1][1]), f"step {step}"
+        assert block.rows == ref.rows, f"step {step}"
+    s = graph_opt.stats(m)
+    assert s.captures == 2 and s.capture_failures == 0 and s.fallback_reasons == {"forward_state": 4}, s
+    assert len([r for r in graph_warnings(caplog) if "writes itself" in r.getMessage() and "'rows'" in r.getMessage()]) == 1
+
+
+class _ReadyOnce(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.ready = False
+
+    def forward(self, x):
+        if not self.ready:
+            self.ready = True
+        return self.lin(x)
+
+
+def test_a_flag_set_at_the_first_call_replays_with_no_warm_up_steps(F, caplog):
+    """warmup_steps=0: the first call is the capture's run, which sets the flag; that call runs eagerly
+    and the next captures."""
+    ref = _ReadyOnce(F.hidden)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=0)
+    for step in range(4):
+        assert_same_step(F, ref, m, F.randn([3, F.hidden], seed=step), step)
+    s = graph_opt.stats(m)
+    assert (s.captures, s.capture_failures, s.replays) == (1, 0, 3), s
+    assert not graph_warnings(caplog)
+
+
+class _BufferAtFirstCall(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        if not hasattr(self, "pos"):
+            self.register_buffer("pos", torch.arange(float(x.shape[-1])))
+        return self.lin(x) + self.pos
+
+
+def test_a_buffer_the_forward_registers_at_its_first_call_is_no_recapture(F, caplog):
+    ref = _BufferAtFirstCall(F.hidden)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
+    for step in range(4):
+        assert_same_step(F, ref, m, F.randn([3, F.hidden], seed=step), step)
+    s = graph_opt.stats(m)
+    assert (s.captures, s.recaptures, s.replays) == (1, 0, 3), s
+    assert not graph_warnings(caplog)
+
+
 @dataclasses.dataclass
 class _Batch:
     x: torch.Tensor
