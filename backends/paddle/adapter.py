@@ -239,10 +239,11 @@ class PaddleAdapter:
         return "unknown"
 
     def describe_ambient(self, ambient) -> str:
-        if not ambient:
-            return "no auto_cast"
-        return " and ".join(f"paddle.set_default_dtype({b!r})" if a == "default dtype" else
-                            f"paddle.amp.auto_cast (level {a}, dtype {b})" for a, b in ambient)
+        """Both halves, whichever changed: "no auto_cast and paddle.set_default_dtype('float64')"."""
+        ambient = ambient or ()
+        dtype = [b for a, b in ambient if a == "default dtype"]
+        casts = [f"paddle.amp.auto_cast (level {a}, dtype {b})" for a, b in ambient if a != "default dtype"]
+        return f"{' and '.join(casts) or 'no auto_cast'} and paddle.set_default_dtype({(dtype or ['float32'])[0]!r})"
 
     # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
     static_follows_ambient = False  # SOT, as graph_opt runs it, keeps a translation made under another default dtype

@@ -237,11 +237,11 @@ class TorchAdapter:
         return math_mode.describe(was, now)
 
     def describe_ambient(self, ambient) -> str:
-        if not ambient:
-            return "no autocast"
-        parts = [f"torch.set_default_dtype({dtype})" if device == "default dtype" else
-                 f"torch.autocast({device!r}, dtype={dtype})" for device, dtype in ambient]
-        return " and ".join(parts)
+        """Both halves, whichever changed: "no autocast and torch.set_default_dtype(torch.float64)"."""
+        ambient = ambient or ()
+        dtype = [d for device, d in ambient if device == "default dtype"]
+        casts = [f"torch.autocast({device!r}, dtype={d})" for device, d in ambient if device != "default dtype"]
+        return f"{' and '.join(casts) or 'no autocast'} and torch.set_default_dtype({(dtype or [torch.float32])[0]})"
 
     # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
     static_follows_ambient = True  # Dynamo guards autocast and the default dtype
