@@ -61,7 +61,10 @@ def expect(runner, sig, static: List, leaves: List, padded: int, warm=None):
         small = _probe_rows(adapter, leaves, sig.dims, rows)
         runner._copy_in(sig, static, small, padded)
         own = [t if d is None else adapter.narrow(t, d, rows) for t, d in zip(static, sig.dims)]
+        values = runner.model_state.held_state()
         expected = _clone(adapter, _run(runner, sig, own))
+        if values.advanced():  # a Python value this run set otherwise than the padded runs: validate compares
+            runner.python_stores_seen = True
     except Exception as exc:  # the forward cannot run these rows: nothing checks the padded calls
         if rows >= padded:  # the layout's probe at another size only: learn it from the next size instead
             logger.info("%s: the forward could not run the capture inputs at another size (%s: %s); only calls of "
@@ -127,10 +130,11 @@ def _validate(runner, sig, entry, leaves: List, expected) -> None:
         return
     with adapter.no_grad():  # an output may be a view of a parameter, made under no_grad by the replay
         differing = _differing(adapter, got, expected, runner.config.graph_opt_level)
-    if state:
-        # The runs may advance state the forward writes (a step counter, a cache), or write it at one size
-        # and not the other: compared again from one copy of it, what they leave there included. (Whether
-        # the first eager run wrote it is not known: a write through Paddle's set_value moves no counter.)
+    if state or state is not None and runner.python_stores_seen:
+        # The runs may advance state the forward writes (a step counter, a cache, a Python value such as
+        # `self.rows = x.shape[0]`), or write it at one size and not the other: compared again from one
+        # copy of it, what they leave there included. (Whether the first eager run wrote it is not known:
+        # a write through Paddle's set_value moves no counter.)
         fair = _from_one_state(runner, sig, entry, small, rows, state)
         if fair is not None:
             differing = fair
@@ -197,22 +201,27 @@ def _from_one_state(runner, sig, entry, inputs, rows: int, state) -> Optional[Li
     None where the runs cannot take these inputs."""
     adapter = runner.adapter
     saved = [adapter.clone(t) for _, t in state]
+    values = runner.model_state.held_state()  # the Python values, put back as the tensors are
 
     def put_back():
         for (_, t), s in zip(state, saved):
             adapter.copy_(t, s)
+        values.put_back_values()
 
     copies = [t if i in sig.in_place else adapter.clone(t) for i, t in enumerate(inputs)]
     try:
         with adapter.no_grad():
             want = _clone(adapter, _run(runner, sig, copies))
             after = [adapter.clone(t) for _, t in state]
+            eager_values = runner.model_state.held_state()
             put_back()
             got = _check_replay(adapter, entry, inputs, rows)
             if got is None:
                 return None
             level = runner.config.graph_opt_level
             differing = _differing(adapter, got, want, level)
+            # a Python value the replay leaves otherwise than eager (the padded size's `x.shape[0]`)
+            differing += eager_values.advanced()
             # Where this run changed the state, the replay must leave what eager does; elsewhere only its
             # padding rows wrote (a KV-cache slot reserved for padding), which calls allow.
             differing += [name for (name, t), b, a in zip(state, saved, after)

@@ -313,6 +313,12 @@ class CapturePhase:
                 values = capture_checks.snapshot(adapter, static, sig.in_place)
                 buffers = self.model_state.buffer_versions()
                 buffer_values = capture_checks.buffer_snapshot(self)
+                # What a replay would not make: checked over the captured run below, and over this size's
+                # whole window once the forward ran before (a first run's flag is its own; a value set to
+                # another at every size, `self.rows = x.shape[0]`, would be stale after a replay)
+                checks_state = self._replays_graphs_alone() or not adapter.static_makes_python_stores
+                window = self.model_state.held_state() if checks_state and self._capture_windows else None
+                self._capture_windows += 1
                 warm = None
                 for _ in range(self.config.cudagraph_num_of_warmups):
                     warm = self.strategy.warmup(args, kwargs, padded, sig)
@@ -331,7 +337,6 @@ class CapturePhase:
                 # What the captured run binds or sets, which a level-0 replay (the graphs alone) would not
                 # make again, nor a level-1 replay through Paddle's SOT (found so: its capture's check
                 # then failed, blaming the numbers)
-                checks_state = self._replays_graphs_alone() or not adapter.static_makes_python_stores
                 bindings = self.model_state.held_state() if checks_state else None
                 folds = getattr(self.strategy, "folds_tail", False)
                 if folds:
@@ -358,6 +363,9 @@ class CapturePhase:
                     advanced = bindings.advanced()
                     if advanced:
                         raise CaptureError(_advances_message(advanced))
+                    per_size = window.advanced() if window is not None else None
+                    if per_size:
+                        raise CaptureError(_per_size_message(per_size, padded))
                 adapter.synchronize()
                 held = objects_holding_tensors(captured.outputs, adapter.is_tensor)
                 if held:
@@ -489,6 +497,12 @@ def _advances_message(advanced: List[str]) -> str:
             "list appended to do; a replay of the graphs would neither set it nor compute with the new value. "
             "Keep such a value in a tensor the forward updates in place (a buffer: self.t.add_(1)), or set it "
             "outside the forward (torch: graph_opt_level 1, whose translated code makes the store)")
+
+
+def _per_size_message(changed: List[str], padded: int) -> str:
+    return (f"forward sets Python state to a value that depends on the call ({', '.join(changed[:3])}, at size "
+            f"{padded}), as `self.rows = x.shape[0]` does; a replay would leave the value of another call. Keep "
+            "such a value in a tensor the forward updates in place, or compute it outside the forward")
 
 
 def _rebinds_message(rebound: List[str]) -> str:

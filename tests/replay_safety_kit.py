@@ -673,6 +673,28 @@ def test_a_count_the_forward_keeps_in_a_set_or_array_changed_in_place_is_never_r
     assert graph_opt.stats(m).replays == 0
 
 
+@pytest.mark.parametrize("at_calls", [False, True], ids=["capture_model", "at_calls"])
+def test_a_python_value_the_forward_sets_per_call_is_never_left_stale(F, M, level, logs, at_calls):
+    """`self.rows = x.shape[0]`: each size's capture leaves it as its warmups found it, but a replay would
+    leave another call's value: a level-0 replay makes no store, and torch's translated code stores the
+    padded size's. Where a second size's capture sees it change, every graph goes; where the check of
+    padded calls sees a replay leave another value than eager, padded calls run without graphs."""
+    m, twin = pair(F, M.KeepsRows, level)
+    calls = (4, 4, 8, 3, 2, 8, 5)
+    if not at_calls:
+        capture_ok = level >= 1 and F.static_makes_python_stores  # torch: its translated code makes the store
+        with F.graphs():
+            report = graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
+        assert (report.failed is None) == capture_ok and (capture_ok or "'rows'" in report.failed), report.failed
+        calls = calls[1:]
+    with F.graphs(), F.no_grad():
+        for step, real in enumerate(calls):
+            x = F.randn(real, HIDDEN, seed=step)
+            assert same(F, level, m(x), twin(x)), f"step {step}"
+            assert m.rows == twin.rows, f"step {step}: the value"
+    assert warned(logs, "'rows'")
+
+
 def test_a_flag_the_forward_sets_at_its_first_call_only_still_replays(F, M, level, logs):
     m, twin = pair(F, M.ReadyOnce, level)
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))

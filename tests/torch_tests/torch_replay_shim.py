@@ -455,6 +455,18 @@ class CountsInPlace(Scaled):
         return self.lin(x) * advance_in_place(self.seen)
 
 
+class KeepsRows(Scaled):
+    """Records the rows of its last call in a Python value (not read by the math)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = 0
+
+    def forward(self, x):
+        self.rows = x.shape[0]
+        return self.lin(x)
+
+
 class ReadyOnce(Scaled):
     """Sets a Python flag at its first call only: a replay need not set it again."""
 
@@ -468,7 +480,7 @@ class ReadyOnce(Scaled):
         return self.lin(x)
 
 
-MODELS = types.SimpleNamespace(Scaled=Scaled, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+MODELS = types.SimpleNamespace(Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
@@ -490,6 +502,7 @@ MODELS = types.SimpleNamespace(Scaled=Scaled, CountsCalls=CountsCalls, CountsInP
 
 class TorchF:
     static_writes_inputs = True  # Dynamo's graphs write a mutated input back
+    static_makes_python_stores = True  # Dynamo's transformed code makes a forward's Python stores
 
     def __init__(self, device="cpu"):
         self.device = torch.device(device)
