@@ -160,8 +160,7 @@ class GraphedBlock(ModuleWatch):
             elif self.pending:
                 return self._fallback("backward_pending", args, kwargs, _PENDING_WARNING.format(name=self.name))
             elif self.own_at and not self._own_as_captured(state):
-                return self._fallback("forward_state", args, kwargs, _OWN_WARNING.format(
-                    name=self.name, what=", ".join(self._own_changed(state)[:3])))
+                return self._own_changed_call(state, args, kwargs)
             else:
                 return self._replay(graphs, leaves, key[1])
         if state.failed is not None:
@@ -200,6 +199,20 @@ class GraphedBlock(ModuleWatch):
             logger.info("%s: %d outputs carry gradients; calls with them are captured from the eager forward "
                         "(level 0), since a traced backward cannot leave an unused output out", self.name, diff)
         return outs
+
+    def _own_changed_call(self, state: KeyState, args, kwargs):
+        """An attribute the forward writes itself holds another value than at this key's capture: this
+        call runs eagerly. Where its run leaves them as they were (another key's or an eval call's
+        bookkeeping, a cache grown elsewhere), the key's graphs are captured again from them at its next
+        call; where it sets them (`self.rows = x.shape[0]` after another key's call), such calls stay eager."""
+        before = [self._own_now(e) for e in self.own_at]
+        out = self._fallback("forward_state", args, kwargs, _OWN_WARNING.format(
+            name=self.name, what=", ".join(self._own_changed(state)[:3])))
+        if state.graphs is not None and [self._own_now(e) for e in self.own_at] == before:
+            state.graphs.release()
+            state.graphs = None
+            self.counters.recaptures += 1
+        return out
 
     def _replay(self, graphs: StepGraphs, leaves, needs_grad: bool):
         if needs_grad:
@@ -397,7 +410,7 @@ class GraphedBlock(ModuleWatch):
             with adapter.no_grad():  # not parameters of modules held unregistered: the optimizer's to write
                 kept = [(t, adapter.clone(t)) for _, t in held.tensors if not bridge.requires_grad(t)]
             buffers = bridge.snapshot_buffers(self.module) + self._written_parameters() + kept
-        attrs_before = self._plain_attributes() if self.module is not None else None
+        attrs_before = self._plain_attributes(private=True) if self.module is not None else None
         bound_before = self._tensor_attributes() if self.module is not None else None
         targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
         grads_before = bridge.snapshot_grads(targets)
@@ -412,10 +425,10 @@ class GraphedBlock(ModuleWatch):
             advanced = held.advanced() if held is not None else None
             if advanced:
                 held.put_back_values()  # the eager call that answers instead sets them once
-                if self.ran_eagerly or state.retried:
+                if state.warmups or state.retried:
                     raise CaptureError(_ADVANCES.format(", ".join(advanced[:3])))
-                # warmup_steps=0: the capture was the forward's first run, and what a first run sets once
-                # (a flag) is the forward's own; this call runs eagerly, and the next captures again
+                # warmup_steps=0: the capture was this key's first run, and what it sets once (a flag, the
+                # key's own `self.rows`) is the forward's own; this call runs eagerly, the next captures
                 state.retried = True
                 graphs.release()
                 bridge.set_rng_state(rng)
@@ -448,7 +461,7 @@ class GraphedBlock(ModuleWatch):
         if attrs_before is not None:  # what the capture's forward wrote is the forward's own
             self._note_writes(attrs_before)
             self._note_rebinding(bound_before)
-            state.attrs = self._plain_attributes()
+            state.attrs = self._plain_attributes(private=True)
         state.graphs = graphs
         self.counters.captures += 1
         self.counters.capture_seconds += time.perf_counter() - start
@@ -509,17 +522,17 @@ class GraphedBlock(ModuleWatch):
 _LEVEL_NAMES = {0: "", 1: ", level 1 (traced: Dynamo and AOTAutograd)", 2: ", level 2 (traced, Inductor)"}
 
 _OWN_WARNING = ("{name}: an attribute the forward writes itself holds another value than when this call's graphs "
-                "were captured ({what}), so their replay would not be what the forward does now; such calls "
-                "run eagerly. Keep such a value in a tensor the forward updates in place, or out of the block")
+                "were captured ({what}): a replay would not be what the forward does now, so the call runs eagerly "
+                "(where that run leaves the value as it is, the graphs are captured again from it). Keep a value "
+                "that changes with the call in a tensor the forward updates in place, or out of the block")
 _PENDING_WARNING = ("{name}: called again while the previous graphed forward's backward has not run; the "
                     "replay would overwrite the activations it reads, so this call runs eagerly. Run backward "
                     "(or drop the outputs) before the next forward, or call under no_grad")
 
 
-_ADVANCES = ("the forward sets Python state as it runs ({}), as `self.t += 1`, `self.last = x.shape[0]` or a "
-             "list appended to do; a replay runs no Python, so it would neither set it nor compute with the new "
-             "value. Keep such a value in a tensor the forward updates in place (a buffer: self.t.add_(1)), or set "
-             "it outside the block")
+_ADVANCES = ("the forward sets Python state as it runs ({}), as `self.t += 1` or a list appended to do; a replay "
+             "runs no Python, so it would neither set it nor compute with the new value. Keep such a value in a "
+             "tensor the forward updates in place (a buffer: self.t.add_(1)), or set it outside the block")
 
 
 def _rebuilt_block(module, warmup_steps, dispatch_key_fn, max_graphs, level=0) -> "GraphedBlock":

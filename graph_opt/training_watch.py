@@ -70,11 +70,12 @@ class ModuleWatch:
         self.hooks = self.adapter.hooks_fingerprint(self.mode_dicts)
         self._arm_attributes()
 
-    def _plain_attributes(self) -> Dict[Tuple[int, str], Any]:
+    def _plain_attributes(self, private: bool = False) -> Dict[Tuple[int, str], Any]:
         """(id of a module's __dict__, name) -> key of each plain value (number, string, bool, None) the
         module holds (`self.temperature`) and of the public ones its submodules hold (a dropout's `p`;
-        not the framework's own, nor private bookkeeping such as transformers' `_is_hf_initialized`);
-        and of the other objects the module holds itself (an enum, a list), by identity."""
+        not the framework's own, nor private bookkeeping such as transformers' `_is_hf_initialized`,
+        unless `private`: what a run writes is looked for there too); and of the other objects the
+        module holds itself (an enum, a list), by identity."""
         out = {}
         framework = self.adapter.framework_attributes
         is_tensor = self.adapter.is_tensor
@@ -82,7 +83,7 @@ class ModuleWatch:
         for d in self.mode_dicts:
             where, own = id(d), d is root
             for k, v in d.items():
-                if k != "training" and (own or k[:1] != "_" and k not in framework):
+                if k != "training" and (own or (private or k[:1] != "_") and k not in framework):
                     key = state_key(v)
                     if key[0] != "id" or own and k not in framework and k != "forward" \
                             and not k.startswith("_graph_opt") and not is_tensor(v):
@@ -103,7 +104,7 @@ class ModuleWatch:
 
     def _note_writes(self, before: Dict[Tuple[int, str], Any]) -> None:
         """Attributes changed since `before` by a run of the forward are its own: no longer watched."""
-        written = {k for k, v in self._plain_attributes().items() if before.get(k, _UNSET) != v}
+        written = {k for k, v in self._plain_attributes(private=True).items() if before.get(k, _UNSET) != v}
         if written - self.attr_written:
             self.attr_written |= written
             self._arm_attributes()
@@ -154,7 +155,7 @@ class ModuleWatch:
         own, and stop being watched."""
         if self.module is None or self.bridge is None:
             return run(*args, **kwargs)
-        before = self._plain_attributes()
+        before = self._plain_attributes(private=True)
         version = self.adapter.version
         versions = [(p, version(p)) for p in self.bridge.all_parameters(self.module)]
         bound = self._tensor_attributes()

@@ -435,26 +435,38 @@ def test_an_attribute_a_schedule_sets_to_another_value_is_captured_again(F, chan
     assert s.recaptures == 1 and s.replays == (5 if level == 0 else 3), s  # level 1: a first call per trace
 
 
+class _Rows(torch.nn.Module):
+    def forward(self, x):
+        self._rows = x.shape[0]  # private, on a submodule
+        return x
+
+
 class _KeepsRows(torch.nn.Module):
-    def __init__(self, hidden):
+    def __init__(self, hidden, on_submodule=False):
         super().__init__()
         self.lin = torch.nn.Linear(hidden, hidden)
         self.rows = 0
+        self.sub = _Rows() if on_submodule else None
 
     def forward(self, x):
+        if self.sub is not None:
+            return self.lin(self.sub(x))
         self.rows = x.shape[0]  # the same at every run of one key, another at the other key
         return self.lin(x)
 
 
-def test_a_value_the_forward_sets_per_key_is_never_left_stale_by_a_replay(F, caplog):
+@pytest.mark.parametrize("warmup_steps", [0, 1])
+@pytest.mark.parametrize("on_submodule", [False, True], ids=["module", "private_of_submodule"])
+def test_a_value_the_forward_sets_per_key_is_never_left_stale_by_a_replay(F, caplog, warmup_steps, on_submodule):
     """Each key's capture sees its runs leave `rows` as they found it; a replay after a call of the other
     key would leave it stale (it runs no Python), so such calls run eagerly, with one warning."""
     torch.manual_seed(0)
-    ref = _KeepsRows(F.hidden)
+    ref = _KeepsRows(F.hidden, on_submodule)
     block = copy.deepcopy(ref)
-    m = graph_opt.autocudagraph(block, warmup_steps=1)
-    for step, rows in enumerate((2, 2, 2, 4, 4, 4, 2, 4, 2, 4)):
-        x = F.randn([rows, F.hidden], seed=step)
+    m = graph_opt.autocudagraph(block, warmup_steps=warmup_steps)
+    rows = (lambda model: model.sub._rows) if on_submodule else (lambda model: model.rows)
+    for step, n in enumerate((2, 2, 2, 4, 4, 4, 2, 4, 2, 4)):
+        x = F.randn([n, F.hidden], seed=step)
         got = []
         for model in (ref, m):
             model.zero_grad(set_to_none=True)
@@ -462,10 +474,41 @@ def test_a_value_the_forward_sets_per_key_is_never_left_stale_by_a_replay(F, cap
             F.loss(y).backward()
             got.append((y, model.lin.weight.grad))
         assert F.equal(got[0][0], got[1][0]) and F.equal(got[0][1], got[1][1]), f"step {step}"
-        assert block.rows == ref.rows, f"step {step}"
+        assert rows(block) == rows(ref), f"step {step}"
     s = graph_opt.stats(m)
     assert s.captures == 2 and s.capture_failures == 0 and s.fallback_reasons == {"forward_state": 4}, s
-    assert len([r for r in graph_warnings(caplog) if "writes itself" in r.getMessage() and "'rows'" in r.getMessage()]) == 1
+    assert len([r for r in graph_warnings(caplog) if "writes itself" in r.getMessage() and "rows'" in r.getMessage()]) == 1
+
+
+class _EvalBookkeeping(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.last_eval_rows = 0
+
+    def forward(self, x):
+        if not self.training:
+            self.last_eval_rows = x.shape[0]  # the training forward neither writes nor reads it
+        return self.lin(x)
+
+
+def test_a_value_only_another_key_writes_costs_one_eager_call_and_a_capture(F):
+    torch.manual_seed(0)
+    ref = _EvalBookkeeping(F.hidden)
+    block = copy.deepcopy(ref)
+    m = graph_opt.autocudagraph(block, warmup_steps=1)
+    for step in range(8):
+        if step == 3:  # an evaluation pass between training steps
+            for model in (ref, m):
+                model.eval()
+                with torch.no_grad():
+                    model(F.randn([5, F.hidden], seed=99))
+                model.train()
+        assert_same_step(F, ref, m, F.randn([3, F.hidden], seed=step), step)
+        assert block.last_eval_rows == ref.last_eval_rows
+    s = graph_opt.stats(m)
+    # the training key: warm-up, capture, replays; after the evaluation one eager call, a capture, replays
+    assert s.fallback_reasons.get("forward_state") == 1 and s.replays >= 6, s
 
 
 class _ReadyOnce(torch.nn.Module):
