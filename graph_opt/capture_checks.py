@@ -65,6 +65,7 @@ def expect(runner, sig, static: List, leaves: List, padded: int, warm=None):
         expected = _clone(adapter, _run(runner, sig, own))
         if values.advanced():  # a Python value this run set otherwise than the padded runs: validate compares
             runner.python_stores_seen = True
+        values.rebound()  # tensors it bound for its own rows (a mask cached per shape) are the check's, not a call's
     except Exception as exc:  # the forward cannot run these rows: nothing checks the padded calls
         if rows >= padded:  # the layout's probe at another size only: learn it from the next size instead
             logger.info("%s: the forward could not run the capture inputs at another size (%s: %s); only calls of "
@@ -207,6 +208,7 @@ def _from_one_state(runner, sig, entry, inputs, rows: int, state) -> Optional[Li
         for (_, t), s in zip(state, saved):
             adapter.copy_(t, s)
         values.put_back_values()
+        values.rebound()
 
     copies = [t if i in sig.in_place else adapter.clone(t) for i, t in enumerate(inputs)]
     try:

@@ -740,3 +740,29 @@ def test_a_keyword_only_tuple_equal_to_its_default_only_by_value_is_its_own_sign
             assert torch.equal(m(x, **kwargs), twin(x, **kwargs)), kwargs
     s = graph_opt.stats(m)
     assert s.replays == 3 and s.fallback_reasons == {"new_signature": 3}, s
+
+
+class _MaskPerShape(Scaled):
+    """Caches a tensor per input shape, made at the first call of that shape (a causal mask cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self._masks = {}
+
+    def forward(self, x):
+        mask = self._masks.get(tuple(x.shape))
+        if mask is None:
+            mask = self._masks[tuple(x.shape)] = torch.linspace(0, 1, x.shape[-1], device=x.device)
+        return self.lin(x) + mask
+
+
+def test_a_tensor_the_check_of_padded_calls_caches_for_its_rows_is_not_the_model_s(F, logs):
+    """Every call has 4 rows: the first makes its mask and runs eagerly, the next captures. The check of
+    padded calls runs 3 rows, whose mask entry is graph_opt's doing: put back, not a second binding."""
+    m, twin = pair(F, _MaskPerShape, 0)
+    with F.graphs(), torch.no_grad():
+        for step in range(6):
+            x = F.randn(4, HIDDEN, seed=step)
+            assert torch.equal(m(x), twin(x)), f"step {step}"
+    s = graph_opt.stats(m)
+    assert s.disabled_reason is None and s.replays == 5 and sorted(m._masks) == [(4, HIDDEN)], (s, list(m._masks))
