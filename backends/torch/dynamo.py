@@ -210,6 +210,14 @@ class DynamoStrategy:
         _install_hook()
         self._compiled = torch.compile(self._graph_fn, backend=self._backend, fullgraph=True, dynamic=None,
                                        options={"guard_filter_fn": _replay_guards})
+        self._filtered = True
+
+    def _unfiltered(self) -> None:
+        """Every guard kept: this torch fails to build filtered guards for some sources (a tensor made from
+        a numpy array the model holds: RuntimeError "Boolean value of Tensor ... is ambiguous" comparing
+        guard weakrefs). Safe, at the price of the parameters' metadata guards on guarded replays."""
+        self._filtered = False
+        self._compiled = torch.compile(self._graph_fn, backend=self._backend, fullgraph=True, dynamic=None)
 
     def _graph_path(self, mode: Mode, key, args, kwargs, pool=None, simulate=False, share_key=None, padded=0):
         self._ensure_graph_path()
@@ -218,7 +226,13 @@ class DynamoStrategy:
         state.begin(mode, key, pool, simulate, share_key, padded)
         try:
             with split.active_hook(self._trace_hook):
-                outputs = self._compiled(self.model, *args, **kwargs)
+                try:
+                    outputs = self._compiled(self.model, *args, **kwargs)
+                except torch._dynamo.exc.InternalTorchDynamoError as exc:
+                    if not self._filtered or "Boolean value of Tensor" not in str(exc):
+                        raise
+                    self._unfiltered()
+                    outputs = self._compiled(self.model, *args, **kwargs)
             ran = list(state.forwards_run)
         except torch._dynamo.exc.Unsupported as exc:
             raise CaptureError(
