@@ -235,13 +235,18 @@ def _put_back(container, saved, keys) -> None:
                 del container[k]
 
 
+VALUE_BYTES = 16 << 20  # a value larger than this is not copied at every capture (docs/calls-and-captures.md)
+
+
 def _is_value(obj) -> bool:
     """A mutable value a forward may change in place that is not a container of entries (a set, a
-    bytearray, an array.array, a numpy array): recorded as a copy of the whole."""
-    if isinstance(obj, (set, bytearray, array.array)):
+    bytearray, an array.array, a writeable numpy array), up to VALUE_BYTES: recorded as a copy of the whole."""
+    if isinstance(obj, set):
         return True
+    if isinstance(obj, (bytearray, array.array)):
+        return len(obj) * getattr(obj, "itemsize", 1) <= VALUE_BYTES
     numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(obj, numpy.ndarray)
+    return numpy is not None and isinstance(obj, numpy.ndarray) and obj.flags.writeable and obj.nbytes <= VALUE_BYTES
 
 
 def _copy_value(obj):
