@@ -781,9 +781,12 @@ class _ReadsNumpyTable(Scaled):
 @pytest.mark.parametrize("level", [1, 2])
 def test_a_numpy_array_the_forward_reads_is_captured_at_level_1(F, level):
     """torch fails to build Dynamo's guards for it under graph_opt's guard filter; the graph path then
-    keeps every guard. A value changed in place after capture is the guards' to see."""
+    keeps every guard. A value changed in place after capture is the guards' to see. (Inductor of torch
+    2.11 on a GPU cannot compile the numpy read: there level 2's capture fails and the plain forward answers.)"""
     m, twin = pair(F, _ReadsNumpyTable, level)
-    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.graphs():
+        report = graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
+    assert report.failed is None or level == 2 and "BackendCompilerFailed" in report.failed, report.failed
     with F.graphs(), torch.no_grad():
         for step in range(4):
             if step == 2:
@@ -791,4 +794,4 @@ def test_a_numpy_array_the_forward_reads_is_captured_at_level_1(F, level):
                 twin.table += 1
             x = F.randn(3, HIDDEN, seed=step)
             assert same(F, level, m(x), twin(x)), f"step {step}"
-    assert graph_opt.stats(m).replays >= 2
+    assert graph_opt.stats(m).replays >= 2 or report.failed
