@@ -653,6 +653,32 @@ def advance_in_place(counter) -> float:
     return float(len(counter))
 
 
+class CountsInPlaceMixin:
+    """A count kept in an object the forward changes in place (a set, a numpy array ...: `kind`). Mixed
+    into each framework's Scaled (self.lin)."""
+
+    kind = "set"
+
+    def __init__(self):
+        super().__init__()
+        self.seen = in_place_counter(self.kind)
+
+    def forward(self, x):
+        return self.lin(x) * advance_in_place(self.seen)
+
+
+class KeepsRowsMixin:
+    """Records the rows of its last call in a Python value (not read by the math)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = 0
+
+    def forward(self, x):
+        self.rows = x.shape[0]
+        return self.lin(x)
+
+
 @pytest.mark.parametrize("kind", ["set", "numpy", "bytearray", "array"])
 @pytest.mark.parametrize("at_calls", [False, True], ids=["capture_model", "at_calls"])
 def test_a_count_the_forward_keeps_in_a_set_or_array_changed_in_place_is_never_replayed_stale(F, M, logs, kind, at_calls):

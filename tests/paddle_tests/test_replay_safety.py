@@ -432,29 +432,12 @@ class LogsCalls(Scaled):
         return self.lin(x)
 
 
-class CountsInPlace(Scaled):
-    """A count kept in an object the forward changes in place (a set, a numpy array ...: `kind`)."""
-
-    kind = "set"
-
-    def __init__(self):
-        super().__init__()
-        self.seen = in_place_counter(self.kind)
-
-    def forward(self, x):
-        return self.lin(x) * advance_in_place(self.seen)
+class KeepsRows(KeepsRowsMixin, Scaled):
+    pass
 
 
-class KeepsRows(Scaled):
-    """Records the rows of its last call in a Python value (not read by the math)."""
-
-    def __init__(self):
-        super().__init__()
-        self.rows = 0
-
-    def forward(self, x):
-        self.rows = x.shape[0]
-        return self.lin(x)
+class CountsInPlace(CountsInPlaceMixin, Scaled):
+    pass
 
 
 class ReadyOnce(Scaled):

@@ -283,6 +283,17 @@ class _Bookkeeping(torch.nn.Module):
         return torch.tanh(self.lin(x)) / self.temperature
 
 
+def _assert_same_lin_step(F, ref, m, x, step):
+    """One training step of each: the output and its `lin` weight's gradient, bitwise eager's."""
+    got = []
+    for model in (ref, m):
+        model.zero_grad(set_to_none=True)
+        y = model(x)
+        F.loss(y).backward()
+        got.append((y, model.lin.weight.grad))
+    assert F.equal(got[0][0], got[1][0]) and F.equal(got[0][1], got[1][1]), f"step {step}"
+
+
 def test_a_class_default_shadowed_after_capture_is_captured_again(F):
     """Two shapes alternating: captured once per shape, never again. Then `block.temperature = 2.0`
     over the class default: captured again, eager's values."""
@@ -292,14 +303,7 @@ def test_a_class_default_shadowed_after_capture_is_captured_again(F):
     for step in range(10):
         if step == 6:
             ref.temperature = m.temperature = 2.0
-        x = F.randn([2 + step % 2, F.hidden], seed=step)
-        got = []
-        for model in (ref, m):
-            model.zero_grad(set_to_none=True)
-            y = model(x)
-            F.loss(y).backward()
-            got.append((y, model.lin.weight.grad))
-        assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
+        _assert_same_lin_step(F, ref, m, F.randn([2 + step % 2, F.hidden], seed=step), step)
     s = graph_opt.stats(m)
     assert (s.captures, s.recaptures) == (4, 1), s
 
@@ -323,13 +327,7 @@ def test_a_python_value_the_forward_sets_at_every_call_fails_the_capture_and_cou
     m = graph_opt.autocudagraph(block, warmup_steps=1, level=level)
     for step in range(6):
         x = F.randn([3, F.hidden], seed=step)
-        got = []
-        for model in (ref, m):
-            model.zero_grad(set_to_none=True)
-            y = model(x)
-            F.loss(y).backward()
-            got.append((y, model.lin.weight.grad))
-        assert F.equal(got[0][0], got[1][0]) and F.equal(got[0][1], got[1][1]), f"step {step}"
+        _assert_same_lin_step(F, ref, m, x, step)
         assert block.calls == ref.calls, f"step {step}: the count"
     s = graph_opt.stats(m)
     assert s.replays == 0 and s.capture_failures == 1, s
@@ -358,13 +356,7 @@ def test_a_count_kept_in_a_set_or_array_the_forward_changes_in_place_fails_the_c
     m = graph_opt.autocudagraph(block, warmup_steps=1)
     for step in range(5):
         x = F.randn([3, F.hidden], seed=step)
-        got = []
-        for model in (ref, m):
-            model.zero_grad(set_to_none=True)
-            y = model(x)
-            F.loss(y).backward()
-            got.append((y, model.lin.weight.grad))
-        assert F.equal(got[0][0], got[1][0]) and F.equal(got[0][1], got[1][1]), f"step {step}"
+        _assert_same_lin_step(F, ref, m, x, step)
         assert advance_in_place(copy.copy(block.seen)) == advance_in_place(copy.copy(ref.seen)), f"step {step}"
     s = graph_opt.stats(m)
     assert s.replays == 0 and s.capture_failures == 1, s
@@ -424,13 +416,7 @@ def test_an_attribute_a_schedule_sets_to_another_value_is_captured_again(F, chan
             _SCHEDULES[change](ref)
             _SCHEDULES[change](block)
         x = F.randn([3, F.hidden], seed=step)
-        got = []
-        for model in (ref, m):
-            model.zero_grad(set_to_none=True)
-            y = model(x)
-            F.loss(y).backward()
-            got.append((y, model.lin.weight.grad))
-        assert F.equal(got[0][0], got[1][0]) and F.equal(got[0][1], got[1][1]), f"step {step}"
+        _assert_same_lin_step(F, ref, m, x, step)
     s = graph_opt.stats(m)
     assert s.recaptures == 1 and s.replays == (5 if level == 0 else 3), s  # level 1: a first call per trace
 
@@ -467,13 +453,7 @@ def test_a_value_the_forward_sets_per_key_is_never_left_stale_by_a_replay(F, cap
     rows = (lambda model: model.sub._rows) if on_submodule else (lambda model: model.rows)
     for step, n in enumerate((2, 2, 2, 4, 4, 4, 2, 4, 2, 4)):
         x = F.randn([n, F.hidden], seed=step)
-        got = []
-        for model in (ref, m):
-            model.zero_grad(set_to_none=True)
-            y = model(x)
-            F.loss(y).backward()
-            got.append((y, model.lin.weight.grad))
-        assert F.equal(got[0][0], got[1][0]) and F.equal(got[0][1], got[1][1]), f"step {step}"
+        _assert_same_lin_step(F, ref, m, x, step)
         assert rows(block) == rows(ref), f"step {step}"
     s = graph_opt.stats(m)
     assert s.captures == 2 and s.capture_failures == 0 and s.fallback_reasons == {"forward_state": 4}, s
