@@ -17,7 +17,7 @@ from .host_outputs import HostOutputs
 from .level0 import EagerStrategy
 from .replay_guards import STATE_ATTR as _STATE_ATTR, ModelState
 from .runner import GraphRunner
-from .signature import REQUIRED
+from .signature import as_made, forward_params
 from .testing import simulation_enabled
 
 logger = logging.getLogger("graph_opt")
@@ -47,7 +47,7 @@ class GraphOptState:
         self.name = type(model).__name__
         # The forward without the module's hooks: the decorated call runs the hooks around the plugin,
         # so that they run at every call, replays included (and not twice on a fallback).
-        self.forward_call = lambda *args, **kwargs: forward_fn(model, *args, **kwargs)
+        self.forward_call = _as_called(forward_fn, model, _params(forward_fn))
         level0 = cfg.graph_opt_level == 0
         # Without the framework's guards a level >= 1 replay keeps level 0's watch of the model's attributes.
         self.model_state = ModelState(self.adapter, model, self.name,
@@ -241,17 +241,22 @@ def _state_for_call(model) -> Optional["GraphOptState"]:
     return state
 
 
+def _as_called(forward_fn, model, params) -> Callable:
+    """forward_fn(model, ...) for the runner's canonical arguments, as the caller made the call (as_made)."""
+    def call(*args, **kwargs):
+        args, kwargs = as_made(params, args, kwargs)
+        return forward_fn(model, *args, **kwargs)
+
+    return call
+
+
 def _keyword_defaults(forward_fn) -> list:
     """(name, default) of forward's keyword-only parameters that have a default."""
     params = list(inspect.signature(forward_fn).parameters.values())[1:]
     return [(p.name, p.default) for p in params if p.kind is p.KEYWORD_ONLY and p.default is not p.empty]
 
 
-def _params(forward_fn) -> list:
-    """(name, default) of forward's positional parameters after self; REQUIRED where there is no default."""
-    params = list(inspect.signature(forward_fn).parameters.values())[1:]  # drop self
-    return [(p.name, REQUIRED if p.default is p.empty else p.default)
-            for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+_params = forward_params
 
 
 def _check_dynamic_arg_dims(cls, dynamic_arg_dims) -> Optional[Dict[str, int]]:
@@ -355,9 +360,9 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
         )
     framework = backends.framework_of(cls)
     dims = _check_dynamic_arg_dims(cls, dynamic_arg_dims)
-    forward_params = inspect.signature(cls.forward).parameters
-    pads = padding.check_pad_values(cls.__qualname__, pad_values, list(forward_params)[1:],
-                                    any(p.kind == p.VAR_KEYWORD for p in forward_params.values()))
+    parameters = inspect.signature(cls.forward).parameters
+    pads = padding.check_pad_values(cls.__qualname__, pad_values, list(parameters)[1:],
+                                    any(p.kind == p.VAR_KEYWORD for p in parameters.values()))
     dispatch.check_key_fn(dispatch_key_fn, cls.__qualname__)
     if host_outputs is not None:  # checked now: a bad path list is an error at decoration
         HostOutputs(host_outputs, host_ring_depth, cls.__qualname__)

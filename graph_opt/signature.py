@@ -24,6 +24,30 @@ if TYPE_CHECKING:
 REQUIRED = object()  # a forward parameter without default
 
 
+def forward_params(forward_fn) -> list:
+    """(name, default) of forward's positional parameters after self; REQUIRED where there is no default."""
+    import inspect
+    params = list(inspect.signature(forward_fn).parameters.values())[1:]  # drop self
+    return [(p.name, REQUIRED if p.default is p.empty else p.default)
+            for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def as_made(params, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    """The call to make of forward for canonical arguments (GraphRunner.canonical: every positional
+    parameter filled, defaults included): a parameter holding its very default object is left out, and
+    those after it go by name. A wrapper that fills parameters from a config where a call does not give
+    them (transformers' merge_with_config_defaults: use_cache, return_dict) then sees the call as made."""
+    n = len(args)
+    if n > len(params):  # more than the named parameters (a forward taking *args): as given
+        return args, kwargs
+    first = next((i for i in range(n) if args[i] is params[i][1]), n)
+    if first == n:
+        return args, kwargs
+    kwargs = dict(kwargs)
+    kwargs.update((params[i][0], args[i]) for i in range(first + 1, n) if args[i] is not params[i][1])
+    return args[:first], kwargs
+
+
 class Signature:
     """One call structure: its non-tensor arguments, where its tensors are, their static buffers."""
 

@@ -46,6 +46,7 @@ from .. import frame_locals as frame_of, private_copy
 from ...captured_size import Captured
 from ...errors import CaptureError
 from ...pytree import flatten
+from ...signature import as_made, forward_params
 from ...testing import simulation_enabled
 from . import fx_split
 from .direct_replay import _ModuleTensors, _tensors_only, constant_stores, pure_replay_code, replay_stores, stores_names
@@ -104,6 +105,7 @@ class DynamoStrategy:
         self.planned_replays = 0  # of those, piecewise sizes replayed by a pieces.ReplayPlan
         self.pass_counts = {}  # no program passes on torch
         self.state = GraphState()
+        self.params = forward_params(self.forward_fn)
         self._tensors = _ModuleTensors(model)
         self.forwards: List[CompiledForward] = []
         self._pending: List[CompiledForward] = []  # compiled by the backend, bytecode not seen yet
@@ -120,6 +122,7 @@ class DynamoStrategy:
     # -- strategy protocol -------------------------------------------------------------------------
     def run(self, args, kwargs):
         """Without graphs: torch.compile as usual, guards and all (it may recompile for new shapes or flags)."""
+        args, kwargs = as_made(self.params, args, kwargs)
         if self._compiled_run is None:
             self._run_fn = private_copy(self.forward_fn)
             backend = "inductor" if self.level >= 2 else _traced
@@ -133,11 +136,13 @@ class DynamoStrategy:
     def warmup(self, args, kwargs, padded, sig):
         """Run the graph path without graphs; returns the outputs (the core ignores them, tests compare them)."""
         self._mark_dynamic(args, kwargs, sig)
+        args, kwargs = as_made(self.params, args, kwargs)
         return self._graph_path(Mode.WARMUP, sig.key(padded), args, kwargs)[0]
 
     def capture(self, args, kwargs, padded, sig, pool) -> Captured:
         key = sig.key(padded)
         self._mark_dynamic(args, kwargs, sig)
+        args, kwargs = as_made(self.params, args, kwargs)
         larger = sig.largest_above(padded)  # its owned outputs take ours (output_sharing)
         share_key = None if larger is None else sig.key(larger)
         outputs, ran = self._graph_path(Mode.CAPTURE, key, args, kwargs, pool, simulation_enabled(),

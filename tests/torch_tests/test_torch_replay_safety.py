@@ -795,3 +795,36 @@ def test_a_numpy_array_the_forward_reads_is_captured_at_level_1(F, level):
             x = F.randn(3, HIDDEN, seed=step)
             assert same(F, level, m(x), twin(x)), f"step {step}"
     assert graph_opt.stats(m).replays >= 2 or report.failed
+
+
+def _fills_from_config(fn):
+    """As transformers' merge_with_config_defaults: a parameter the call does not give by name comes from
+    the model's config."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if "scale" not in kwargs:
+            kwargs["scale"] = self.default_scale
+        return fn(self, *args, **kwargs)
+    return wrapper
+
+
+class _ConfigDefaults(Scaled):
+    default_scale = 2.0
+
+    @_fills_from_config
+    def forward(self, x, mask=None, scale=None):
+        y = self.lin(x) * scale
+        return y if mask is None else y * mask
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_forward_whose_wrapper_fills_parameters_the_call_leaves_out_gets_the_call_as_made(F, level, logs):
+    """m(x) reaches the forward as m(x), not with every default filled in by position (which such a
+    wrapper takes for given, and then gives `scale` twice)."""
+    m, twin = pair(F, _ConfigDefaults, level)
+    x = F.randn(3, HIDDEN, seed=1)
+    with F.graphs(), torch.no_grad():
+        for kwargs in ({}, {}, {"scale": 3.0}, {"mask": F.randn(3, HIDDEN, seed=2)}):
+            assert torch.equal(m(x, **kwargs), twin(x, **kwargs)), kwargs
+    s = graph_opt.stats(m)
+    assert s.disabled_reason is None and s.replays >= 1, s
