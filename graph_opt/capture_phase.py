@@ -314,11 +314,14 @@ class CapturePhase:
                 buffers = self.model_state.buffer_versions()
                 buffer_values = capture_checks.buffer_snapshot(self)
                 # What a replay would not make: checked over the captured run below, and over this size's
-                # whole window once the forward ran before (a first run's flag is its own; a value set to
-                # another at every size, `self.rows = x.shape[0]`, would be stale after a replay)
+                # whole window once the forward ran with these arguments before (a first run's flag is its
+                # own; a value set to another at every size, `self.rows = x.shape[0]`, would be stale)
                 checks_state = self._replays_graphs_alone() or not adapter.static_makes_python_stores
-                window = self.model_state.held_state() if checks_state and self._capture_windows else None
-                self._capture_windows += 1
+                # per call structure: a flag set once at the first call of another (output_hidden_states=True
+                # installs transformers' output hooks) is no value that depends on the call
+                windows = getattr(sig, "capture_windows", 0)
+                window = self.model_state.held_state() if checks_state and windows else None
+                sig.capture_windows = windows + 1
                 warm = None
                 for _ in range(self.config.cudagraph_num_of_warmups):
                     warm = self.strategy.warmup(args, kwargs, padded, sig)

@@ -73,7 +73,6 @@ class GraphRunner(SignatureChecks, CapturePhase):
         self.capture_model_done = False
         self._lazy_refusal = None  # lazy_capture_refusal's verdict, once found
         self._rebinding_captures = 0  # captures at calls dropped because the forward bound new state
-        self._capture_windows = 0  # sizes whose warmups and capture ran: the forward has run before the next
         self.python_stores_seen = False  # a check's run set a Python value otherwise than the capture's
         self.pool = None
         self.group = None  # the ranks that agree on every replay (graph_opt.ranks), set when capturing

@@ -480,7 +480,10 @@ class GraphedBlock(ModuleWatch):
         self.counters.fallbacks += 1
         reasons = self.counters.fallback_reasons
         reasons["capture_failed"] = reasons.get("capture_failed", 0) + 1
-        logger.warning("%s: capture failed, this key runs eagerly: %s", self.name, why)
+        kind = ("capture_failed", why.split(" (")[0])  # once per kind: each key of a forward that counts fails so
+        log = logger.info if kind in self._warned else logger.warning
+        self._warned.add(kind)
+        log("%s: capture failed, this key runs eagerly: %s", self.name, why)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def release(self, keep_warmups: bool = False) -> None:

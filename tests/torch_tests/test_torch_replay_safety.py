@@ -828,3 +828,25 @@ def test_a_forward_whose_wrapper_fills_parameters_the_call_leaves_out_gets_the_c
             assert torch.equal(m(x, **kwargs), twin(x, **kwargs)), kwargs
     s = graph_opt.stats(m)
     assert s.disabled_reason is None and s.replays >= 1, s
+
+
+class _FlagAtFirstScaledCall(Scaled):
+    def __init__(self):
+        super().__init__()
+        self.scaled_ready = False
+
+    def forward(self, x, scaled=False):
+        if scaled and not self.scaled_ready:
+            self.scaled_ready = True  # once, at the first call of the second call structure
+        return self.lin(x) * (2.0 if scaled else 1.0)
+
+
+def test_a_flag_set_at_the_first_call_of_another_call_structure_still_replays(F, logs):
+    """As transformers installs its output hooks at the first output_hidden_states=True call."""
+    m, twin = pair(F, _FlagAtFirstScaledCall, 0)
+    with F.graphs(), torch.no_grad():
+        for step, scaled in enumerate((False, False, False, True, True, True, False)):
+            x = F.randn(4, HIDDEN, seed=step)
+            assert torch.equal(m(x, scaled), twin(x, scaled)), f"step {step}"
+    s = graph_opt.stats(m)
+    assert s.disabled_reason is None and s.replays >= 4 and not warned(logs, "scaled_ready"), s
