@@ -17,7 +17,7 @@ from .host_outputs import HostOutputs
 from .level0 import EagerStrategy
 from .replay_guards import STATE_ATTR as _STATE_ATTR, ModelState
 from .runner import GraphRunner
-from .signature import as_made, forward_params
+from .signature import as_made, call_params, forward_params
 from .testing import simulation_enabled
 
 logger = logging.getLogger("graph_opt")
@@ -47,7 +47,7 @@ class GraphOptState:
         self.name = type(model).__name__
         # The forward without the module's hooks: the decorated call runs the hooks around the plugin,
         # so that they run at every call, replays included (and not twice on a fallback).
-        self.forward_call = _as_called(forward_fn, model, _params(forward_fn))
+        self.forward_call = _as_called(forward_fn, model, call_params(forward_fn))
         level0 = cfg.graph_opt_level == 0
         # Without the framework's guards a level >= 1 replay keeps level 0's watch of the model's attributes.
         self.model_state = ModelState(self.adapter, model, self.name,

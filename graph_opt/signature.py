@@ -32,11 +32,20 @@ def forward_params(forward_fn) -> list:
             for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+def call_params(forward_fn) -> list:
+    """forward_params for as_made: a positional-only parameter counts as required (it cannot go by name)."""
+    import inspect
+    params = list(inspect.signature(forward_fn).parameters.values())[1:]
+    return [(p.name, REQUIRED if p.default is p.empty or p.kind is p.POSITIONAL_ONLY else p.default)
+            for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def as_made(params, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
     """The call to make of forward for canonical arguments (GraphRunner.canonical: every positional
     parameter filled, defaults included): a parameter holding its very default object is left out, and
     those after it go by name. A wrapper that fills parameters from a config where a call does not give
-    them (transformers' merge_with_config_defaults: use_cache, return_dict) then sees the call as made."""
+    them (transformers' merge_with_config_defaults: use_cache, return_dict) then sees the call as made.
+    `params`: call_params (positional-only parameters, which lead, are passed as they are)."""
     n = len(args)
     if n > len(params):  # more than the named parameters (a forward taking *args): as given
         return args, kwargs

@@ -850,3 +850,21 @@ def test_a_flag_set_at_the_first_call_of_another_call_structure_still_replays(F,
             assert torch.equal(m(x, scaled), twin(x, scaled)), f"step {step}"
     s = graph_opt.stats(m)
     assert s.disabled_reason is None and s.replays >= 4 and not warned(logs, "scaled_ready"), s
+
+
+class _PositionalOnly(Scaled):
+    def forward(self, x, mask=None, bias=None, /, scale=1.0):
+        y = self.lin(x) * scale
+        y = y if mask is None else y * mask
+        return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_forward_with_positional_only_parameters_gets_them_by_position(F, level):
+    """m(x, None, bias): the default-holding mask is passed as given, since bias cannot go by name."""
+    m, twin = pair(F, _PositionalOnly, level)
+    x, bias = F.randn(3, HIDDEN, seed=1), F.randn(3, HIDDEN, seed=2)
+    with F.graphs(), torch.no_grad():
+        for args, kwargs in (((), {}), ((None, bias), {}), ((None, bias), {}), ((), {"scale": 3.0})):
+            assert torch.equal(m(x, *args, **kwargs), twin(x, *args, **kwargs)), (args, kwargs)
+    assert graph_opt.stats(m).disabled_reason is None
