@@ -17,7 +17,7 @@ from .host_outputs import HostOutputs
 from .level0 import EagerStrategy
 from .replay_guards import STATE_ATTR as _STATE_ATTR, ModelState
 from .runner import GraphRunner
-from .signature import as_made, call_params, forward_params
+from .signature import as_made, forward_params
 from .testing import simulation_enabled
 
 logger = logging.getLogger("graph_opt")
@@ -47,7 +47,7 @@ class GraphOptState:
         self.name = type(model).__name__
         # The forward without the module's hooks: the decorated call runs the hooks around the plugin,
         # so that they run at every call, replays included (and not twice on a fallback).
-        self.forward_call = _as_called(forward_fn, model, call_params(forward_fn))
+        self.forward_call = _as_called(forward_fn, model, forward_params(forward_fn, for_call=True))
         level0 = cfg.graph_opt_level == 0
         # Without the framework's guards a level >= 1 replay keeps level 0's watch of the model's attributes.
         self.model_state = ModelState(self.adapter, model, self.name,
@@ -122,7 +122,7 @@ class GraphOptState:
     def _batch_disagreement(self, args, kwargs) -> Optional[str]:
         """For a failed call without graphs: what GraphRunner would say about its batch dims, or None."""
         checker = GraphRunner(adapter=self.adapter, config=self.config, strategy=None, eager=None,
-                              dynamic_arg_dims=self.dynamic_arg_dims, params=_params(self.forward_fn),
+                              dynamic_arg_dims=self.dynamic_arg_dims, params=forward_params(self.forward_fn),
                               name=self.name)
         return checker.batch_disagreement(args, kwargs)
 
@@ -159,7 +159,7 @@ class GraphOptState:
         return GraphRunner(
             adapter=self.adapter, config=cfg, strategy=strategy, eager=self.forward_call,
             dynamic_arg_dims=self.dynamic_arg_dims,
-            params=_params(self.forward_fn), keyword_defaults=_keyword_defaults(self.forward_fn), name=self.name,
+            params=forward_params(self.forward_fn), keyword_defaults=_keyword_defaults(self.forward_fn), name=self.name,
             host_outputs=self.host_outputs, guard=guard,
             model_state=self.model_state, pad_values=self.pad_values,
         )
@@ -254,9 +254,6 @@ def _keyword_defaults(forward_fn) -> list:
     """(name, default) of forward's keyword-only parameters that have a default."""
     params = list(inspect.signature(forward_fn).parameters.values())[1:]
     return [(p.name, p.default) for p in params if p.kind is p.KEYWORD_ONLY and p.default is not p.empty]
-
-
-_params = forward_params
 
 
 def _check_dynamic_arg_dims(cls, dynamic_arg_dims) -> Optional[Dict[str, int]]:

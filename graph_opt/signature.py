@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
 import types
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -24,19 +25,11 @@ if TYPE_CHECKING:
 REQUIRED = object()  # a forward parameter without default
 
 
-def forward_params(forward_fn) -> list:
-    """(name, default) of forward's positional parameters after self; REQUIRED where there is no default."""
-    import inspect
+def forward_params(forward_fn, for_call: bool = False) -> list:
+    """(name, default) of forward's positional parameters after self; REQUIRED where there is no default.
+    for_call: as_made's, where a positional-only parameter counts as required (it cannot go by name)."""
     params = list(inspect.signature(forward_fn).parameters.values())[1:]  # drop self
-    return [(p.name, REQUIRED if p.default is p.empty else p.default)
-            for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-
-
-def call_params(forward_fn) -> list:
-    """forward_params for as_made: a positional-only parameter counts as required (it cannot go by name)."""
-    import inspect
-    params = list(inspect.signature(forward_fn).parameters.values())[1:]
-    return [(p.name, REQUIRED if p.default is p.empty or p.kind is p.POSITIONAL_ONLY else p.default)
+    return [(p.name, REQUIRED if p.default is p.empty or for_call and p.kind is p.POSITIONAL_ONLY else p.default)
             for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
@@ -45,7 +38,7 @@ def as_made(params, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
     parameter filled, defaults included): a parameter holding its very default object is left out, and
     those after it go by name. A wrapper that fills parameters from a config where a call does not give
     them (transformers' merge_with_config_defaults: use_cache, return_dict) then sees the call as made.
-    `params`: call_params (positional-only parameters, which lead, are passed as they are)."""
+    `params`: forward_params(for_call=True) (positional-only parameters, which lead, go as they are)."""
     n = len(args)
     if n > len(params):  # more than the named parameters (a forward taking *args): as given
         return args, kwargs

@@ -241,18 +241,16 @@ class ModuleWatch:
         return False
 
     def _recapture(self, quiet: bool = False) -> None:
-        if quiet:  # nothing captured yet: only what is watched changes
-            self.release(keep_warmups=True)
-            self.params = self.bridge.trainable_parameters(self.module)
-            self._watch()
-            return
-        if "recapture" not in self._warned:
-            self._warned.add("recapture")
-            logger.warning("%s: a parameter, buffer or submodule was replaced or added after capture (a new "
-                           "tensor, its data swapped, a new submodule), a parameter frozen or unfrozen, a plain "
-                           "attribute of the module or a submodule set to another value (a dropout's p), or a hook "
-                           "of a submodule registered or removed; its graphs are dropped and captured again", self.name)
-        self.counters.recaptures += 1
+        """quiet: nothing was captured yet, so only what is watched changes (no warning, no count)."""
+        if not quiet:
+            self.counters.recaptures += 1
+            if "recapture" not in self._warned:
+                self._warned.add("recapture")
+                logger.warning("%s: a parameter, buffer or submodule was replaced or added after capture (a new "
+                               "tensor, its data swapped, a new submodule), a parameter frozen or unfrozen, a plain "
+                               "attribute of the module or a submodule set to another value (a dropout's p), or a "
+                               "hook of a submodule registered or removed; its graphs are dropped and captured again",
+                               self.name)
         self.release(keep_warmups=True)
         self.params = self.bridge.trainable_parameters(self.module)
         self._watch()

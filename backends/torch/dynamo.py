@@ -46,7 +46,7 @@ from .. import frame_locals as frame_of, private_copy
 from ...captured_size import Captured
 from ...errors import CaptureError
 from ...pytree import flatten
-from ...signature import as_made, call_params
+from ...signature import as_made, forward_params
 from ...testing import simulation_enabled
 from . import fx_split
 from .direct_replay import _ModuleTensors, _tensors_only, constant_stores, pure_replay_code, replay_stores, stores_names
@@ -105,7 +105,7 @@ class DynamoStrategy:
         self.planned_replays = 0  # of those, piecewise sizes replayed by a pieces.ReplayPlan
         self.pass_counts = {}  # no program passes on torch
         self.state = GraphState()
-        self.params = call_params(self.forward_fn)  # as_made's
+        self.params = forward_params(self.forward_fn, for_call=True)  # as_made's
         self._tensors = _ModuleTensors(model)
         self.forwards: List[CompiledForward] = []
         self._pending: List[CompiledForward] = []  # compiled by the backend, bytecode not seen yet
