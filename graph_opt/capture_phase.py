@@ -35,16 +35,23 @@ def frozen_gc(collect: bool = True):
     graph being captured still uses; freezing moves today's objects out of the collector's reach.
     collect=False skips the first collection (a capture in the middle of training, where one costs
     about 0.1 s of a large heap and frees little).
+
+    A process that froze its heap itself (gc.freeze() after start-up, as servers do to keep collections
+    short) keeps it frozen: unfreezing on the way out would hand its whole heap back to the collector,
+    so then the collector is only paused.
     """
     was_enabled = gc.isenabled()
+    ours = gc.get_freeze_count() == 0
     if collect:
         gc.collect()
-    gc.freeze()
+    if ours:
+        gc.freeze()
     gc.disable()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if ours:
+            gc.unfreeze()
         if was_enabled:
             gc.enable()
 

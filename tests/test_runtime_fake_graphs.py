@@ -521,3 +521,32 @@ def test_positional_and_keyword_calls_share_one_signature():
     np.testing.assert_allclose(a, eager(x), rtol=1e-6)
     assert len(runner.signatures) == 1 and runner.counters.replays == 2 and runner.counters.fallbacks == 0
     assert calls == []
+
+
+def test_a_heap_the_process_froze_stays_frozen_through_lazy_captures():
+    """A server freezes its heap after start-up (gc.freeze) to keep collections short: a capture pauses
+    the collector and leaves that freeze as it found it. Without one, the capture's own freeze is undone."""
+    import gc
+
+    from graph_opt.capture_phase import frozen_gc
+
+    forward, calls = forward_calls()
+    runner = runner_for(GraphOptConfig(cudagraph_capture_sizes=[2, 4]), FakeAdapter(), forward)
+    x = np.random.RandomState(7).randn(3, 4).astype(np.float32)
+    was = gc.get_freeze_count()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        out = runner(T(x))  # size 4 captured at this call
+        np.testing.assert_allclose(out.a, eager(x), rtol=1e-6)
+        assert runner.counters.captures == 1 and runner.counters.replays == 1
+        # (a frozen object freed since leaves the count: only nearly all of the heap is still frozen)
+        assert gc.get_freeze_count() > frozen * 0.9 and gc.isenabled()
+        gc.unfreeze()
+        with frozen_gc():
+            assert gc.get_freeze_count() > 0 and not gc.isenabled()
+        assert gc.get_freeze_count() == 0 and gc.isenabled()
+    finally:
+        if was:  # as the test session had it (tests/conftest.py freezes what collection imported)
+            gc.freeze()
