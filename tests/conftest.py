@@ -34,6 +34,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "inductor: compiles with Inductor on CPU (C++ codegen; seconds per graph)")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Heaviest files first (a module's _CI_SECONDS; private, so a file that imports another's tests with
+    `import *` does not take it), the rest in collection order: test.sh's two workers take whole files in
+    this order (--dist loadfile --no-loadscope-reorder), and a heavy file started last would leave one
+    worker running it alone."""
+    def weight(item):
+        module = getattr(item, "module", None)
+        return -getattr(module, "_CI_SECONDS", 0)
+
+    items.sort(key=weight)  # stable: a file's tests stay together and in order
+
+
 def pytest_collection_finish(session):
     """Freeze what collection imported (torch with Dynamo, Paddle, transformers: millions of objects), as a
     server freezes its heap after start-up: every collection then walks only what the tests made. Each

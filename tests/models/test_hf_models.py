@@ -9,6 +9,8 @@ pytest.importorskip("transformers")
 import graph_opt  # noqa: E402
 from hf_models_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
 
+_CI_SECONDS = 90  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+
 
 @pytest.fixture
 def env():

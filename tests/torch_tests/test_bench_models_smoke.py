@@ -9,6 +9,8 @@ pytest.importorskip("transformers")
 
 from graph_opt.benchmarks import torch_models  # noqa: E402
 
+_CI_SECONDS = 30  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+
 
 def test_models_bench_smoke(tmp_path):
     assert torch_models.main(["--smoke", "--out", str(tmp_path)]) == 0

@@ -17,6 +17,8 @@ from replay_safety_kit import (HIDDEN, capture, check_a_decorated_submodule_fail
 from graph_opt.decorator import state_of
 from torch_replay_shim import Scaled, TorchF
 
+_CI_SECONDS = 170  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+
 
 @pytest.fixture
 def F():

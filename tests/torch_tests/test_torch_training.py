@@ -18,6 +18,8 @@ from training_kit import assert_same_step, graph_warnings, twins  # noqa: E402
 from torch_training_shim import Block, TorchShim  # noqa: E402
 from replay_safety_kit import advance_in_place, in_place_counter  # noqa: E402
 
+_CI_SECONDS = 40  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+
 
 @pytest.fixture
 def F():
