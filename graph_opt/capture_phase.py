@@ -28,30 +28,24 @@ logger = logging.getLogger("graph_opt")
 
 
 @contextlib.contextmanager
-def frozen_gc(collect: bool = True):
+def paused_gc(collect: bool = True):
     """Collect once, then keep the collector out of the capture phase.
 
-    A collection during capture is slow (it walks every object) and could free tensors whose memory a
-    graph being captured still uses; freezing moves today's objects out of the collector's reach.
-    collect=False skips the first collection (a capture in the middle of training, where one costs
-    about 0.1 s of a large heap and frees little).
+    A collection during capture is slow (it walks every object); the one before frees what is already
+    garbage, so that the captures start from the memory the model really holds. collect=False skips it
+    (a capture in the middle of training, where one costs about 0.1 s of a large heap and frees little).
 
-    A process that froze its heap itself (gc.freeze() after start-up, as servers do to keep collections
-    short) keeps it frozen: unfreezing on the way out would hand its whole heap back to the collector,
-    so then the collector is only paused.
+    The heap is not frozen: a process that froze its own (gc.freeze() after start-up, as servers do to
+    keep collections short) keeps its freeze, even one made by another thread while this capture runs
+    (torch's own gc.collect() calls are no-ops in the capture phase: the adapter's capture_stream).
     """
     was_enabled = gc.isenabled()
-    ours = gc.get_freeze_count() == 0
     if collect:
         gc.collect()
-    if ours:
-        gc.freeze()
     gc.disable()
     try:
         yield
     finally:
-        if ours:
-            gc.unfreeze()
         if was_enabled:
             gc.enable()
 
@@ -165,7 +159,7 @@ class CapturePhase:
     def _capture_lazily_kept(self, sig: Signature, padded: int, leaves, kept) -> Optional[CapturedSize]:
         error = None
         try:
-            with frozen_gc():
+            with paused_gc():
                 entry = self._capture_size(sig, padded, leaves)
         except Exception as exc:  # the model must keep working: run without graphs from now on
             error = exc

@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from . import dispatch, ranks, training
-from .capture_phase import frozen_gc
+from .capture_phase import paused_gc
 from .decorator import GraphOptState, state_of
 from .errors import GraphOptConfigError, GraphOptInputError
 from .runner import GraphRunner
@@ -100,7 +100,7 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
     translations_before = _translations(state)
     from tqdm import tqdm
 
-    with _guarded(runner), frozen_gc(), tqdm(total=len(order), desc=f"graph_opt capture {state.name}", unit="size",
+    with _guarded(runner), paused_gc(), tqdm(total=len(order), desc=f"graph_opt capture {state.name}", unit="size",
                            disable=not progress, leave=False) as bar:
         for size in order:
             # Inputs that cannot be captured are the caller's error: raised before anything of this

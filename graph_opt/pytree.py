@@ -93,7 +93,7 @@ def flatten(obj: Any, is_tensor: Callable[[Any], bool]) -> Tuple[List[Any], Any]
 
 
 # Module-level recursion, not a closure: a closure that calls itself is a reference cycle, and it would
-# keep every call's tensors alive until the next garbage collection (which capture keeps frozen).
+# keep every call's tensors alive until the next garbage collection (which capture holds off).
 def _walk(x, is_tensor, leaves):
     if is_tensor(x):
         leaves.append(x)

@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import backends, env, guards
-from .capture_phase import frozen_gc
+from .capture_phase import paused_gc
 from .errors import CaptureError, GraphOptError, GraphOptInputError
 from .failures import describe
 from .held_state import HeldState
@@ -315,7 +315,7 @@ class GraphedBlock(ModuleWatch):
         start = time.perf_counter()
         part = None
         try:
-            with guards.state_lock, frozen_gc(collect=False), adapter.capture_stream():
+            with guards.state_lock, paused_gc(collect=False), adapter.capture_stream():
                 part = _record_partial(self, graphs, used, simulated)
         except GraphOptError:
             raise
@@ -420,7 +420,7 @@ class GraphedBlock(ModuleWatch):
         try:
             if self.pool is None and not simulated:
                 self.pool = adapter.new_pool()
-            with guards.state_lock, frozen_gc(collect=False), guards.capture_custom_allreduce(), adapter.capture_stream():
+            with guards.state_lock, paused_gc(collect=False), guards.capture_custom_allreduce(), adapter.capture_stream():
                 graphs = _capture_key(self, state.run, leaves, spec, needs_grad, simulated, rng, (args, kwargs))
             advanced = held.advanced() if held is not None else None
             if advanced:

@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_collection_finish(session):
     """Freeze what collection imported (torch with Dynamo, Paddle, transformers: millions of objects), as a
     server freezes its heap after start-up: every collection then walks only what the tests made. Each
-    capture_model collects once (capture_phase.frozen_gc), which otherwise cost ~0.15 s a capture here."""
+    capture_model collects once (capture_phase.paused_gc), which otherwise cost ~0.15 s a capture here."""
     import gc
     import sys
 

@@ -7,7 +7,7 @@ two differences that matter for many sizes:
   sizes where one reused stream held 68 MiB (measured on an H200);
 - torch.cuda.graph() runs gc.collect() and empty_cache() before every graph. Here graphs are made
   with CUDAGraph.capture_begin/capture_end directly, the core collects once per capture phase
-  (frozen_gc), and while the capture phase runs both calls are no-ops, as in vLLM, so code reached
+  (paused_gc), and while the capture phase runs both calls are no-ops, as in vLLM, so code reached
   from it (a library entering torch.cuda.graph, Inductor's first run) cannot pay for them per graph.
 """
 from __future__ import annotations

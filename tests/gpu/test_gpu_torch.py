@@ -222,7 +222,7 @@ def test_one_capture_stream_and_no_collection_per_graph(kv, monkeypatch):
     n = build(level_config(1, False, SIZES, L1_SPLIT), kv, torch.float32, **DIMS)
     graph_opt.capture_model(n, _x, progress=False)
     assert ADAPTER._stream is stream  # warmups and captures of every size of every model share it
-    # one collection per capture_model (frozen_gc), none per size or per graph (4 graphs x 5 sizes each)
+    # one collection per capture_model (paused_gc), none per size or per graph (4 graphs x 5 sizes each)
     assert len(collects) == 2
 
 
