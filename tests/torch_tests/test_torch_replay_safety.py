@@ -138,6 +138,24 @@ def test_a_capture_under_inference_mode_replays_under_no_grad(F, level):
     assert s.replays == 2 and s.replay_failures == 0 and s.disabled_reason is None
 
 
+@pytest.mark.parametrize("level", [1, 2], ids=["level1", "level2"])
+def test_under_inference_mode_the_guards_see_a_change_and_leave_the_callers_mode_as_it_was(F, level):
+    """The guards run out of inference mode (tensors' dispatch keys differ in it): a changed attribute is
+    still seen under it, and the caller is back in inference mode without grad after every call."""
+    m, twin = pair(F, Scaled, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    with torch.inference_mode():
+        close = torch.equal if level < 2 else functools.partial(torch.allclose, rtol=1e-5, atol=1e-6)
+        assert close(m(x), twin(x))
+        assert torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
+        m.temperature = twin.temperature = 2.0
+        assert close(m(x), twin(x))  # Dynamo's guard on temperature fails: no stale replay
+        assert torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
+    s = graph_opt.stats(m)
+    assert s.replays == 1 and s.disabled_reason is None, s
+
+
 def test_a_parameter_replaced_after_capture_is_never_replayed_stale_at_level_0(F, logs):
     m, twin = pair(F, Scaled, 0)
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
