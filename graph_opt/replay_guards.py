@@ -130,12 +130,16 @@ class ModelState:
     def hook_count(self) -> int:
         return self.hooked[0]
 
-    def settle_hooks(self) -> None:
+    def settle_hooks(self) -> bool:
         """Hooks the forward registered itself while it was captured (transformers installs its output
         capturing at the first call that asks for hidden states): the graphs ran them, so replays expect
-        them."""
-        self.hooks = self.adapter.hooks_fingerprint(self.dicts)
+        them. True when the model's hooks changed (the counter also counts hook handles the framework
+        made elsewhere meanwhile: Dynamo's and Inductor's own)."""
+        now = self.adapter.hooks_fingerprint(self.dicts)
+        changed = now != self.hooks
+        self.hooks = now
         self.hook_changes = self.hooked[0]
+        return changed
 
     # -- the attribute watch (level 0): called by the decorated class's __setattr__ ----------------------
     @property
@@ -275,5 +279,5 @@ class Unwatched:
     def hook_count(self) -> int:
         return 0
 
-    def settle_hooks(self) -> None:
-        pass
+    def settle_hooks(self) -> bool:
+        return False

@@ -2,6 +2,7 @@
 on CPU, plus the torch-only cases (autocast, inference_mode, a replaced parameter at level 0)."""
 import collections
 import functools
+import logging
 import operator
 import threading
 import types
@@ -154,6 +155,33 @@ def test_under_inference_mode_the_guards_see_a_change_and_leave_the_callers_mode
         assert torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
     s = graph_opt.stats(m)
     assert s.replays == 1 and s.disabled_reason is None, s
+
+
+class _HooksItsLayerAtFirstCall(Scaled):
+    """Registers a hook on a submodule at its first call, as transformers does for its output capturing."""
+
+    def forward(self, x):
+        if not self.lin._forward_hooks:
+            self.lin.register_forward_hook(lambda module, args, out: out * 2)
+        return super().forward(x)
+
+
+def test_hooks_the_forward_registers_while_captured_are_said_and_the_frameworks_own_handles_are_not(
+        F, graph_opt_warnings):
+    """Dynamo's first compile makes hook handles of its own (the hook counter counts every handle in the
+    process): only a change of the model's own hooks is reported."""
+    m, _ = pair(F, Scaled, 1)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    assert not [w for w in graph_opt_warnings(logging.INFO) if "hooks while" in w]
+    m, twin = pair(F, _HooksItsLayerAtFirstCall, 0)
+    twin.lin.register_forward_hook(lambda module, args, out: out * 2)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    said = [w for w in graph_opt_warnings(logging.INFO) if "hooks while" in w]
+    assert len(said) == 1 and "size 8" in said[0], said
+    x = F.randn(3, HIDDEN, seed=1)
+    with torch.no_grad():
+        assert torch.equal(m(x), twin(x))
+    assert graph_opt.stats(m).replays == 1
 
 
 def test_a_parameter_replaced_after_capture_is_never_replayed_stale_at_level_0(F, logs):
