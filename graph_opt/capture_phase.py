@@ -320,9 +320,8 @@ class CapturePhase:
                 checks_state = self._replays_graphs_alone() or not adapter.static_makes_python_stores
                 # per call structure: a flag set once at the first call of another (output_hidden_states=True
                 # installs transformers' output hooks) is no value that depends on the call
-                windows = getattr(sig, "capture_windows", 0)
-                window = self.model_state.held_state() if checks_state and windows else None
-                sig.capture_windows = windows + 1
+                window = self.model_state.held_state() if checks_state and sig.capture_windows else None
+                sig.capture_windows += 1
                 warm = None
                 for _ in range(self.config.cudagraph_num_of_warmups):
                     warm = self.strategy.warmup(args, kwargs, padded, sig)

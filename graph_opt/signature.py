@@ -80,6 +80,9 @@ class Signature:
         self.eager_writes: set = set()  # leaves the plain forward writes in place (capture_checks)
         self.eager_buffer_writes: set = set()  # model buffers it writes in place
         self.static_buffer_writes: set = set()  # model buffers the captured path writes in place
+        # sizes whose warmups and capture ran: the forward has run with these arguments before the next
+        # (capture_phase checks that next one's whole window for Python values it sets)
+        self.capture_windows = 0
 
     def key(self, padded: int) -> int:
         """An integer naming (this signature, padded size): what strategies key their graphs by."""
