@@ -44,6 +44,33 @@ def pytest_collection_modifyitems(session, config, items):
         return -getattr(module, "_CI_SECONDS", 0)
 
     items.sort(key=weight)  # stable: a file's tests stay together and in order
+    _deselect_inductor_cases_left_to_the_gpu(config, items)
+
+
+def _deselect_inductor_cases_left_to_the_gpu(config, items):
+    """A CPU module may name the Inductor cases (the `inductor` mark) it runs in `_INDUCTOR_ON_CPU`, by
+    test name or by name with its parameters; its other Inductor cases are deselected. Level 2 guards and
+    checks a call as level 1 does, and Inductor's C++ compile costs seconds per graph here: the CPU runs
+    the cases where Inductor's kernels change what a replay must get right (writes, views, layouts,
+    numbers the kernels take), and tests/gpu runs every case at every level. Private, as _CI_SECONDS."""
+    kept, dropped, named = [], [], set()
+    for item in items:
+        module = getattr(item, "module", None)
+        wanted = getattr(module, "_INDUCTOR_ON_CPU", None)
+        if wanted is not None and module not in named:
+            named.add(module)
+            missing = sorted(n for n in wanted if not callable(getattr(module, n.split("[")[0], None)))
+            if missing:  # a misspelt name would deselect the case it meant to keep
+                raise pytest.UsageError(f"{module.__name__}._INDUCTOR_ON_CPU names no test: {missing}")
+        if wanted is None or item.get_closest_marker("inductor") is None:
+            kept.append(item)
+        elif item.name in wanted or getattr(item, "originalname", item.name) in wanted:
+            kept.append(item)
+        else:
+            dropped.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def pytest_collection_finish(session):
