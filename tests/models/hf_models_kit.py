@@ -242,3 +242,114 @@ def test_a_call_asking_for_hidden_states_leaves_the_other_calls_replaying(env, l
             assert same(env, logits, want_logits) and same(env, hidden, want_hidden), f"step {step}, hidden states"
     s = graph_opt.stats(m)
     assert s.replays == 3 and s.fallback_reasons == {"new_signature": 3}, s.fallback_reasons
+
+
+# -- the model's transformers config changed after capture, at level 1 (Dynamo's guards see it) ---------
+def _captured_level_1(env, name):
+    m, twin = decorated_twins(env, name, graph_opt_level=1, full_cuda_graph=True)
+    with env.graphs():
+        assert graph_opt.capture_model(m, lambda n: tokens(env, n, n), progress=False).failed is None
+    return m, twin
+
+
+def _calls_equal(env, m, twin, what):
+    with torch.no_grad():
+        for n in (4, 3):
+            x = tokens(env, n, 20 + n)
+            assert same(env, m(x), twin(x)), f"{what}, {n} rows"
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_config_attribute_changed_after_capture_runs_without_graphs_until_restored(env, name, graph_opt_warnings):
+    """_attn_implementation switched to eager attention on both twins: every call equals the twin's,
+    without graphs and with one warning that names the attribute; set back, the graphs replay again."""
+    m, twin = _captured_level_1(env, name)
+    _calls_equal(env, m, twin, "as captured")
+    replays = graph_opt.stats(m).replays
+    for model in (m, twin):
+        model.model.config._attn_implementation = "eager"
+    _calls_equal(env, m, twin, "eager attention")
+    s = graph_opt.stats(m)
+    assert s.replays == replays and s.fallback_reasons == {"guard": 2}, s.fallback_reasons
+    assert any("_attn_implementation" in w and "config" in w for w in graph_opt_warnings()), graph_opt_warnings()
+    for model in (m, twin):
+        model.model.config._attn_implementation = "sdpa"
+    _calls_equal(env, m, twin, "sdpa again")
+    assert graph_opt.stats(m).replays == replays + 2
+
+
+def test_a_config_change_kept_by_capturing_again_replays_with_it(env):
+    """clear_graphs() and capture_model() after a change of an attribute the forward reads trace the
+    forward anew (a capture reusing the first trace would bake two layers): the new graphs replay."""
+    m, twin = _captured_level_1(env, "llama")
+    for model in (m, twin):
+        model.model.config.num_hidden_layers = 1  # Llama runs layers[:num_hidden_layers]
+    graph_opt.clear_graphs(m)
+    translations = graph_opt.stats(m).translations
+    with env.graphs():
+        assert graph_opt.capture_model(m, lambda n: tokens(env, n, n), progress=False).failed is None
+    assert graph_opt.stats(m).translations > translations, "the capture reused the first trace"
+    replays = graph_opt.stats(m).replays
+    _calls_equal(env, m, twin, "recaptured with one layer")
+    assert graph_opt.stats(m).replays == replays + 2, graph_opt.stats(m).fallback_reasons
+
+
+@pytest.mark.parametrize("change", ["replaced", "class attribute", "an attribute the forward does not read"])
+def test_a_config_replaced_or_changed_through_its_class_is_seen_and_an_unread_change_keeps_replaying(env, change,
+                                                                                                  monkeypatch):
+    """The config object replaced by a copy with eager attention; the config's class given
+    `is_causal = False` (GPT-2 asks hasattr for it: the attention then runs non-causal). Each call
+    equals the twin's, without graphs, and replays resume once undone. A value in a config dict the
+    forward never reads (id2label) changes nothing: the graphs keep replaying."""
+    m, twin = _captured_level_1(env, "gpt2")
+    replays = graph_opt.stats(m).replays
+    if change == "replaced":
+        originals = [model.model.config for model in (m, twin)]
+        for model in (m, twin):
+            model.model.config = copy.deepcopy(model.model.config)
+            model.model.config._attn_implementation = "eager"
+    elif change == "class attribute":
+        monkeypatch.setattr(type(m.model.config), "is_causal", False, raising=False)
+    else:
+        for model in (m, twin):
+            model.model.config.id2label[0] = "changed"
+    _calls_equal(env, m, twin, change)
+    s = graph_opt.stats(m)
+    if change.startswith("an attribute"):
+        assert s.replays == replays + 2 and not s.fallback_reasons, s.fallback_reasons
+        return
+    assert s.replays == replays and s.fallback_reasons == {"guard": 2}, s.fallback_reasons
+    if change == "replaced":
+        for model, original in zip((m, twin), originals):
+            model.model.config = original
+    else:
+        monkeypatch.undo()
+        for model in (m, twin):  # transformers' call wrapper put the class's value back on the instance
+            vars(model.model.config).pop("is_causal", None)
+    _calls_equal(env, m, twin, "undone")
+    assert graph_opt.stats(m).replays == replays + 2
+
+
+class _WritesItsConfig(Logits):
+    def forward(self, input_ids):
+        self.model.config.last_rows = input_ids.shape[0]  # a forward that writes its config at every call
+        return super().forward(input_ids)
+
+
+def test_a_forward_that_writes_its_config_keeps_dynamo_s_guards_and_replays_right(env):
+    """Calls equal the twin's, the config holds the twin's value after each (a replay makes the
+    forward's store itself, or the call runs without graphs), and the captured sizes replay."""
+    torch.manual_seed(0)
+    twin = _WritesItsConfig("llama").eval().to(env.device)
+    cls = graph_opt.support_graph_optimization(type("GraphedWrites", (_WritesItsConfig,), {}))
+    config = graph_opt.GraphOptConfig(graph_opt_level=1, cudagraph_capture_sizes=SIZES)
+    m = cls("llama", graph_opt_config=config).eval().to(env.device)
+    m.load_state_dict(twin.state_dict())
+    with env.graphs():
+        assert graph_opt.capture_model(m, lambda n: tokens(env, n, n), progress=False).failed is None
+    with torch.no_grad():
+        for n in (4, 2, 4, 1):
+            x = tokens(env, n, 30 + n)
+            assert same(env, m(x), twin(x)), f"{n} rows"
+            assert m.model.config.last_rows == twin.model.config.last_rows == n
+    assert graph_opt.stats(m).replays == 4, graph_opt.stats(m).fallback_reasons
