@@ -242,10 +242,16 @@ class ModelState:
 
 
 def _show(value) -> str:
+    """One line: a short repr, else the start of a plain value's, else an object's type and identity
+    (what level 0 compares it by; a config's repr is many lines, cut it said nothing)."""
     if value is _MISSING:
         return "(unset)"
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    text = " ".join(repr(value).split())
+    if len(text) <= 40:
+        return text
+    if isinstance(value, (str, bytes, int, float, tuple, list, dict, set)):
+        return text[:37] + "..."
+    return f"a {type(value).__name__} at 0x{id(value):x}"
 
 
 class Unwatched:

@@ -934,3 +934,37 @@ def test_a_forward_with_positional_only_parameters_gets_them_by_position(F, leve
         for args, kwargs in (((), {}), ((None, bias), {}), ((None, bias), {}), ((), {"scale": 3.0})):
             assert torch.equal(m(x, *args, **kwargs), twin(x, *args, **kwargs)), (args, kwargs)
     assert graph_opt.stats(m).disabled_reason is None
+
+
+class _Settings:
+    """A settings object whose repr is many lines, as a Hugging Face config's."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def __repr__(self):
+        return "Settings {\n" + "".join(f'  "key_{i}": {self.scale},\n' for i in range(8)) + "}"
+
+
+class _ScaledBySettings(Scaled):
+    def __init__(self):
+        super().__init__()
+        self.settings = _Settings(1.0)
+
+    def forward(self, x):
+        return self.lin(x) * self.settings.scale
+
+
+def test_an_object_attribute_replaced_at_level_0_is_named_in_one_line_by_type_and_identity(F, logs):
+    """Level 0 compares an object attribute by identity: the warning says so in one line (a multi-line
+    repr cut at 40 characters named neither the old nor the new object)."""
+    m, twin = pair(F, _ScaledBySettings, 0)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    old, new = m.settings, _Settings(2.0)
+    m.settings = twin.settings = new
+    x = F.randn(3, HIDDEN, seed=1)
+    with torch.no_grad():
+        assert torch.equal(m(x), twin(x))
+    (message,) = warned(logs, "settings")
+    assert "\n" not in message
+    assert f"a _Settings at 0x{id(new):x} (was a _Settings at 0x{id(old):x} at capture)" in message, message
