@@ -7,6 +7,7 @@ capture_checks. A capture that fails drops every graph: the model runs without t
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import gc
 import logging
@@ -85,7 +86,7 @@ class CapturePhase:
             raise GraphOptInputError(
                 f"{self.name}: make_inputs({size}) returned no tensor with a batch dimension; it must return the "
                 f"forward's tensors with {size} rows (dim 0 of every tensor argument, or the dims named by "
-                "dynamic_arg_dims={'arg': dim} on @support_graph_optimization)"
+                "dynamic_arg_dims={'arg': dim} on @support_graph_optimization)" + _mapping_hint(args, kwargs)
             )
         reason = None
         misfit = self._misfit(sig, leaves, f"make_inputs({size}): argument", size)
@@ -513,3 +514,13 @@ def _rebinds_message(rebound: List[str]) -> str:
             "`self.cache = torch.zeros(...)` made at the first call or `st.steps = st.steps + 1` do; a replay "
             "cannot, so it would not leave that state as eager does. Write the state in place (copy_, add_, "
             "index_copy_), make it before the first call, or capture_model() once it exists")
+
+
+def _mapping_hint(args, kwargs) -> str:
+    """Where an argument is a mapping that is not a dict (a tokenizer's BatchEncoding is a UserDict):
+    graph_opt does not look inside it, so its tensors are not seen."""
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, collections.abc.Mapping) and not isinstance(value, dict):
+            return (f"; an argument is a {type(value).__name__}, a mapping graph_opt does not look inside (it "
+                    "reads dicts, lists, tuples and dataclasses): pass dict(...) of it, or its tensors")
+    return ""

@@ -452,3 +452,27 @@ def test_bad_input(r, tmp_path, monkeypatch):
             assert type(err.value).__module__.split(".")[0] not in ("torch", "paddle")
         if r.after is not None:
             r.after(c)
+
+
+def test_a_mapping_that_is_not_a_dict_is_named_with_the_remedy():
+    """A tokenizer's BatchEncoding is a UserDict: its tensors are not seen, and the error says to pass
+    dict(...) of it. The model keeps working eagerly."""
+    torch = pytest.importorskip("torch")
+    import collections
+
+    class Embeds(torch.nn.Module):
+        def __init__(self, graph_opt_config=None):
+            super().__init__()
+            self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+        def forward(self, batch):
+            return self.lin(batch["x"])
+
+    m = graph_opt.support_graph_optimization(type("Embeds", (Embeds,), {}))(
+        graph_opt_config=GraphOptConfig(graph_opt_level=1, cudagraph_capture_sizes=SIZES))  # level 0 says it too
+    with graph_opt.testing.simulate_cuda_graphs(), pytest.raises(GraphOptInputError) as raised:
+        graph_opt.capture_model(m, lambda n: (collections.UserDict(x=torch.randn(n, HIDDEN)),), progress=False)
+    assert "an argument is a UserDict" in str(raised.value) and "dict(...)" in str(raised.value)
+    batch = {"x": torch.randn(3, HIDDEN)}
+    with torch.no_grad():
+        assert torch.equal(m(batch), Embeds.forward(m, batch))
