@@ -98,10 +98,12 @@ def tokens(env, n, seed):
     return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed)).to(env.device)
 
 
-def decorated_twins(env, name, **settings):
+def decorated_twins(env, name, wrapper=None, **settings):
+    """(the decorated user wrapper, its undecorated twin with the same weights); wrapper: Logits."""
+    wrapper = wrapper or Logits
     torch.manual_seed(0)
-    twin = Logits(name).eval().to(env.device)
-    cls = graph_opt.support_graph_optimization(type(f"Graphed{name}", (Logits,), {}))
+    twin = wrapper(name).eval().to(env.device)
+    cls = graph_opt.support_graph_optimization(type(f"Graphed{name}", (wrapper,), {}))
     config = graph_opt.GraphOptConfig(cudagraph_capture_sizes=SIZES, **settings)
     m = cls(name, graph_opt_config=config).eval().to(env.device)
     m.load_state_dict(twin.state_dict())
@@ -225,12 +227,7 @@ def test_a_call_asking_for_hidden_states_leaves_the_other_calls_replaying(env, l
     """transformers installs its output-capturing hooks at the first call that asks for hidden states,
     here one that runs without graphs (a value capture_model did not capture). The hooks do nothing
     unless a call asks: the graphs keep replaying, and every call equals eager."""
-    torch.manual_seed(0)
-    twin = LogitsOrHidden("llama").eval().to(env.device)
-    cls = graph_opt.support_graph_optimization(type("GraphedHidden", (LogitsOrHidden,), {}))
-    m = cls("llama", graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=level, cudagraph_capture_sizes=SIZES))
-    m = m.eval().to(env.device)
-    m.load_state_dict(twin.state_dict())
+    m, twin = decorated_twins(env, "llama", LogitsOrHidden, graph_opt_level=level)
     with env.graphs():
         assert graph_opt.capture_model(m, lambda n: tokens(env, n, n), progress=False).failed is None
     with torch.no_grad():
@@ -336,15 +333,10 @@ class _WritesItsConfig(Logits):
         return super().forward(input_ids)
 
 
-def test_a_forward_that_writes_its_config_keeps_dynamo_s_guards_and_replays_right(env):
+def test_a_forward_that_writes_its_config_replays_right(env):
     """Calls equal the twin's, the config holds the twin's value after each (a replay makes the
     forward's store itself, or the call runs without graphs), and the captured sizes replay."""
-    torch.manual_seed(0)
-    twin = _WritesItsConfig("llama").eval().to(env.device)
-    cls = graph_opt.support_graph_optimization(type("GraphedWrites", (_WritesItsConfig,), {}))
-    config = graph_opt.GraphOptConfig(graph_opt_level=1, cudagraph_capture_sizes=SIZES)
-    m = cls("llama", graph_opt_config=config).eval().to(env.device)
-    m.load_state_dict(twin.state_dict())
+    m, twin = decorated_twins(env, "llama", _WritesItsConfig, graph_opt_level=1)
     with env.graphs():
         assert graph_opt.capture_model(m, lambda n: tokens(env, n, n), progress=False).failed is None
     with torch.no_grad():
