@@ -23,7 +23,9 @@ _REMEDIES: List[Tuple[re.Pattern, str]] = [
     (re.compile(r"unless the CPU tensor is pinned|Cannot copy between CPU and CUDA|pageable", re.I),
      "a tensor made from host data inside the forward (torch.tensor(0.0, device=...), a CPU tensor moved "
      "to the device): make it once outside the forward (a buffer, or a module attribute on the device), "
-     "pin it, or pass the Python number to the op itself (torch.where(mask, 0.0, x), torch.full)"),
+     "pin it, or pass the Python number to the op itself (torch.where(mask, 0.0, x), torch.full); at "
+     "graph_opt_level>=1 (autocudagraph(level=1) for training) a tensor made from Python numbers alone is "
+     "made once when the forward is traced"),
     (re.compile(r"operation not permitted when stream is capturing|StreamCaptureUnsupported|"
                 r"StreamCaptureInvalidated|capture.*(sync|invalidated)|synchroniz", re.I),
      "the forward waits for the device (.item(), .cpu(), .tolist(), a Python bool of a tensor, printing a "

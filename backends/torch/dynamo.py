@@ -49,6 +49,7 @@ from ...pytree import flatten
 from ...signature import as_made, forward_params
 from ...testing import simulation_enabled
 from . import fx_split
+from .host_constants import fold_host_constants
 from .direct_replay import _ModuleTensors, _tensors_only, constant_stores, pure_replay_code, replay_stores, stores_names
 from .pieces import CapturablePiece, CompiledForward, EagerPiece, GraphState, Mode
 
@@ -254,7 +255,10 @@ class DynamoStrategy:
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
         """The torch.compile backend of the graph path: split, compile pieces (level 2), wrap for per-size graphs."""
         _fast_guards()  # Dynamo builds this graph's guards after the backend returns
-        graph = fx_split.split_graph(gm, self._split_at, keep_host_ops_out=fx_split.computes_on_device(gm))
+        on_device = fx_split.computes_on_device(gm)
+        if self.level < 2:  # at level 2 AOTAutograd lifts such constants itself
+            fold_host_constants(gm, keep_host_ops_out=on_device)
+        graph = fx_split.split_graph(gm, self._split_at, keep_host_ops_out=on_device)
         if self.selection is not None:
             for piece in graph.pieces:
                 for name in piece.split_ops:

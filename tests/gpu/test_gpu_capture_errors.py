@@ -59,6 +59,30 @@ def test_an_inference_capture_failure_names_the_line_and_the_fix(fn, advice):
     assert torch.equal(m(x), Model.forward(m, x))
 
 
+def host_number_written(x):
+    zero = torch.tensor(0.0, device=x.device)
+    zero += x.mean()  # written in place: every call starts from 0.0 again
+    return torch.where(x > 0, zero, x) + torch.as_tensor([0.5] * 16, device=x.device)
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "piecewise"])
+@pytest.mark.parametrize("fn", [host_number, host_number_written])
+def test_level_1_makes_a_device_tensor_from_a_python_number_once_and_captures(fn, full):
+    """What level 0 refuses above, level 1 captures: the tensor is made once when Dynamo traces and
+    copied on the device at each call (backends/torch/host_constants.py). Replays equal eager bitwise."""
+    cls = graph_opt.support_graph_optimization(type("Graphed", (Model,), {}))
+    config = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=full, cudagraph_capture_sizes=[2, 4])
+    m = cls(fn, graph_opt_config=config).cuda()
+    report = graph_opt.capture_model(m, lambda n: (torch.randn(n, 16, device="cuda"),), progress=False)
+    assert report.failed is None and graph_opt.stats(m).disabled_reason is None, report.failed
+    with torch.no_grad():
+        for n in (4, 2, 4):
+            x = torch.randn(n, 16, device="cuda")
+            assert torch.equal(m(x), Model.forward(m, x)), n
+    s = graph_opt.stats(m)
+    assert s.replays == 3 and s.fallbacks == 0, s.fallback_reasons
+
+
 @pytest.mark.parametrize("fn,advice", FAILURES)
 def test_a_training_capture_failure_names_the_line_and_the_fix(fn, advice):
     m = graph_opt.autocudagraph(Model(fn).cuda(), warmup_steps=1)

@@ -42,9 +42,11 @@ MODELS = list(_configs())
 class Logits(torch.nn.Module):
     """A user's serving wrapper: token ids in, logits out."""
 
-    def __init__(self, name):
+    def __init__(self, name, attention=None):
         super().__init__()
         cls, config = _configs()[name]
+        if attention is not None:
+            config._attn_implementation = attention
         self.causal = name != "bert"
         self.model = cls(config)
 
@@ -98,14 +100,15 @@ def tokens(env, n, seed):
     return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed)).to(env.device)
 
 
-def decorated_twins(env, name, wrapper=None, **settings):
-    """(the decorated user wrapper, its undecorated twin with the same weights); wrapper: Logits."""
+def decorated_twins(env, name, wrapper=None, attention=None, **settings):
+    """(the decorated user wrapper, its undecorated twin with the same weights); wrapper: Logits;
+    attention: the models' attn_implementation, where not the default."""
     wrapper = wrapper or Logits
     torch.manual_seed(0)
-    twin = wrapper(name).eval().to(env.device)
+    twin = wrapper(name, attention=attention).eval().to(env.device)
     cls = graph_opt.support_graph_optimization(type(f"Graphed{name}", (wrapper,), {}))
     config = graph_opt.GraphOptConfig(cudagraph_capture_sizes=SIZES, **settings)
-    m = cls(name, graph_opt_config=config).eval().to(env.device)
+    m = cls(name, attention=attention, graph_opt_config=config).eval().to(env.device)
     m.load_state_dict(twin.state_dict())
     return m, twin
 
@@ -149,6 +152,26 @@ def test_inference_replays_equal_eager(env, name, settings):
     s = graph_opt.stats(m)
     assert s.replays == 4 and s.fallbacks == 0, s.fallback_reasons
     assert s.translations == translated, "a call after capture translated again"
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "piecewise"])
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_inference_with_eager_attention_replays_at_level_1(env, name, full):
+    """attn_implementation="eager": transformers' mask code makes a device tensor from a Python number
+    (`torch.tensor(0.0, device=...)`), which a capture of the eager forward (level 0) refuses on a device.
+    Level 1 makes it once when it traces (backends/torch/host_constants.py): every size captures, and the
+    replays equal the eager twin (bitwise at a captured size where env.tolerance is 0)."""
+    m, twin = decorated_twins(env, name, attention="eager", graph_opt_level=1, full_cuda_graph=full)
+    with env.graphs():
+        report = graph_opt.capture_model(m, lambda n: tokens(env, n, n), progress=False)
+    assert report.failed is None, report.failed
+    with torch.no_grad():
+        for n in (4, 2, 3):
+            x = tokens(env, n, 40 + n)
+            out, want = m(x), twin(x)
+            assert same(env, out, want) if n != 3 else torch.allclose(out, want, rtol=0, atol=1e-5), f"{n} rows"
+    s = graph_opt.stats(m)
+    assert s.replays == 3 and s.fallbacks == 0, s.fallback_reasons
 
 
 def _sgd_steps(env, ref, m, steps, check):
