@@ -161,9 +161,9 @@ class CapturablePiece:
             return self._capture(args)
         return self.fn(*args)
 
-    def _input_name(self, i: int) -> str:
+    def _input_name(self, i: int, what: str = ", a number Dynamo took as a graph input") -> str:
         if i < len(self.input_names):
-            return f"input {i} ({self.input_names[i]}, a number Dynamo took as a graph input)"
+            return f"input {i} ({self.input_names[i]}{what})"
         return f"input {i}"
 
     @staticmethod
@@ -182,9 +182,10 @@ class CapturablePiece:
             dst = captured[i]
             if src is not dst:
                 # A fresh tensor from an eager piece (or a splitting op): copy it where the graph reads.
-                if src.shape != dst.shape:
-                    raise ReplayDivergence(f"piece {self.name}: input {i} has shape {tuple(src.shape)}, "
-                                           f"captured {tuple(dst.shape)}")
+                if src.shape != dst.shape:  # a parameter replaced by one of another shape (resize_token_embeddings)
+                    raise ReplayDivergence(f"piece {self.name}: {self._input_name(i, '')} has shape "
+                                           f"{tuple(src.shape)}, captured {tuple(dst.shape)}; to keep the new "
+                                           "shape, clear_graphs() and capture_model() again")
                 dst.copy_(src)
 
     def _capture(self, args):

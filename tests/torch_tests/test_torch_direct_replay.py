@@ -101,6 +101,36 @@ def test_a_replaced_parameter_sends_the_replays_back_through_the_transformed_cod
     assert strategy._tensors.moved
 
 
+class _Embeds(torch.nn.Module):
+    def __init__(self, graph_opt_config=None):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_a_parameter_replaced_by_one_of_another_shape_runs_without_graphs_and_the_warning_names_it(
+        full, graph_opt_warnings):
+    """An embedding grown after capture (what resize_token_embeddings does): the calls equal eager, and
+    the warning names the parameter as the forward reads it, with what to do to keep the new shape."""
+    torch.manual_seed(0)
+    m = graph_opt.support_graph_optimization(type("Graphed", (_Embeds,), {}))(graph_opt_config=_cfg(1, full))
+    with graph_opt.testing.simulate_cuda_graphs():
+        graph_opt.capture_model(m, lambda n: torch.randint(0, 10, (n, 3)), progress=False)
+    m.emb.weight = torch.nn.Parameter(torch.randn(12, HIDDEN))
+    for n in (4, 3):
+        x = torch.randint(0, 12, (n, 3))
+        with torch.no_grad():
+            assert torch.equal(m(x), _eager(m, x)), n
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.fallbacks == 2, s.fallback_reasons
+    said = " ".join(graph_opt_warnings())
+    assert "['emb']._parameters['weight']" in said and "(12, " in said and "capture_model() again" in said, said
+
+
 def test_a_forward_with_a_side_effect_keeps_running_its_transformed_code():
     torch.manual_seed(0)
     m = Counting(graph_opt_config=_cfg(1))
