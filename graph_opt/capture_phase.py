@@ -7,7 +7,6 @@ capture_checks. A capture that fails drops every graph: the model runs without t
 """
 from __future__ import annotations
 
-import collections.abc
 import contextlib
 import gc
 import logging
@@ -21,7 +20,7 @@ from .failures import describe
 from .host_outputs import SizeCopies
 from .padding import Padding
 from .pytree import flatten, holding_tensors_message, objects_holding_tensors, tensor_leaf_owners, unflatten
-from .signature import Signature, _opaque_message
+from .signature import Signature, _opaque_message, mapping_note
 from .static_address import same_memory
 from .testing import simulation_enabled
 
@@ -63,6 +62,8 @@ def _capture_phase(adapter):
 class CapturePhase:
     """Mixed into GraphRunner: capture a size, on demand (lazily) or for capture_model."""
 
+    _mapping_warned = False  # a non-dict mapping among make_inputs' arguments was reported once
+
     def capture(self, args, kwargs, size: int) -> CapturedSize:
         """Capture `size` for the call structure of (args, kwargs); inputs must have `size` rows."""
         sig, leaves = self.check_capture_inputs(args, kwargs, size)
@@ -82,6 +83,13 @@ class CapturePhase:
             if opaque:  # level >= 1: capture_model captures with them, under the framework's guards
                 raise GraphOptInputError(f"{self.name}: make_inputs({size}) returned {_opaque_message(opaque)}")
             sig = self._new_signature(spec, leaves, args, kwargs)
+            hint = _mapping_hint(args, kwargs) if sig is not None else ""
+            if hint and not self._mapping_warned:
+                # It is captured (the framework's guards see what the forward reads from it), but a call
+                # replays only with this very object: another one is another call structure.
+                self._mapping_warned = True
+                logger.warning("%s: make_inputs(%d): %s; as it is, a call replays only when given the very "
+                               "object make_inputs returned", self.name, size, hint[2:])
         if sig is None:
             raise GraphOptInputError(
                 f"{self.name}: make_inputs({size}) returned no tensor with a batch dimension; it must return the "
@@ -520,7 +528,7 @@ def _mapping_hint(args, kwargs) -> str:
     """Where an argument is a mapping that is not a dict (a tokenizer's BatchEncoding is a UserDict):
     graph_opt does not look inside it, so its tensors are not seen."""
     for value in list(args) + list(kwargs.values()):
-        if isinstance(value, collections.abc.Mapping) and not isinstance(value, dict):
-            return (f"; an argument is a {type(value).__name__}, a mapping graph_opt does not look inside (it "
-                    "reads dicts, lists, tuples and dataclasses): pass dict(...) of it, or its tensors")
+        note = mapping_note(value)
+        if note:
+            return f"; an argument is a {type(value).__name__}{note}"
     return ""

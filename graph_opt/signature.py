@@ -7,6 +7,7 @@ arguments a level-0 replay cannot check, new values after capture. All of it is 
 """
 from __future__ import annotations
 
+import collections.abc
 import enum
 import functools
 import inspect
@@ -230,7 +231,7 @@ class SignatureChecks:
                 continue
             value = getattr(leaf, "value", getattr(leaf, "obj", None))
             if _object_like(value, plain):
-                found.append(f"{path} (a {type(value).__name__})")
+                found.append(f"{path} (a {type(value).__name__}{mapping_note(value)})")
         return found
 
     def _refuse_lazy_signature(self, spec) -> Optional[Tuple[str, str]]:
@@ -361,6 +362,15 @@ def _object_like(value, plain) -> bool:
     if not callable(value):
         return True
     return isinstance(getattr(type(value), "__call__", None), types.FunctionType)
+
+
+def mapping_note(value) -> str:
+    """For a mapping that is not a dict (a tokenizer's BatchEncoding is a UserDict): graph_opt does not
+    look inside it, so its tensors are neither copied nor checked."""
+    if isinstance(value, collections.abc.Mapping) and not isinstance(value, dict):
+        return (", a mapping graph_opt does not look inside (it reads dicts, lists, tuples and dataclasses): "
+                "pass dict(...) of it, or its tensors")
+    return ""
 
 
 def _opaque_message(opaque: List[str]) -> str:

@@ -476,3 +476,43 @@ def test_a_mapping_that_is_not_a_dict_is_named_with_the_remedy():
     batch = {"x": torch.randn(3, HIDDEN)}
     with torch.no_grad():
         assert torch.equal(m(batch), Embeds.forward(m, batch))
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_mapping_that_is_not_a_dict_beside_another_argument_is_named_at_capture_and_at_calls(level,
+                                                                                           graph_opt_warnings):
+    """Beside another tensor argument the call has a batch dimension, so the capture goes on: level 0
+    refuses the object (it cannot check what the forward reads from it), level 1 captures it under
+    Dynamo's guards and warns once that only that very object replays. The calls' warning names the
+    mapping and the remedy too. Every call equals eager."""
+    torch = pytest.importorskip("torch")
+    import collections
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, graph_opt_config=None):
+            super().__init__()
+            self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+        def forward(self, batch, scale):
+            return self.lin(batch["x"]) * scale
+
+    m = graph_opt.support_graph_optimization(type("Scaled", (Scaled,), {}))(
+        graph_opt_config=GraphOptConfig(graph_opt_level=level, cudagraph_capture_sizes=SIZES))
+
+    def make(n):
+        return collections.UserDict(x=torch.randn(n, HIDDEN)), torch.randn(n, 1)
+
+    with graph_opt.testing.simulate_cuda_graphs():
+        if level == 0:
+            with pytest.raises(GraphOptInputError, match=r"batch \(a UserDict, a mapping graph_opt does not look"):
+                graph_opt.capture_model(m, make, progress=False)
+        else:
+            graph_opt.capture_model(m, make, progress=False)
+            said = [w for w in graph_opt_warnings() if "UserDict" in w and "dict(...)" in w]
+            assert len(said) == 1 and "very object" in said[0], graph_opt_warnings()
+        for n in (4, 3):
+            batch, scale = make(n)
+            with torch.no_grad():
+                assert torch.equal(m(batch, scale), Scaled.forward(m, batch, scale)), n
+    calls = [w for w in graph_opt_warnings() if "forward argument batch (a UserDict, a mapping" in w]
+    assert calls and "dict(...)" in calls[0], graph_opt_warnings()
