@@ -17,7 +17,7 @@ def test_models_bench_smoke(tmp_path):
     data = json.loads((tmp_path / "models_bench.json").read_text())
     assert data["problems"] == []
     batches = [str(bs) for bs in torch_models.SMOKE_BATCHES]
-    assert set(data["inference"]) == set(torch_models.MODELS)
+    assert set(data["inference"]) == set(torch_models.INFERENCE_CASES)
     for name, row in data["inference"].items():
         assert set(row["ms"]) == {"eager", "plugin L0", "plugin L1"}, name
         for col in ("plugin L0", "plugin L1"):
