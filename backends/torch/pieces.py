@@ -314,10 +314,21 @@ class EagerPiece:
                     not _tensors_or_none(out):
                 state.plannable = False
             call = _EagerCall(self.fn, [state.known_alias(a) for a in args])
+            held = {_memory(a) for a in flatten(args, _is_tensor)[0]}
             for j, t in enumerate(leaves):
+                if _memory(t) in held:
+                    # Its argument or a view of it (an identity op, out=): no fresh memory to land where the
+                    # graph reads. The next graph must read and write that very memory, or writes through one
+                    # name would miss the other (x * c after op(c).add_(1)).
+                    continue
                 state.made[id(t)] = (weakref.ref(t), call, j)
             state.calls.append(call)
         return out
+
+
+def _memory(t: torch.Tensor):
+    """Where t's elements live: tensors with one storage share it (a view, or the tensor itself)."""
+    return t.untyped_storage().data_ptr() if t.numel() else ("empty", id(t))
 
 
 def _tensors_or_none(value) -> bool:

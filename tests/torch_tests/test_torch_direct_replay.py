@@ -296,6 +296,60 @@ def test_a_splitting_op_writing_into_the_models_buffer_lands_nothing():
                 torch.testing.assert_close(m(x), _eager(m, x), **TOL)
 
 
+@graph_opt.splitting_op(name="test_passes_through")
+def _passes_through(c):
+    return c
+
+
+@graph_opt.splitting_op(name="test_views")
+def _views(c):
+    return c.view(-1, c.shape[-1])
+
+
+@graph_opt.splitting_op(name="test_writes_out")
+def _writes_out(h, out):
+    out.copy_(torch.tanh(h))
+    return out
+
+
+class _WritesThroughAnAlias(torch.nn.Module):
+    def __init__(self, op, graph_opt_config=None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(HIDDEN))
+        self.op = op
+
+    def forward(self, x):
+        c = x * self.w
+        if self.op == "out=":  # docs/splitting.md's buffer pattern
+            out = torch.empty_like(c)
+            d = _writes_out(c, out)
+            d.add_(1.0)
+            return out * 2
+        d = _passes_through(c) if self.op == "identity" else _views(c)
+        d.add_(1.0)  # eager: c changes too
+        return x * c
+
+
+@pytest.mark.parametrize("op", ["identity", "view", "out="])
+def test_a_splitting_op_returning_its_argument_or_a_view_of_it_keeps_the_alias_in_the_next_graph(op):
+    """The next graph writes through the op's result and reads the argument: both must be one memory in
+    the graph, as in eager (a landing copy of the result would leave the argument unwritten)."""
+    torch.manual_seed(0)
+    twin = _WritesThroughAnAlias(op)
+    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
+                                   cudagraph_splitting_ops=["test_passes_through", "test_views", "test_writes_out"])
+    m = graph_opt.support_graph_optimization(type("Graphed", (_WritesThroughAnAlias,), {}))(op, graph_opt_config=cfg)
+    m.load_state_dict(twin.state_dict())
+    with graph_opt.testing.simulate_cuda_graphs():
+        graph_opt.capture_model(m, make_x, progress=False)
+        for real in (4, 2, 4):
+            x = make_x(real, seed=real)
+            with torch.no_grad():
+                assert torch.equal(m(x), twin(x)), real
+    s = graph_opt.stats(m)
+    assert s.replays == 3 and s.fallbacks == 0, s.fallback_reasons
+
+
 class _Collector:
     """A module-level object a forward sets and resets, as transformers' output collector does."""
 
