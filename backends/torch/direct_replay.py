@@ -16,7 +16,8 @@ from typing import Optional, Tuple
 import torch
 import torch._dynamo
 
-from .module_counters import _install_registration_hooks, _registrations, module_fingerprint
+from ...errors import ReplayDivergence
+from .module_counters import _install_registration_hooks, _registrations, module_fingerprint, module_tensor_layouts
 
 
 class _ModuleTensors:
@@ -26,22 +27,43 @@ class _ModuleTensors:
     a new object must still reach the graph (the bytecode path copies it in). Replacing one goes through
     torch's registration hooks, which bump a process-wide count: a replay compares one integer, and
     only after a registration anywhere looks at the model's tensors again. Once one was replaced, the
-    replays go through the transformed code for good (until clear_graphs)."""
+    replays go through the transformed code for good (until clear_graphs). A tensor replaced by one of
+    another shape, dtype or device is not replayed at all: the graph may have baked what the forward read
+    of it (`self.scale.shape[0]` is a constant in the graph, and Dynamo's guards on the parameters' and
+    buffers' metadata are left out: dynamo._replay_guards)."""
 
     def __init__(self, model):
         self.model = model
         self.snapshot = None  # ids of the model's parameters and buffers when the first graph was captured
+        self.layouts = None  # and their shapes, dtypes and devices
         self.seen = -1
         self.moved = False
+        self.relaid = None  # (registration count, what changed) of the last look at the layouts
 
     def current(self):
         return module_fingerprint(self.model)
 
-    def direct(self, graph_replay, bytecode_replay, outputs, stores=(), f_globals=None):
+    def _start(self):
         _install_registration_hooks()
         if self.snapshot is None:
             self.snapshot = self.current()
+            self.layouts = module_tensor_layouts(self.model)
             self.seen = _registrations[0]
+
+    def checked(self, replay):
+        """A replay through the transformed code, refused where a tensor changed layout (see above)."""
+        self._start()
+        count = _registrations
+
+        def run():
+            if count[0] != self.seen:
+                self._unchanged()
+            return replay()
+
+        return run
+
+    def direct(self, graph_replay, bytecode_replay, outputs, stores=(), f_globals=None):
+        self._start()
         count = _registrations
 
         if not stores:
@@ -69,10 +91,23 @@ class _ModuleTensors:
         return replay_and_store
 
     def _unchanged(self) -> bool:
+        """True when the model holds the captured tensors; False when some were replaced by tensors of
+        the same layouts (the transformed code passes them in); ReplayDivergence otherwise."""
         if not self.moved and self.current() == self.snapshot:
             self.seen = _registrations[0]
             return True
         self.moved = True
+        count = _registrations[0]
+        if self.relaid is None or self.relaid[0] != count:
+            now = module_tensor_layouts(self.model)
+            changed = next((path for path, layout in self.layouts.items() if path in now and now[path] != layout), None)
+            self.relaid = (count, None if changed is None else (changed, self.layouts[changed], now[changed]))
+        if self.relaid[1] is not None:
+            path, (shape, dtype, device), (shape2, dtype2, device2) = self.relaid[1]
+            raise ReplayDivergence(
+                f"{path} was replaced by a tensor of shape {list(shape2)}, {dtype2} on {device2}; the graphs were "
+                f"captured with {list(shape)}, {dtype} on {device} and may hold what the forward read of it. To "
+                "keep the new tensor, clear_graphs() and capture_model() again")
         return False
 
 

@@ -190,6 +190,8 @@ class DynamoStrategy:
             else:
                 work = _in_replay_mode(self.state, key, functools.partial(forward.split.module.forward, *graph_args))
             replay = self._tensors.direct(work, replay, outputs, made, graph_fn.__globals__)
+        else:
+            replay = self._tensors.checked(replay)
         check = _guard_check(self._graph_code, code, graph_fn, self.model, args, kwargs, self._trace_hook) \
             if self.config.guarded_replays else None
         return Captured(outputs, replay, stable, graphs, graphs, keepalive=keepalive, check=check)

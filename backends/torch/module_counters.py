@@ -61,6 +61,18 @@ def module_fingerprint(model) -> tuple:
     return tuple(out)
 
 
+def module_tensor_layouts(model) -> dict:
+    """path -> (shape, dtype, device) of every parameter and buffer the model holds."""
+    out = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        prefix = path + "." if path else ""
+        for slots in (m._parameters, m._buffers):
+            for k, t in slots.items():
+                if t is not None:
+                    out[prefix + k] = (tuple(t.shape), t.dtype, t.device)
+    return out
+
+
 _mode_changes = [0]  # calls of nn.Module.train / eval in this process
 _mode_counter_installed = False
 

@@ -128,7 +128,43 @@ def test_a_parameter_replaced_by_one_of_another_shape_runs_without_graphs_and_th
     s = graph_opt.stats(m)
     assert s.replays == 0 and s.fallbacks == 2, s.fallback_reasons
     said = " ".join(graph_opt_warnings())
-    assert "['emb']._parameters['weight']" in said and "(12, " in said and "capture_model() again" in said, said
+    assert "emb.weight was replaced by a tensor of shape [12, " in said and "capture_model() again" in said, said
+
+
+class _ReadsLayouts(torch.nn.Module):
+    def __init__(self, graph_opt_config=None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(HIDDEN))
+        self.register_buffer("scale", torch.ones(2))
+
+    def forward(self, x):
+        return (x * self.w + self.scale.shape[0]).to(self.scale.dtype)  # only the buffer's shape and dtype
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "piecewise"])
+@pytest.mark.parametrize("new", ["shape", "dtype"])
+def test_a_buffer_read_only_for_its_layout_and_replaced_by_another_layout_is_never_replayed_stale(full, new):
+    """The graph holds the buffer's size as a constant and never reads the buffer: its replacement reaches
+    no graph input. A replaced tensor of another shape or dtype stops the replays (until captured again)."""
+    torch.manual_seed(0)
+    twin = _ReadsLayouts()
+    m = graph_opt.support_graph_optimization(type("Graphed", (_ReadsLayouts,), {}))(graph_opt_config=_cfg(1, full))
+    m.load_state_dict(twin.state_dict())
+    with graph_opt.testing.simulate_cuda_graphs():
+        graph_opt.capture_model(m, make_x, progress=False)
+        for model in (m, twin):
+            model.scale = torch.ones(5) if new == "shape" else torch.ones(2, dtype=torch.float64)
+        for real in (4, 3):
+            x = make_x(real, seed=real)
+            with torch.no_grad():
+                out, want = m(x), twin(x)
+            assert out.dtype == want.dtype and torch.equal(out, want), real
+        assert graph_opt.stats(m).replays == 0
+        for model in (m, twin):  # the captured layout again: the replays resume
+            model.scale = torch.ones(2)
+        with torch.no_grad():
+            assert torch.equal(m(make_x(4)), twin(make_x(4)))
+    assert graph_opt.stats(m).replays == 1, graph_opt.stats(m).fallback_reasons
 
 
 def test_a_forward_with_a_side_effect_keeps_running_its_transformed_code():
