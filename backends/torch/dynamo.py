@@ -251,12 +251,10 @@ class DynamoStrategy:
         finally:
             state.end()
             self.translations += graphs_compiled() - before
-            _restore_guard_settings()
         return outputs, ran
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
         """The torch.compile backend of the graph path: split, compile pieces (level 2), wrap for per-size graphs."""
-        _fast_guards()  # Dynamo builds this graph's guards after the backend returns
         on_device = fx_split.computes_on_device(gm)
         if self.level < 2:  # at level 2 AOTAutograd lifts such constants itself
             fold_host_constants(gm, keep_host_ops_out=on_device)
@@ -294,30 +292,6 @@ class DynamoStrategy:
         if self._pending:
             self._code_of[id(self._pending[-1])] = code
             self._pending.clear()
-
-
-_saved_guard_settings: Dict[str, Any] = {}
-
-
-def _fast_guards() -> None:
-    """Build the guards of the graph being compiled (which every replay evaluates: guarded_replays) to
-    skip the subtrees of nn modules whose __dict__s are unchanged (dict tags), where this torch has it.
-    It assumes, as torch does for it, that functions' __code__, __defaults__ ... are not rebound. Set
-    from the backend, which Dynamo calls before it builds the guards, and restored after the call
-    (_restore_guard_settings): a config.patch per call cost 27 us and leaked memory."""
-    config = torch._dynamo.config
-    name = "use_recursive_dict_tags_for_guards"
-    if hasattr(config, name) and name not in _saved_guard_settings:
-        _saved_guard_settings[name] = getattr(config, name)
-        setattr(config, name, True)
-
-
-def _restore_guard_settings() -> None:
-    if _saved_guard_settings:
-        config = torch._dynamo.config
-        for name, value in _saved_guard_settings.items():
-            setattr(config, name, value)
-        _saved_guard_settings.clear()
 
 
 def _replay_guards(entries):

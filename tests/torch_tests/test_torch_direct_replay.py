@@ -386,6 +386,41 @@ def test_a_splitting_op_returning_its_argument_or_a_view_of_it_keeps_the_alias_i
     assert s.replays == 3 and s.fallbacks == 0, s.fallback_reasons
 
 
+class _HelperWithDefault(torch.nn.Module):
+    def __init__(self, graph_opt_config=None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(HIDDEN))
+
+    def forward(self, x):
+        return x * self.w * self.helper()
+
+    def helper(self, k=0.5):
+        return k
+
+
+def test_a_methods_default_rebound_after_capture_is_seen(graph_opt_warnings):
+    """Dynamo guards a function's __defaults__; graph_opt keeps the guard (torch's dict-tag skipping,
+    which assumes defaults are never rebound, is off): the calls run without graphs and equal eager."""
+    torch.manual_seed(0)
+    cls = graph_opt.support_graph_optimization(type("Graphed", (_HelperWithDefault,), {}))
+    m = cls(graph_opt_config=_cfg(1))
+    strategy = _captured(m)
+    assert strategy.direct_replays == len(SIZES)
+    x = make_x(4)
+    try:
+        _HelperWithDefault.helper.__defaults__ = (6.0,)
+        with graph_opt.testing.simulate_cuda_graphs(), torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(m(x), _eager(m, x))
+    finally:
+        _HelperWithDefault.helper.__defaults__ = (0.5,)
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.fallback_reasons == {"guard": 2}, s.fallback_reasons
+    with graph_opt.testing.simulate_cuda_graphs(), torch.no_grad():
+        assert torch.equal(m(x), _eager(m, x))
+    assert graph_opt.stats(m).replays == 1
+
+
 class _Collector:
     """A module-level object a forward sets and resets, as transformers' output collector does."""
 
