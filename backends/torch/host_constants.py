@@ -47,18 +47,19 @@ def fold_host_constants(gm: torch.fx.GraphModule, keep_host_ops_out: bool) -> in
 
 def _constant_of(node: torch.fx.Node):
     """The tensor the node makes when every input is a Python constant; else None."""
-    if node.op == "call_function" and node.target in _FACTORIES and node.args:
-        data, kwargs = node.args[0], dict(node.kwargs)
-        if len(node.args) > 1 or not _numbers(data) or not _plain(kwargs) or kwargs.get("requires_grad"):
+    kwargs = dict(node.kwargs)
+    if node.op == "call_function" and node.target in _FACTORIES:
+        args = node.args or ((kwargs.pop("data"),) if "data" in kwargs else ())
+        if len(args) != 1 or not _numbers(args[0]) or not _plain(kwargs) or kwargs.get("requires_grad"):
             return None
-        return node.target(data, **kwargs)
-    if node.op == "call_method" and node.target == "new_tensor" and len(node.args) == 2:
+        return node.target(args[0], **kwargs)
+    if node.op == "call_method" and node.target == "new_tensor":
         example = node.meta.get("example_value")
-        data, kwargs = node.args[1], dict(node.kwargs)
-        if (not isinstance(example, torch.Tensor) or not _numbers(data) or not _plain(kwargs)
+        args = node.args[1:] or ((kwargs.pop("data"),) if "data" in kwargs else ())
+        if (len(args) != 1 or not isinstance(example, torch.Tensor) or not _numbers(args[0]) or not _plain(kwargs)
                 or kwargs.get("requires_grad")):
             return None
-        return torch.tensor(data, dtype=example.dtype, device=example.device)
+        return torch.tensor(args[0], dtype=example.dtype, device=example.device)
     return None
 
 

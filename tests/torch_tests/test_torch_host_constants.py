@@ -81,6 +81,16 @@ def test_nested_lists_bools_and_ints_keep_their_dtype(data):
     assert out.dtype == fn(x).dtype and torch.equal(out, fn(x))
 
 
+def test_data_given_by_keyword_is_folded_too():
+    def fn(x):
+        return x + torch.tensor(data=[1.0, 2.0], device=x.device) + x.new_tensor(data=[0.5, 0.25])
+
+    gm = _dynamo_graph(fn, torch.zeros(3, 2))
+    assert fold_host_constants(gm, keep_host_ops_out=False) == 2
+    x = torch.randn(3, 2)
+    assert torch.equal(gm(x)[0], fn(x))
+
+
 @pytest.mark.parametrize("full", [True, False], ids=["full", "piecewise"])
 def test_a_decorated_model_replays_them_bitwise_at_level_1(full):
     torch.manual_seed(0)
