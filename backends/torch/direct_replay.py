@@ -24,13 +24,18 @@ class _ModuleTensors:
     """Whether the model still holds the parameter and buffer objects its graphs read.
 
     A direct replay skips the transformed code that would have read them anew; a parameter replaced by
-    a new object must still reach the graph (the bytecode path copies it in). Replacing one goes through
-    torch's registration hooks, which bump a process-wide count: a replay compares one integer, and
-    only after a registration anywhere looks at the model's tensors again. Once one was replaced, the
-    replays go through the transformed code for good (until clear_graphs). A tensor replaced by one of
-    another shape, dtype or device is not replayed at all: the graph may have baked what the forward read
-    of it (`self.scale.shape[0]` is a constant in the graph, and Dynamo's guards on the parameters' and
-    buffers' metadata are left out: dynamo._replay_guards)."""
+    a new object must still reach the graph (the bytecode path copies it into the captured one, where
+    the graph reads). Replacing one goes through torch's registration hooks, which bump a process-wide
+    count: a replay compares one integer, and only after a registration anywhere looks at the model's
+    tensors again. Once one was replaced, the replays go through the transformed code for good (until
+    clear_graphs). Not replayed at all (ReplayDivergence, until put back):
+    - a tensor replaced by one of another shape, dtype or device: the graph may have baked what the
+      forward read of it (`self.scale.shape[0]` is a constant in the graph, and Dynamo's guards on the
+      parameters' and buffers' metadata are left out: dynamo._replay_guards);
+    - the same tensor with other memory (`p.data = ...`, as transformers' resize_token_embeddings does,
+      seen at its registration of the module): the graph reads the old memory;
+    - a replaced tensor whose captured object the model still holds elsewhere (two swapped, a tied
+      weight): copying the new values into it would change that other place too."""
 
     def __init__(self, model):
         self.model = model
@@ -92,23 +97,38 @@ class _ModuleTensors:
 
     def _unchanged(self) -> bool:
         """True when the model holds the captured tensors; False when some were replaced by tensors of
-        the same layouts (the transformed code passes them in); ReplayDivergence otherwise."""
-        if not self.moved and self.current() == self.snapshot:
-            self.seen = _registrations[0]
-            return True
-        self.moved = True
+        the same layouts (the transformed code passes them in); ReplayDivergence otherwise (see above)."""
         count = _registrations[0]
         if self.relaid is None or self.relaid[0] != count:
-            now = module_tensor_layouts(self.model)
-            changed = next((path for path, layout in self.layouts.items() if path in now and now[path] != layout), None)
-            self.relaid = (count, None if changed is None else (changed, self.layouts[changed], now[changed]))
+            self.relaid = (count, self._conflict())
         if self.relaid[1] is not None:
-            path, (shape, dtype, device), (shape2, dtype2, device2) = self.relaid[1]
-            raise ReplayDivergence(
-                f"{path} was replaced by a tensor of shape {list(shape2)}, {dtype2} on {device2}; the graphs were "
-                f"captured with {list(shape)}, {dtype} on {device} and may hold what the forward read of it. To "
-                "keep the new tensor, clear_graphs() and capture_model() again")
+            raise ReplayDivergence(self.relaid[1] + ". To keep it, clear_graphs() and capture_model() again")
+        if not self.moved and self.current() == self.snapshot:
+            self.seen = count
+            return True
+        self.moved = True
         return False
+
+    def _conflict(self) -> Optional[str]:
+        now = module_tensor_layouts(self.model)
+        held_at = {}
+        for path, layout in now.items():
+            held_at.setdefault(layout[3], path)
+        for path, (shape, dtype, device, ident, address) in self.layouts.items():
+            if path not in now:
+                continue
+            shape2, dtype2, device2, ident2, address2 = now[path]
+            if (shape2, dtype2, device2) != (shape, dtype, device):
+                return (f"{path} was replaced by a tensor of shape {list(shape2)}, {dtype2} on {device2}; the graphs "
+                        f"were captured with {list(shape)}, {dtype} on {device} and may hold what the forward read of it")
+            if ident2 == ident and address2 != address:
+                return (f"{path} holds other memory than at capture (its .data was replaced); the graphs read the "
+                        "memory it had")
+            if ident2 != ident and ident in held_at:
+                return (f"{path} was replaced, and the tensor captured there is still in the model, at "
+                        f"{held_at[ident]}: copying the new values into it, where the graphs read, would change "
+                        "that one too")
+        return None
 
 
 # What Dynamo's transformed code for a graph without side effects is made of: reads of the module tree,

@@ -62,14 +62,14 @@ def module_fingerprint(model) -> tuple:
 
 
 def module_tensor_layouts(model) -> dict:
-    """path -> (shape, dtype, device) of every parameter and buffer the model holds."""
+    """path -> (shape, dtype, device, id, address) of every parameter and buffer the model holds."""
     out = {}
     for path, m in model.named_modules(remove_duplicate=False):
         prefix = path + "." if path else ""
         for slots in (m._parameters, m._buffers):
             for k, t in slots.items():
                 if t is not None:
-                    out[prefix + k] = (tuple(t.shape), t.dtype, t.device)
+                    out[prefix + k] = (tuple(t.shape), t.dtype, t.device, id(t), t.data_ptr())
     return out
 
 

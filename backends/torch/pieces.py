@@ -85,7 +85,8 @@ class GraphState:
         return alias
 
     def made_by_eager(self, t) -> Optional[tuple]:
-        """(the _EagerCall, leaf index) that returned t in this capture, or None."""
+        """(the _EagerCall, leaf index, whether t is its argument's memory) that returned t in this
+        capture, or None."""
         hit = self.made.get(id(t))
         return hit[1:] if hit is not None and hit[0]() is t else None
 
@@ -108,6 +109,7 @@ class PieceGraph:
     owned: Optional[List[bool]] = None  # per output leaf, once finished: owned (a forward output)
     values: tuple = ()  # (position, value) of the Python numbers among inputs: the graph baked them
     written: tuple = ()  # positions of the tensor inputs the graph writes in place (a buffer the forward advances)
+    in_place: tuple = ()  # positions of eager pieces' results that were their arguments' memory (not landed)
 
     def __post_init__(self):
         self.refresh()
@@ -180,7 +182,9 @@ class CapturablePiece:
         for i in entry.tensor_slots:
             src = args[i]
             dst = captured[i]
-            if src is not dst:
+            if src is not dst and i in entry.in_place:
+                _same_memory(src, dst)  # the graph reads it where the eager piece's argument is
+            elif src is not dst:
                 # A fresh tensor from an eager piece (or a splitting op): copy it where the graph reads.
                 if src.shape != dst.shape:  # a parameter replaced by one of another shape (resize_token_embeddings)
                     raise ReplayDivergence(f"piece {self.name}: {self._input_name(i, '')} has shape "
@@ -194,7 +198,7 @@ class CapturablePiece:
         slots = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
         made = {i: state.made_by_eager(inputs[i]) for i in slots}  # (eager call, leaf) of eager results
         for i, where in made.items():
-            if where is not None:
+            if where is not None and not where[2]:
                 inputs[i] = self._land(i, inputs[i])
         share = self._sharing()
         versions = {i: inputs[i]._version for i in slots}
@@ -225,14 +229,17 @@ class CapturablePiece:
         held = [state.known_alias(a) if i in slots else a for i, a in enumerate(inputs)]
         leaves, spec = flatten(outputs, _is_tensor)
         entry = PieceGraph(graph, held, slots, unflatten(spec, [state.alias(t, self.adapter) for t in leaves]),
-                           written=tuple(i for i in slots if inputs[i]._version != versions[i]))
+                           written=tuple(i for i in slots if inputs[i]._version != versions[i]),
+                           in_place=tuple(i for i, where in made.items() if where is not None and where[2]))
         self.entries[state.key] = entry
         for i, where in made.items():  # for the replay plan: an eager piece's result lands in entry.inputs[i]
             if where is not None:
-                if inputs[i] is args[i]:  # not landed (broadcast memory): nothing to copy into
+                if where[2]:
+                    where[0].dests.append((where[1], entry.inputs[i], True))
+                elif inputs[i] is args[i]:  # not landed (broadcast memory): nothing to copy into
                     state.plannable = False
                 else:
-                    where[0].dests.append((where[1], entry.inputs[i]))
+                    where[0].dests.append((where[1], entry.inputs[i], False))
         state.calls.append(entry.graph)
         return outputs
 
@@ -316,12 +323,10 @@ class EagerPiece:
             call = _EagerCall(self.fn, [state.known_alias(a) for a in args])
             held = {_memory(a) for a in flatten(args, _is_tensor)[0]}
             for j, t in enumerate(leaves):
-                if _memory(t) in held:
-                    # Its argument or a view of it (an identity op, out=): no fresh memory to land where the
-                    # graph reads. The next graph must read and write that very memory, or writes through one
-                    # name would miss the other (x * c after op(c).add_(1)).
-                    continue
-                state.made[id(t)] = (weakref.ref(t), call, j)
+                # Its argument or a view of it (an identity op, out=) is no fresh memory to land where the
+                # graph reads: the next graph reads and writes that very memory, or writes through one name
+                # would miss the other (x * c after op(c).add_(1)). Each replay checks it is that memory.
+                state.made[id(t)] = (weakref.ref(t), call, j, _memory(t) in held)
             state.calls.append(call)
         return out
 
@@ -382,8 +387,11 @@ def _eager_step(fn: Callable, args: List[Any], dests: List[tuple]) -> Callable:
 
     def step():
         leaves, _ = flatten(fn(*args), _is_tensor)
-        for j, dst in dests:
+        for j, dst, in_place in dests:
             src = leaves[j]
+            if in_place:
+                _same_memory(src, dst)
+                continue
             if src.shape != dst.shape:
                 raise ReplayDivergence(f"an eager piece returned shape {tuple(src.shape)} at replay where the "
                                        f"capture had {tuple(dst.shape)}; the graphs after it baked that shape")
@@ -394,6 +402,14 @@ def _eager_step(fn: Callable, args: List[Any], dests: List[tuple]) -> Callable:
 
 def _is_tensor(x) -> bool:
     return isinstance(x, torch.Tensor)
+
+
+def _same_memory(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """An eager piece returned its argument's memory at capture (dst); at replay it must again."""
+    if (src.data_ptr() != dst.data_ptr() or src.shape != dst.shape or src.stride() != dst.stride()
+            or src.dtype != dst.dtype):
+        raise ReplayDivergence("an eager piece returned a new tensor where at capture it returned its argument or "
+                               "a view of it, whose memory the graphs after it read")
 
 
 class CompiledForward:

@@ -350,6 +350,26 @@ def test_a_config_replaced_or_changed_through_its_class_is_seen_and_an_unread_ch
     assert graph_opt.stats(m).replays == replays + 2
 
 
+def test_resize_token_embeddings_after_capture_runs_without_graphs_until_captured_again(env, graph_opt_warnings):
+    """transformers' resize_token_embeddings keeps the embedding's Parameter object and swaps its data
+    (and the tied head's): the graphs read the old memory. The calls run without graphs, equal to the
+    twin's, with a warning naming the weight; capturing again replays the grown model."""
+    m, twin = _captured_level_1(env, "gpt2")
+    for model in (m, twin):
+        torch.manual_seed(1)
+        model.model.resize_token_embeddings(VOCAB + 32)
+    _calls_equal(env, m, twin, "grown")
+    s = graph_opt.stats(m)
+    assert s.fallback_reasons == {"divergence": 2}, s.fallback_reasons
+    assert any("wte.weight" in w and "capture_model() again" in w for w in graph_opt_warnings()), graph_opt_warnings()
+    graph_opt.clear_graphs(m)
+    with env.graphs():
+        assert graph_opt.capture_model(m, lambda n: tokens(env, n, n), progress=False).failed is None
+    replays = graph_opt.stats(m).replays
+    _calls_equal(env, m, twin, "captured again")
+    assert graph_opt.stats(m).replays == replays + 2, graph_opt.stats(m).fallback_reasons
+
+
 class _WritesItsConfig(Logits):
     def forward(self, input_ids):
         self.model.config.last_rows = input_ids.shape[0]  # a forward that writes its config at every call

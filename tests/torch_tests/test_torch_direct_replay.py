@@ -342,6 +342,14 @@ def _views(c):
     return c.view(-1, c.shape[-1])
 
 
+_RETURNS_ITS_ARGUMENT = [True]
+
+
+@graph_opt.splitting_op(name="test_sometimes_passes_through")
+def _sometimes_passes_through(c):
+    return c if _RETURNS_ITS_ARGUMENT[0] else c * 2
+
+
 @graph_opt.splitting_op(name="test_writes_out")
 def _writes_out(h, out):
     out.copy_(torch.tanh(h))
@@ -361,6 +369,10 @@ class _WritesThroughAnAlias(torch.nn.Module):
             d = _writes_out(c, out)
             d.add_(1.0)
             return out * 2
+        if self.op == "sometimes":
+            d = _sometimes_passes_through(c)
+            d.add_(1.0)
+            return x * c + d
         d = _passes_through(c) if self.op == "identity" else _views(c)
         d.add_(1.0)  # eager: c changes too
         return x * c
@@ -373,7 +385,8 @@ def test_a_splitting_op_returning_its_argument_or_a_view_of_it_keeps_the_alias_i
     torch.manual_seed(0)
     twin = _WritesThroughAnAlias(op)
     cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
-                                   cudagraph_splitting_ops=["test_passes_through", "test_views", "test_writes_out"])
+                                   cudagraph_splitting_ops=["test_passes_through", "test_views", "test_writes_out",
+                                                            "test_sometimes_passes_through"])
     m = graph_opt.support_graph_optimization(type("Graphed", (_WritesThroughAnAlias,), {}))(op, graph_opt_config=cfg)
     m.load_state_dict(twin.state_dict())
     with graph_opt.testing.simulate_cuda_graphs():
@@ -384,6 +397,65 @@ def test_a_splitting_op_returning_its_argument_or_a_view_of_it_keeps_the_alias_i
                 assert torch.equal(m(x), twin(x)), real
     s = graph_opt.stats(m)
     assert s.replays == 3 and s.fallbacks == 0, s.fallback_reasons
+
+
+def test_a_splitting_op_returning_its_argument_at_capture_and_a_new_tensor_later_is_not_replayed_stale():
+    """Captured while the op returned its argument (no copy where the next graph reads), called when it
+    returns a new tensor: the replay must not read the argument in its place. Each call equals eager."""
+    torch.manual_seed(0)
+    twin = _WritesThroughAnAlias("sometimes")
+    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
+                                   cudagraph_splitting_ops=["test_sometimes_passes_through"])
+    m = graph_opt.support_graph_optimization(type("Graphed", (_WritesThroughAnAlias,), {}))("sometimes",
+                                                                                            graph_opt_config=cfg)
+    m.load_state_dict(twin.state_dict())
+    try:
+        with graph_opt.testing.simulate_cuda_graphs():
+            graph_opt.capture_model(m, make_x, progress=False)
+            for step, passes in enumerate((True, False, True, False)):
+                _RETURNS_ITS_ARGUMENT[0] = passes
+                x = make_x(4, seed=step)
+                with torch.no_grad():
+                    assert torch.equal(m(x), twin(x)), (step, passes)
+    finally:
+        _RETURNS_ITS_ARGUMENT[0] = True
+    s = graph_opt.stats(m)
+    assert s.replays == 2 and s.fallback_reasons == {"divergence": 2}, s.fallback_reasons
+
+
+class _Pair(torch.nn.Module):
+    def __init__(self, graph_opt_config=None):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(HIDDEN))
+        self.b = torch.nn.Parameter(torch.randn(HIDDEN))
+
+    def forward(self, x):
+        return x * self.a + self.b
+
+
+@pytest.mark.parametrize("change", ["swapped", "tied"])
+def test_a_replaced_parameter_whose_captured_tensor_the_model_still_holds_is_not_copied_into(change):
+    """Two parameters swapped, or one replaced while the other is the captured tensor (a tied weight):
+    copying the new values where the graph reads would change the other too. The calls run without
+    graphs and equal eager; the captured tensors keep their values."""
+    torch.manual_seed(0)
+    m = graph_opt.support_graph_optimization(type("Graphed", (_Pair,), {}))(graph_opt_config=_cfg(1))
+    with graph_opt.testing.simulate_cuda_graphs():
+        graph_opt.capture_model(m, make_x, progress=False)
+        a, b = m.a, m.b
+        values = (a.detach().clone(), b.detach().clone())
+        if change == "swapped":
+            m.a, m.b = b, a
+        else:
+            m.b = a
+            m.a = torch.nn.Parameter(torch.randn(HIDDEN))
+        for real in (4, 3):
+            x = make_x(real, seed=real)
+            with torch.no_grad():
+                assert torch.equal(m(x), _eager(m, x)), real
+    assert torch.equal(a, values[0]) and torch.equal(b, values[1])
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.fallback_reasons == {"divergence": 2}, s.fallback_reasons
 
 
 class _HelperWithDefault(torch.nn.Module):
