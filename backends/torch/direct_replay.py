@@ -23,19 +23,18 @@ from .module_counters import _install_registration_hooks, _registrations, module
 class _ModuleTensors:
     """Whether the model still holds the parameter and buffer objects its graphs read.
 
-    A direct replay skips the transformed code that would have read them anew; a parameter replaced by
-    a new object must still reach the graph (the bytecode path copies it into the captured one, where
-    the graph reads). Replacing one goes through torch's registration hooks, which bump a process-wide
-    count: a replay compares one integer, and only after a registration anywhere looks at the model's
-    tensors again. Once one was replaced, the replays go through the transformed code for good (until
-    clear_graphs). Not replayed at all (ReplayDivergence, until put back):
-    - a tensor replaced by one of another shape, dtype or device: the graph may have baked what the
-      forward read of it (`self.scale.shape[0]` is a constant in the graph, and Dynamo's guards on the
-      parameters' and buffers' metadata are left out: dynamo._replay_guards);
+    The graphs read the captured tensors' memory. Replacing one goes through torch's registration
+    hooks, which bump a process-wide count: a replay compares one integer, and only after a registration
+    anywhere looks at the model's tensors again. Not replayed (ReplayDivergence, until put back):
+    - a parameter or buffer replaced by another object. Copying its values into the captured one, where
+      the graph reads, would change a tensor the user may still hold and put back (an EMA swap: the
+      restored weight would hold the EMA's values), or that the model holds elsewhere (a tied weight);
+    - one of another shape, dtype or device: the graph may have baked what the forward read of it
+      (`self.scale.shape[0]` is a constant in the graph, and Dynamo's guards on the parameters' and
+      buffers' metadata are left out: dynamo._replay_guards);
     - the same tensor with other memory (`p.data = ...`, as transformers' resize_token_embeddings does,
-      seen at its registration of the module): the graph reads the old memory;
-    - a replaced tensor whose captured object the model still holds elsewhere (two swapped, a tied
-      weight): copying the new values into it would change that other place too."""
+      seen at its registration of the module): the graph reads the old memory.
+    A submodule or a tensor slot added since capture moves the replays to the transformed code."""
 
     def __init__(self, model):
         self.model = model
@@ -124,10 +123,12 @@ class _ModuleTensors:
             if ident2 == ident and address2 != address:
                 return (f"{path} holds other memory than at capture (its .data was replaced); the graphs read the "
                         "memory it had")
-            if ident2 != ident and ident in held_at:
-                return (f"{path} was replaced, and the tensor captured there is still in the model, at "
-                        f"{held_at[ident]}: copying the new values into it, where the graphs read, would change "
-                        "that one too")
+            if ident2 != ident:
+                where = f", and the captured one is still in the model at {held_at[ident]}" if ident in held_at else ""
+                return (f"{type(self.model).__name__}.{path} was replaced by a new object after capture{where}; the "
+                        "graphs read the captured tensor's memory, and copying the new values there would change "
+                        "that tensor. Load new values in place instead (load_state_dict, or p.copy_() under "
+                        "no_grad), or put the captured one back")
         return None
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ...errors import ReplayDivergence
+from ...errors import CaptureError, ReplayDivergence
 from ...output_sharing import SharedOutputs
 from ...pytree import flatten, unflatten
 from ...testing import HostGraph
@@ -185,6 +185,10 @@ class CapturablePiece:
             if src is not dst and i in entry.in_place:
                 _same_memory(src, dst)  # the graph reads it where the eager piece's argument is
             elif src is not dst:
+                for k in entry.tensor_slots:  # an eager result that is now another input's memory
+                    if k != i and captured[k] is not dst and _memory(args[k]) == _memory(src):
+                        raise ReplayDivergence(f"piece {self.name}: an eager piece returned the memory of "
+                                               f"{self._input_name(k, '')}, where at capture it returned a new tensor")
                 # A fresh tensor from an eager piece (or a splitting op): copy it where the graph reads.
                 if src.shape != dst.shape:  # a parameter replaced by one of another shape (resize_token_embeddings)
                     raise ReplayDivergence(f"piece {self.name}: {self._input_name(i, '')} has shape "
@@ -197,9 +201,14 @@ class CapturablePiece:
         inputs = list(args)
         slots = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
         made = {i: state.made_by_eager(inputs[i]) for i in slots}  # (eager call, leaf) of eager results
+        _one_memory_per_landing(inputs, slots, made)
+        landed = {}  # id(fresh tensor) -> its landing view: one tensor in two slots stays one memory
         for i, where in made.items():
             if where is not None and not where[2]:
-                inputs[i] = self._land(i, inputs[i])
+                view = landed.get(id(inputs[i]))
+                if view is None:
+                    view = landed[id(inputs[i])] = self._land(i, inputs[i])
+                inputs[i] = view
         share = self._sharing()
         versions = {i: inputs[i]._version for i in slots}
         if state.simulate:
@@ -323,12 +332,30 @@ class EagerPiece:
             call = _EagerCall(self.fn, [state.known_alias(a) for a in args])
             held = {_memory(a) for a in flatten(args, _is_tensor)[0]}
             for j, t in enumerate(leaves):
+                if state.made_by_eager(t) is not None:
+                    continue  # an earlier eager piece's result passed on as it is: that piece's it stays
                 # Its argument or a view of it (an identity op, out=) is no fresh memory to land where the
                 # graph reads: the next graph reads and writes that very memory, or writes through one name
                 # would miss the other (x * c after op(c).add_(1)). Each replay checks it is that memory.
                 state.made[id(t)] = (weakref.ref(t), call, j, _memory(t) in held)
             state.calls.append(call)
         return out
+
+
+def _one_memory_per_landing(inputs, slots, made) -> None:
+    """A fresh eager result is copied to a landing buffer where the graph reads; a graph input that is
+    a view of it (or shares its memory) would then be other memory, and writes through one would miss
+    the other. Such a capture is refused; the same tensor in two slots lands once."""
+    for i in slots:
+        where = made[i]
+        if where is None or where[2]:
+            continue
+        for k in slots:
+            if k != i and inputs[k] is not inputs[i] and _memory(inputs[k]) == _memory(inputs[i]):
+                raise CaptureError("a splitting op's new tensor reaches the next graph both as itself and as a view "
+                                   "of it that the op also returned; graph_opt copies the op's new tensors where the "
+                                   "graph reads and cannot keep those two one memory there. Return the tensor alone "
+                                   "and take the view after the op")
 
 
 def _memory(t: torch.Tensor):
@@ -385,6 +412,8 @@ def _eager_step(fn: Callable, args: List[Any], dests: List[tuple]) -> Callable:
     if not dests:
         return functools.partial(fn, *args)
 
+    tensor_args = [a for a in flatten(args, _is_tensor)[0]]
+
     def step():
         leaves, _ = flatten(fn(*args), _is_tensor)
         for j, dst, in_place in dests:
@@ -392,6 +421,9 @@ def _eager_step(fn: Callable, args: List[Any], dests: List[tuple]) -> Callable:
             if in_place:
                 _same_memory(src, dst)
                 continue
+            if any(_memory(a) == _memory(src) for a in tensor_args):
+                raise ReplayDivergence("an eager piece returned its argument or a view of it, where at capture it "
+                                       "returned a new tensor that the graphs after it read from a copy")
             if src.shape != dst.shape:
                 raise ReplayDivergence(f"an eager piece returned shape {tuple(src.shape)} at replay where the "
                                        f"capture had {tuple(dst.shape)}; the graphs after it baked that shape")

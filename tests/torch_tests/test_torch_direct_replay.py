@@ -82,23 +82,27 @@ def test_a_pure_forward_replays_without_the_transformed_code(level, full, monkey
 
 
 @pytest.mark.parametrize("full", [True, False])
-def test_a_replaced_parameter_sends_the_replays_back_through_the_transformed_code(full):
+def test_a_replaced_parameter_stops_the_replays_until_put_back(full):
     torch.manual_seed(0)
     m = Stack(graph_opt_config=_cfg(1, full))
     strategy = _captured(m)
     x = make_x(3)
     with torch.no_grad():
         m(x)
-    assert not strategy._tensors.moved
-    torch.nn.Linear(4, 4)  # a registration elsewhere: checked, nothing moved
+    torch.nn.Linear(4, 4)  # a registration elsewhere: checked, nothing changed
     with torch.no_grad():
         m(x)
-    assert not strategy._tensors.moved
+    assert not strategy._tensors.moved and graph_opt.stats(m).replays == 2
+    captured = m.head.weight
     m.head.weight = torch.nn.Parameter(torch.randn_like(m.head.weight))
     for _ in range(2):
         with torch.no_grad():
             torch.testing.assert_close(m(x), _eager(m, x), **TOL)
-    assert strategy._tensors.moved
+    assert graph_opt.stats(m).fallback_reasons == {"divergence": 2}
+    m.head.weight = captured
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), _eager(m, x), **TOL)
+    assert graph_opt.stats(m).replays == 3
 
 
 class _Embeds(torch.nn.Module):
@@ -152,6 +156,7 @@ def test_a_buffer_read_only_for_its_layout_and_replaced_by_another_layout_is_nev
     m.load_state_dict(twin.state_dict())
     with graph_opt.testing.simulate_cuda_graphs():
         graph_opt.capture_model(m, make_x, progress=False)
+        captured = m.scale
         for model in (m, twin):
             model.scale = torch.ones(5) if new == "shape" else torch.ones(2, dtype=torch.float64)
         for real in (4, 3):
@@ -160,8 +165,7 @@ def test_a_buffer_read_only_for_its_layout_and_replaced_by_another_layout_is_nev
                 out, want = m(x), twin(x)
             assert out.dtype == want.dtype and torch.equal(out, want), real
         assert graph_opt.stats(m).replays == 0
-        for model in (m, twin):  # the captured layout again: the replays resume
-            model.scale = torch.ones(2)
+        m.scale, twin.scale = captured, torch.ones(2)  # the captured buffer back: the replays resume
         with torch.no_grad():
             assert torch.equal(m(make_x(4)), twin(make_x(4)))
     assert graph_opt.stats(m).replays == 1, graph_opt.stats(m).fallback_reasons
@@ -421,6 +425,84 @@ def test_a_splitting_op_returning_its_argument_at_capture_and_a_new_tensor_later
         _RETURNS_ITS_ARGUMENT[0] = True
     s = graph_opt.stats(m)
     assert s.replays == 2 and s.fallback_reasons == {"divergence": 2}, s.fallback_reasons
+
+
+class _FreshThenAlias(torch.nn.Module):
+    def __init__(self, chain, graph_opt_config=None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(HIDDEN))
+        self.chain = chain
+
+    def forward(self, x):
+        c = x * self.w
+        y = _sometimes_passes_through(c)  # new memory while _RETURNS_ITS_ARGUMENT[0] is False
+        z = _passes_through(y) if self.chain else y
+        z.add_(1.0)
+        return z * 2, c * 3 + y
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["new-then-its-argument", "new-then-passed-on"])
+def test_a_splitting_op_result_that_reaches_a_graph_through_an_alias_is_one_memory(chain):
+    """new-then-its-argument: captured while the op made a new tensor (copied where the next graph
+    reads), called when it returns its argument: that call must not read a stale argument. passed-on: a
+    new tensor passed on by a second op that returns its argument reaches the next graph twice; both
+    are one memory there. Every call equals eager."""
+    torch.manual_seed(0)
+    twin = _FreshThenAlias(chain)
+    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
+                                   cudagraph_splitting_ops=["test_sometimes_passes_through", "test_passes_through"])
+    m = graph_opt.support_graph_optimization(type("Graphed", (_FreshThenAlias,), {}))(chain, graph_opt_config=cfg)
+    m.load_state_dict(twin.state_dict())
+    _RETURNS_ITS_ARGUMENT[0] = False
+    try:
+        with graph_opt.testing.simulate_cuda_graphs():
+            graph_opt.capture_model(m, make_x, progress=False)
+            for step, passes in enumerate((False, True, False) if not chain else (False, False)):
+                _RETURNS_ITS_ARGUMENT[0] = passes
+                x = make_x(4, seed=step)
+                with torch.no_grad():
+                    out, want = m(x), twin(x)
+                assert all(torch.equal(a, b) for a, b in zip(out, want)), (step, passes)
+    finally:
+        _RETURNS_ITS_ARGUMENT[0] = True
+    s = graph_opt.stats(m)
+    assert s.replays == 2 and s.fallback_reasons == ({} if chain else {"divergence": 1}), s.fallback_reasons
+
+
+@graph_opt.splitting_op(name="test_new_and_view")
+def _new_and_view(c):
+    t = c * 2
+    return t, t[1:]
+
+
+class _WritesAView(torch.nn.Module):
+    def __init__(self, graph_opt_config=None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(HIDDEN))
+
+    def forward(self, x):
+        t, view = _new_and_view(x * self.w)
+        view.add_(1.0)
+        return t * 3
+
+
+def test_a_splitting_op_returning_a_new_tensor_and_a_view_of_it_is_not_captured(graph_opt_warnings):
+    """Both would be copied to separate places where the next graph reads, and the write through the
+    view would miss the tensor: the capture fails with one warning, and the calls are eager's."""
+    torch.manual_seed(0)
+    twin = _WritesAView()
+    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
+                                   cudagraph_splitting_ops=["test_new_and_view"])
+    m = graph_opt.support_graph_optimization(type("Graphed", (_WritesAView,), {}))(graph_opt_config=cfg)
+    m.load_state_dict(twin.state_dict())
+    with graph_opt.testing.simulate_cuda_graphs():
+        report = graph_opt.capture_model(m, make_x, progress=False)
+        assert report.failed is not None and "take the view after the op" in report.failed
+        for real in (4, 3):
+            x = make_x(real, seed=real)
+            with torch.no_grad():
+                assert torch.equal(m(x), twin(x)), real
+    assert graph_opt.stats(m).replays == 0
 
 
 class _Pair(torch.nn.Module):

@@ -177,14 +177,23 @@ def test_piece_boundaries_share_one_landing_buffer_across_sizes():
             torch.testing.assert_close(m(make_x(real, seed=real)), _eager(m, make_x(real, seed=real)), **TOL)
 
 
-def test_a_replaced_parameter_is_read_by_the_replay():
+def test_a_replaced_parameter_is_never_replayed_stale_and_the_captured_one_keeps_its_values():
+    """The graph reads the captured parameter's memory: the replacement's values are not copied there
+    (the user may put the captured one back, as an EMA swap does). The call runs without graphs;
+    with the captured one back, the replays resume with its own values."""
     torch.manual_seed(0)
     m = Stack(graph_opt_config=_cfg(1, full=True))
     with graph_opt.testing.simulate_cuda_graphs():
         graph_opt.capture_model(m, make_x, progress=False)
+    captured = m.head.weight
+    values = captured.detach().clone()
     m.head.weight = torch.nn.Parameter(torch.randn_like(m.head.weight))  # a new object, not an in-place update
     with torch.no_grad():
         torch.testing.assert_close(m(make_x(3)), _eager(m, make_x(3)), **TOL)
+    assert graph_opt.stats(m).replays == 0 and torch.equal(captured, values)
+    m.head.weight = captured
+    with torch.no_grad():
+        assert torch.equal(m(make_x(3)), _eager(m, make_x(3)))
     assert graph_opt.stats(m).replays == 1
 
 
