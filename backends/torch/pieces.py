@@ -110,6 +110,7 @@ class PieceGraph:
     values: tuple = ()  # (position, value) of the Python numbers among inputs: the graph baked them
     written: tuple = ()  # positions of the tensor inputs the graph writes in place (a buffer the forward advances)
     in_place: tuple = ()  # positions of eager pieces' results that were their arguments' memory (not landed)
+    overlapping: frozenset = frozenset()  # (i, k), i < k: a landed eager result and another input over its memory
 
     def __post_init__(self):
         self.refresh()
@@ -185,10 +186,14 @@ class CapturablePiece:
             if src is not dst and i in entry.in_place:
                 _same_memory(src, dst)  # the graph reads it where the eager piece's argument is
             elif src is not dst:
-                for k in entry.tensor_slots:  # an eager result that is now another input's memory
-                    if k != i and captured[k] is not dst and _memory(args[k]) == _memory(src):
-                        raise ReplayDivergence(f"piece {self.name}: an eager piece returned the memory of "
-                                               f"{self._input_name(k, '')}, where at capture it returned a new tensor")
+                for k in entry.tensor_slots:  # one memory at capture must be one now, and other memory other
+                    if k == i:
+                        continue
+                    if captured[k] is dst and args[k] is not src or captured[k] is not dst and \
+                            _overlap(args[k], src) != ((min(i, k), max(i, k)) in entry.overlapping):
+                        raise ReplayDivergence(f"piece {self.name}: {self._input_name(i, '')} and "
+                                               f"{self._input_name(k, '')} share memory now and did not at capture, "
+                                               "or the other way round")
                 # A fresh tensor from an eager piece (or a splitting op): copy it where the graph reads.
                 if src.shape != dst.shape:  # a parameter replaced by one of another shape (resize_token_embeddings)
                     raise ReplayDivergence(f"piece {self.name}: {self._input_name(i, '')} has shape "
@@ -201,7 +206,7 @@ class CapturablePiece:
         inputs = list(args)
         slots = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
         made = {i: state.made_by_eager(inputs[i]) for i in slots}  # (eager call, leaf) of eager results
-        _one_memory_per_landing(inputs, slots, made)
+        overlapping = _overlapping(inputs, slots, made)
         landed = {}  # id(fresh tensor) -> its landing view: one tensor in two slots stays one memory
         for i, where in made.items():
             if where is not None and not where[2]:
@@ -237,9 +242,16 @@ class CapturablePiece:
         # Held through aliases from here on (module doc); the split module goes on with the tensors.
         held = [state.known_alias(a) if i in slots else a for i, a in enumerate(inputs)]
         leaves, spec = flatten(outputs, _is_tensor)
+        written = tuple(i for i in slots if inputs[i]._version != versions[i])
+        if any(i in written or k in written for i, k in overlapping):
+            raise CaptureError("a new tensor a splitting op returned reaches the next graph together with another "
+                               "tensor over its memory (a view of it), and the graph writes one of them; graph_opt "
+                               "copies such new tensors where the graph reads and cannot keep the two one memory "
+                               "there. Take the view in the graph, after the splitting op")
         entry = PieceGraph(graph, held, slots, unflatten(spec, [state.alias(t, self.adapter) for t in leaves]),
-                           written=tuple(i for i in slots if inputs[i]._version != versions[i]),
-                           in_place=tuple(i for i, where in made.items() if where is not None and where[2]))
+                           written=written,
+                           in_place=tuple(i for i, where in made.items() if where is not None and where[2]),
+                           overlapping=overlapping)
         self.entries[state.key] = entry
         for i, where in made.items():  # for the replay plan: an eager piece's result lands in entry.inputs[i]
             if where is not None:
@@ -330,10 +342,20 @@ class EagerPiece:
                     not _tensors_or_none(out):
                 state.plannable = False
             call = _EagerCall(self.fn, [state.known_alias(a) for a in args])
-            held = {_memory(a) for a in flatten(args, _is_tensor)[0]}
+            tensor_args = flatten(args, _is_tensor)[0]
+            held = {_memory(a) for a in tensor_args}
+            first: Dict[int, int] = {}
             for j, t in enumerate(leaves):
-                if state.made_by_eager(t) is not None:
-                    continue  # an earlier eager piece's result passed on as it is: that piece's it stays
+                if id(t) in first:  # one tensor twice in the result: each replay checks it is again
+                    call.same.append((j, first[id(t)]))
+                    continue
+                first[id(t)] = j
+                passed = next((k for k, a in enumerate(tensor_args) if a is t), None)
+                if passed is not None and state.made_by_eager(t) is not None:
+                    # An earlier eager piece's result passed on as it is: it stays that piece's (landed
+                    # once); each replay checks this piece passes it on again.
+                    call.passed.append((j, passed))
+                    continue
                 # Its argument or a view of it (an identity op, out=) is no fresh memory to land where the
                 # graph reads: the next graph reads and writes that very memory, or writes through one name
                 # would miss the other (x * c after op(c).add_(1)). Each replay checks it is that memory.
@@ -342,20 +364,29 @@ class EagerPiece:
         return out
 
 
-def _one_memory_per_landing(inputs, slots, made) -> None:
-    """A fresh eager result is copied to a landing buffer where the graph reads; a graph input that is
-    a view of it (or shares its memory) would then be other memory, and writes through one would miss
-    the other. Such a capture is refused; the same tensor in two slots lands once."""
+def _overlapping(inputs, slots, made) -> frozenset:
+    """(i, k) with i < k where a fresh eager result at i (copied to a landing buffer where the graph
+    reads) and the input at k, another tensor, span common memory. Reads through both copies are right;
+    a graph writing one of them is refused (CaptureError), and a replay checks the relation still holds."""
+    pairs = set()
     for i in slots:
         where = made[i]
         if where is None or where[2]:
             continue
         for k in slots:
-            if k != i and inputs[k] is not inputs[i] and _memory(inputs[k]) == _memory(inputs[i]):
-                raise CaptureError("a splitting op's new tensor reaches the next graph both as itself and as a view "
-                                   "of it that the op also returned; graph_opt copies the op's new tensors where the "
-                                   "graph reads and cannot keep those two one memory there. Return the tensor alone "
-                                   "and take the view after the op")
+            if k != i and inputs[k] is not inputs[i] and _overlap(inputs[k], inputs[i]):
+                pairs.add((min(i, k), max(i, k)))
+    return frozenset(pairs)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges the two tensors span meet (interleaved strided views count as meeting)."""
+    if not a.numel() or not b.numel():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + (1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))) * a.element_size()
+    b1 = b0 + (1 + sum((n - 1) * st for n, st in zip(b.shape, b.stride()))) * b.element_size()
+    return a0 < b1 and b0 < a1
 
 
 def _memory(t: torch.Tensor):
@@ -373,7 +404,9 @@ def _tensors_or_none(value) -> bool:
 class _EagerCall:
     fn: Callable
     args: List[Any]  # as held for replays: graph-written tensors through their aliases
-    dests: List[tuple] = field(default_factory=list)  # (leaf index of the result, where a graph reads it)
+    dests: List[tuple] = field(default_factory=list)  # (leaf index of the result, where a graph reads it, in place)
+    same: List[tuple] = field(default_factory=list)  # (leaf, earlier leaf): one tensor at capture
+    passed: List[tuple] = field(default_factory=list)  # (leaf, tensor argument): its argument at capture
 
 
 class ReplayPlan:
@@ -402,20 +435,25 @@ class ReplayPlan:
         steps: List[Callable] = []
         for call in state.calls:
             if isinstance(call, _EagerCall):
-                steps.append(_eager_step(call.fn, [owners.get(id(a), a) for a in call.args], call.dests))
+                steps.append(_eager_step(call.fn, [owners.get(id(a), a) for a in call.args], call.dests,
+                                         call.same, call.passed))
             else:
                 steps.append(call.replay)
         return ReplayPlan(steps)
 
 
-def _eager_step(fn: Callable, args: List[Any], dests: List[tuple]) -> Callable:
-    if not dests:
+def _eager_step(fn: Callable, args: List[Any], dests: List[tuple], same=(), passed=()) -> Callable:
+    if not dests and not same and not passed:
         return functools.partial(fn, *args)
 
     tensor_args = [a for a in flatten(args, _is_tensor)[0]]
 
     def step():
         leaves, _ = flatten(fn(*args), _is_tensor)
+        if any(leaves[j] is not leaves[j0] for j, j0 in same) or \
+                any(leaves[j] is not tensor_args[k] for j, k in passed):
+            raise ReplayDivergence("an eager piece returned other tensors than at capture, where one tensor "
+                                   "reached the graphs after it through two names")
         for j, dst, in_place in dests:
             src = leaves[j]
             if in_place:
