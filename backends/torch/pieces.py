@@ -243,6 +243,10 @@ class CapturablePiece:
         held = [state.known_alias(a) if i in slots else a for i, a in enumerate(inputs)]
         leaves, spec = flatten(outputs, _is_tensor)
         written = tuple(i for i in slots if inputs[i]._version != versions[i])
+        if any(made[i] is not None and not made[i][2] for i in written):
+            # The graph writes its landing copy of an eager piece's new tensor: the split module copies
+            # that back before the next piece reads the tensor; the replay plan would not.
+            state.plannable = False
         if any(i in written or k in written for i, k in overlapping):
             raise CaptureError("a new tensor a splitting op returned reaches the next graph together with another "
                                "tensor over its memory (a view of it), and the graph writes one of them; graph_opt "

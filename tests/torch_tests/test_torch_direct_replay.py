@@ -554,6 +554,56 @@ def test_two_results_of_a_splitting_op_read_by_a_graph_replay_as_they_are_now(op
     assert s.replays == 3 - len(want) and s.fallback_reasons == want, s.fallback_reasons
 
 
+@graph_opt.splitting_op(name="test_doubled")
+def _doubled(c):
+    return c * 2
+
+
+class _WritesAnEagerResult(torch.nn.Module):
+    def __init__(self, case, graph_opt_config=None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(HIDDEN))
+        self.case = case
+
+    def forward(self, x):
+        c = x * self.w
+        if self.case == "apart-then-one":
+            a, b = _once_or_twice(c)  # two tensors at capture, one tensor twice later
+            a.add_(1.0)
+            return a * 3 + b
+        t = _doubled(c)
+        t.add_(1.0)  # the graph after the op writes it ...
+        u = _doubled(c * 3)
+        return t * u + t  # ... and the graph after the next op reads it
+
+
+@pytest.mark.parametrize("case", ["apart-then-one", "written-then-read-later"])
+def test_a_graph_writing_a_splitting_ops_new_tensor_is_replayed_right(case):
+    """apart-then-one: the graph writes one result, which later is also the other: those calls run
+    without graphs. written-then-read-later: a later graph reads what an earlier one wrote into the op's
+    new tensor (copied back between them). Every call equals eager."""
+    torch.manual_seed(0)
+    twin = _WritesAnEagerResult(case)
+    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
+                                   cudagraph_splitting_ops=["test_once_or_twice", "test_doubled"])
+    m = graph_opt.support_graph_optimization(type("Graphed", (_WritesAnEagerResult,), {}))(case, graph_opt_config=cfg)
+    m.load_state_dict(twin.state_dict())
+    _RETURNS_ITS_ARGUMENT[0] = False
+    try:
+        with graph_opt.testing.simulate_cuda_graphs():
+            assert graph_opt.capture_model(m, make_x, progress=False).failed is None
+            for step, once in enumerate((False, True, False, 2)):
+                _RETURNS_ITS_ARGUMENT[0] = once is True
+                x = make_x(once if once == 2 else 4, seed=step)
+                with torch.no_grad():
+                    assert torch.equal(m(x), twin(x)), (step, once)
+    finally:
+        _RETURNS_ITS_ARGUMENT[0] = True
+    s = graph_opt.stats(m)
+    want = {"divergence": 1} if case == "apart-then-one" else {}
+    assert s.replays == 4 - len(want) and s.fallback_reasons == want, s.fallback_reasons
+
+
 class _Pair(torch.nn.Module):
     def __init__(self, graph_opt_config=None):
         super().__init__()
