@@ -336,6 +336,44 @@ def test_a_splitting_op_writing_into_the_models_buffer_lands_nothing():
                 torch.testing.assert_close(m(x), _eager(m, x), **TOL)
 
 
+def _split_twins(cls, *args, ops):
+    """(the decorated cls at level 1 piecewise, cut at the splitting ops `ops`; its undecorated twin)."""
+    torch.manual_seed(0)
+    twin = cls(*args)
+    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
+                                   cudagraph_splitting_ops=ops)
+    m = graph_opt.support_graph_optimization(type("Graphed", (cls,), {}))(*args, graph_opt_config=cfg)
+    m.load_state_dict(twin.state_dict())
+    return m, twin
+
+
+def _calls_equal_eager(m, twin, switches, at_capture=True, rows=None):
+    """capture_model with the ops' switch (_RETURNS_ITS_ARGUMENT) at `at_capture`, then one call per
+    switch value (of rows[step] rows, default 4), each equal to the twin's."""
+    _RETURNS_ITS_ARGUMENT[0] = at_capture
+    try:
+        with graph_opt.testing.simulate_cuda_graphs():
+            assert graph_opt.capture_model(m, make_x, progress=False).failed is None
+            for step, switch in enumerate(switches):
+                _RETURNS_ITS_ARGUMENT[0] = switch
+                x = make_x(rows[step] if rows else 4, seed=step)
+                with torch.no_grad():
+                    out, want = m(x), twin(x)
+                pairs = zip(out, want) if isinstance(out, tuple) else [(out, want)]
+                assert all(torch.equal(a, b) for a, b in pairs), (step, switch)
+    finally:
+        _RETURNS_ITS_ARGUMENT[0] = True
+
+
+class _OneWeight(torch.nn.Module):
+    """x * w, then what a test's forward does with its case."""
+
+    def __init__(self, case=None, graph_opt_config=None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(HIDDEN))
+        self.case = case
+
+
 @graph_opt.splitting_op(name="test_passes_through")
 def _passes_through(c):
     return c
@@ -360,24 +398,19 @@ def _writes_out(h, out):
     return out
 
 
-class _WritesThroughAnAlias(torch.nn.Module):
-    def __init__(self, op, graph_opt_config=None):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(HIDDEN))
-        self.op = op
-
+class _WritesThroughAnAlias(_OneWeight):
     def forward(self, x):
         c = x * self.w
-        if self.op == "out=":  # docs/splitting.md's buffer pattern
+        if self.case == "out=":  # docs/splitting.md's buffer pattern
             out = torch.empty_like(c)
             d = _writes_out(c, out)
             d.add_(1.0)
             return out * 2
-        if self.op == "sometimes":
+        if self.case == "sometimes":
             d = _sometimes_passes_through(c)
             d.add_(1.0)
             return x * c + d
-        d = _passes_through(c) if self.op == "identity" else _views(c)
+        d = _passes_through(c) if self.case == "identity" else _views(c)
         d.add_(1.0)  # eager: c changes too
         return x * c
 
@@ -386,13 +419,7 @@ class _WritesThroughAnAlias(torch.nn.Module):
 def test_a_splitting_op_returning_its_argument_or_a_view_of_it_keeps_the_alias_in_the_next_graph(op):
     """The next graph writes through the op's result and reads the argument: both must be one memory in
     the graph, as in eager (a landing copy of the result would leave the argument unwritten)."""
-    torch.manual_seed(0)
-    twin = _WritesThroughAnAlias(op)
-    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
-                                   cudagraph_splitting_ops=["test_passes_through", "test_views", "test_writes_out",
-                                                            "test_sometimes_passes_through"])
-    m = graph_opt.support_graph_optimization(type("Graphed", (_WritesThroughAnAlias,), {}))(op, graph_opt_config=cfg)
-    m.load_state_dict(twin.state_dict())
+    m, twin = _split_twins(_WritesThroughAnAlias, op, ops=["test_passes_through", "test_views", "test_writes_out"])
     with graph_opt.testing.simulate_cuda_graphs():
         graph_opt.capture_model(m, make_x, progress=False)
         for real in (4, 2, 4):
@@ -406,37 +433,17 @@ def test_a_splitting_op_returning_its_argument_or_a_view_of_it_keeps_the_alias_i
 def test_a_splitting_op_returning_its_argument_at_capture_and_a_new_tensor_later_is_not_replayed_stale():
     """Captured while the op returned its argument (no copy where the next graph reads), called when it
     returns a new tensor: the replay must not read the argument in its place. Each call equals eager."""
-    torch.manual_seed(0)
-    twin = _WritesThroughAnAlias("sometimes")
-    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
-                                   cudagraph_splitting_ops=["test_sometimes_passes_through"])
-    m = graph_opt.support_graph_optimization(type("Graphed", (_WritesThroughAnAlias,), {}))("sometimes",
-                                                                                            graph_opt_config=cfg)
-    m.load_state_dict(twin.state_dict())
-    try:
-        with graph_opt.testing.simulate_cuda_graphs():
-            graph_opt.capture_model(m, make_x, progress=False)
-            for step, passes in enumerate((True, False, True, False)):
-                _RETURNS_ITS_ARGUMENT[0] = passes
-                x = make_x(4, seed=step)
-                with torch.no_grad():
-                    assert torch.equal(m(x), twin(x)), (step, passes)
-    finally:
-        _RETURNS_ITS_ARGUMENT[0] = True
+    m, twin = _split_twins(_WritesThroughAnAlias, "sometimes", ops=["test_sometimes_passes_through"])
+    _calls_equal_eager(m, twin, (True, False, True, False))
     s = graph_opt.stats(m)
     assert s.replays == 2 and s.fallback_reasons == {"divergence": 2}, s.fallback_reasons
 
 
-class _FreshThenAlias(torch.nn.Module):
-    def __init__(self, chain, graph_opt_config=None):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(HIDDEN))
-        self.chain = chain
-
+class _FreshThenAlias(_OneWeight):
     def forward(self, x):
         c = x * self.w
         y = _sometimes_passes_through(c)  # new memory while _RETURNS_ITS_ARGUMENT[0] is False
-        z = _passes_through(y) if self.chain else y
+        z = _passes_through(y) if self.case else y
         z.add_(1.0)
         return z * 2, c * 3 + y
 
@@ -447,24 +454,8 @@ def test_a_splitting_op_result_that_reaches_a_graph_through_an_alias_is_one_memo
     reads), called when it returns its argument: that call must not read a stale argument. passed-on: a
     new tensor passed on by a second op that returns its argument reaches the next graph twice; both
     are one memory there. Every call equals eager."""
-    torch.manual_seed(0)
-    twin = _FreshThenAlias(chain)
-    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
-                                   cudagraph_splitting_ops=["test_sometimes_passes_through", "test_passes_through"])
-    m = graph_opt.support_graph_optimization(type("Graphed", (_FreshThenAlias,), {}))(chain, graph_opt_config=cfg)
-    m.load_state_dict(twin.state_dict())
-    _RETURNS_ITS_ARGUMENT[0] = False
-    try:
-        with graph_opt.testing.simulate_cuda_graphs():
-            graph_opt.capture_model(m, make_x, progress=False)
-            for step, passes in enumerate((False, True, False) if not chain else (False, False)):
-                _RETURNS_ITS_ARGUMENT[0] = passes
-                x = make_x(4, seed=step)
-                with torch.no_grad():
-                    out, want = m(x), twin(x)
-                assert all(torch.equal(a, b) for a, b in zip(out, want)), (step, passes)
-    finally:
-        _RETURNS_ITS_ARGUMENT[0] = True
+    m, twin = _split_twins(_FreshThenAlias, chain, ops=["test_sometimes_passes_through", "test_passes_through"])
+    _calls_equal_eager(m, twin, (False, True, False) if not chain else (False, False), at_capture=False)
     s = graph_opt.stats(m)
     assert s.replays == 2 and s.fallback_reasons == ({} if chain else {"divergence": 1}), s.fallback_reasons
 
@@ -475,11 +466,7 @@ def _new_and_view(c):
     return t, t[1:]
 
 
-class _WritesAView(torch.nn.Module):
-    def __init__(self, graph_opt_config=None):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(HIDDEN))
-
+class _WritesAView(_OneWeight):
     def forward(self, x):
         t, view = _new_and_view(x * self.w)
         view.add_(1.0)
@@ -489,12 +476,7 @@ class _WritesAView(torch.nn.Module):
 def test_a_splitting_op_returning_a_new_tensor_and_a_view_of_it_is_not_captured(graph_opt_warnings):
     """Both would be copied to separate places where the next graph reads, and the write through the
     view would miss the tensor: the capture fails with one warning, and the calls are eager's."""
-    torch.manual_seed(0)
-    twin = _WritesAView()
-    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
-                                   cudagraph_splitting_ops=["test_new_and_view"])
-    m = graph_opt.support_graph_optimization(type("Graphed", (_WritesAView,), {}))(graph_opt_config=cfg)
-    m.load_state_dict(twin.state_dict())
+    m, twin = _split_twins(_WritesAView, ops=["test_new_and_view"])
     with graph_opt.testing.simulate_cuda_graphs():
         report = graph_opt.capture_model(m, make_x, progress=False)
         assert report.failed is not None and "Take the view in the graph" in report.failed
@@ -517,14 +499,9 @@ def _once_or_twice(c):
     return (t, t) if _RETURNS_ITS_ARGUMENT[0] else (t, c - 1)
 
 
-class _ReadsTwoResults(torch.nn.Module):
-    def __init__(self, op, graph_opt_config=None):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(HIDDEN))
-        self.op = op
-
+class _ReadsTwoResults(_OneWeight):
     def forward(self, x):
-        a, b = (_chunks if self.op == "chunks" else _once_or_twice)(x * self.w)
+        a, b = (_chunks if self.case == "chunks" else _once_or_twice)(x * self.w)
         return a * b + a
 
 
@@ -533,22 +510,8 @@ def test_two_results_of_a_splitting_op_read_by_a_graph_replay_as_they_are_now(op
     """chunks: two views over one new tensor, read only: they replay. once-then-two: one tensor
     returned twice at capture (one landing copy), two different ones later: those calls must not read
     one copy for both. Every call equals eager."""
-    torch.manual_seed(0)
-    twin = _ReadsTwoResults(op)
-    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
-                                   cudagraph_splitting_ops=["test_chunks", "test_once_or_twice"])
-    m = graph_opt.support_graph_optimization(type("Graphed", (_ReadsTwoResults,), {}))(op, graph_opt_config=cfg)
-    m.load_state_dict(twin.state_dict())
-    try:
-        with graph_opt.testing.simulate_cuda_graphs():
-            assert graph_opt.capture_model(m, make_x, progress=False).failed is None
-            for step, once in enumerate((True, False, True)):
-                _RETURNS_ITS_ARGUMENT[0] = once
-                x = make_x(4, seed=step)
-                with torch.no_grad():
-                    assert torch.equal(m(x), twin(x)), (step, once)
-    finally:
-        _RETURNS_ITS_ARGUMENT[0] = True
+    m, twin = _split_twins(_ReadsTwoResults, op, ops=["test_chunks", "test_once_or_twice"])
+    _calls_equal_eager(m, twin, (True, False, True))
     s = graph_opt.stats(m)
     want = {} if op == "chunks" else {"divergence": 1}
     assert s.replays == 3 - len(want) and s.fallback_reasons == want, s.fallback_reasons
@@ -559,12 +522,7 @@ def _doubled(c):
     return c * 2
 
 
-class _WritesAnEagerResult(torch.nn.Module):
-    def __init__(self, case, graph_opt_config=None):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(HIDDEN))
-        self.case = case
-
+class _WritesAnEagerResult(_OneWeight):
     def forward(self, x):
         c = x * self.w
         if self.case == "apart-then-one":
@@ -582,23 +540,8 @@ def test_a_graph_writing_a_splitting_ops_new_tensor_is_replayed_right(case):
     """apart-then-one: the graph writes one result, which later is also the other: those calls run
     without graphs. written-then-read-later: a later graph reads what an earlier one wrote into the op's
     new tensor (copied back between them). Every call equals eager."""
-    torch.manual_seed(0)
-    twin = _WritesAnEagerResult(case)
-    cfg = graph_opt.GraphOptConfig(graph_opt_level=1, full_cuda_graph=False, cudagraph_capture_sizes=SIZES,
-                                   cudagraph_splitting_ops=["test_once_or_twice", "test_doubled"])
-    m = graph_opt.support_graph_optimization(type("Graphed", (_WritesAnEagerResult,), {}))(case, graph_opt_config=cfg)
-    m.load_state_dict(twin.state_dict())
-    _RETURNS_ITS_ARGUMENT[0] = False
-    try:
-        with graph_opt.testing.simulate_cuda_graphs():
-            assert graph_opt.capture_model(m, make_x, progress=False).failed is None
-            for step, once in enumerate((False, True, False, 2)):
-                _RETURNS_ITS_ARGUMENT[0] = once is True
-                x = make_x(once if once == 2 else 4, seed=step)
-                with torch.no_grad():
-                    assert torch.equal(m(x), twin(x)), (step, once)
-    finally:
-        _RETURNS_ITS_ARGUMENT[0] = True
+    m, twin = _split_twins(_WritesAnEagerResult, case, ops=["test_once_or_twice", "test_doubled"])
+    _calls_equal_eager(m, twin, (False, True, False, False), at_capture=False, rows=(4, 4, 4, 2))
     s = graph_opt.stats(m)
     want = {"divergence": 1} if case == "apart-then-one" else {}
     assert s.replays == 4 - len(want) and s.fallback_reasons == want, s.fallback_reasons
