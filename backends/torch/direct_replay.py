@@ -17,7 +17,7 @@ import torch
 import torch._dynamo
 
 from ...errors import ReplayDivergence
-from .module_counters import _install_registration_hooks, _registrations, module_fingerprint, module_tensor_layouts
+from .module_counters import _install_registration_hooks, _registrations, module_state
 
 
 class _ModuleTensors:
@@ -42,16 +42,12 @@ class _ModuleTensors:
         self.layouts = None  # and their shapes, dtypes and devices
         self.seen = -1
         self.moved = False
-        self.relaid = None  # (registration count, what changed) of the last look at the layouts
-
-    def current(self):
-        return module_fingerprint(self.model)
+        self.relaid = None  # (registration count, what changed, fingerprint as captured) of the last look
 
     def _start(self):
         _install_registration_hooks()
         if self.snapshot is None:
-            self.snapshot = self.current()
-            self.layouts = module_tensor_layouts(self.model)
+            self.snapshot, self.layouts = module_state(self.model)
             self.seen = _registrations[0]
 
     def checked(self, replay):
@@ -99,17 +95,18 @@ class _ModuleTensors:
         the same layouts (the transformed code passes them in); ReplayDivergence otherwise (see above)."""
         count = _registrations[0]
         if self.relaid is None or self.relaid[0] != count:
-            self.relaid = (count, self._conflict())
-        if self.relaid[1] is not None:
-            raise ReplayDivergence(self.relaid[1] + ". To keep it, clear_graphs() and capture_model() again")
-        if not self.moved and self.current() == self.snapshot:
+            fingerprint, layouts = module_state(self.model)
+            self.relaid = (count, self._conflict(layouts), fingerprint == self.snapshot)
+        _, conflict, as_captured = self.relaid
+        if conflict is not None:
+            raise ReplayDivergence(conflict + ". To keep it, clear_graphs() and capture_model() again")
+        if not self.moved and as_captured:
             self.seen = count
             return True
         self.moved = True
         return False
 
-    def _conflict(self) -> Optional[str]:
-        now = module_tensor_layouts(self.model)
+    def _conflict(self, now: dict) -> Optional[str]:
         held_at = {}
         for path, layout in now.items():
             held_at.setdefault(layout[3], path)

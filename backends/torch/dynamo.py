@@ -105,7 +105,7 @@ class DynamoStrategy:
         self.direct_replays = 0  # sizes whose replay is the graph's replay() alone (pure_replay_code)
         self.planned_replays = 0  # of those, piecewise sizes replayed by a pieces.ReplayPlan
         self.pass_counts = {}  # no program passes on torch
-        self.state = GraphState()
+        self.state = GraphState(adapter=adapter)
         self.params = forward_params(self.forward_fn, for_call=True)  # as_made's
         self._tensors = _ModuleTensors(model)
         self.forwards: List[CompiledForward] = []

@@ -51,26 +51,23 @@ def _install_registration_hooks() -> None:
 
 def module_fingerprint(model) -> tuple:
     """(path, id) of every submodule, parameter slot and buffer slot; a slot holding None has id 0."""
-    out = []
+    return module_state(model, layouts=False)[0]
+
+
+def module_state(model, layouts: bool = True) -> tuple:
+    """(module_fingerprint, path -> (shape, dtype, device, id, address) of every parameter and buffer the
+    model holds, or None), from one walk of the module tree."""
+    fingerprint, held = [], ({} if layouts else None)
     for path, m in model.named_modules(remove_duplicate=False):
         prefix = path + "." if path else ""
         if path:
-            out.append((path, id(m)))
-        out.extend((prefix + k, 0 if t is None else id(t)) for k, t in m._parameters.items())
-        out.extend((prefix + k, 0 if t is None else id(t)) for k, t in m._buffers.items())
-    return tuple(out)
-
-
-def module_tensor_layouts(model) -> dict:
-    """path -> (shape, dtype, device, id, address) of every parameter and buffer the model holds."""
-    out = {}
-    for path, m in model.named_modules(remove_duplicate=False):
-        prefix = path + "." if path else ""
+            fingerprint.append((path, id(m)))
         for slots in (m._parameters, m._buffers):
             for k, t in slots.items():
-                if t is not None:
-                    out[prefix + k] = (tuple(t.shape), t.dtype, t.device, id(t), t.data_ptr())
-    return out
+                fingerprint.append((prefix + k, 0 if t is None else id(t)))
+                if layouts and t is not None:
+                    held[prefix + k] = (tuple(t.shape), t.dtype, t.device, id(t), t.data_ptr())
+    return tuple(fingerprint), held
 
 
 _mode_changes = [0]  # calls of nn.Module.train / eval in this process

@@ -26,9 +26,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ...captured_size import overlaps
 from ...errors import CaptureError, ReplayDivergence
 from ...output_sharing import SharedOutputs
 from ...pytree import flatten, unflatten
+from ...static_address import same_memory
 from ...testing import HostGraph
 
 
@@ -55,8 +57,9 @@ class GraphState:
     strong_of: Dict[int, Any] = field(default_factory=dict)
     # capture: the pieces' calls in order, for CompiledForward's replay plan (kept past end(), as strong_of)
     calls: List[Any] = field(default_factory=list)
-    made: Dict[int, tuple] = field(default_factory=dict)  # id(eager result) -> (weakref, _EagerCall, leaf)
+    made: Dict[int, tuple] = field(default_factory=dict)  # id(eager result) -> (weakref, _EagerCall, leaf, in place)
     plannable: bool = True  # no eager piece reads another's result, and none returns a non-tensor
+    adapter: Any = None  # the framework adapter: where a tensor's bytes are, whether two read the same
 
     def begin(self, mode: Mode, key: Any = None, pool: Any = None, simulate: bool = False,
               share_key: Any = None, padded: int = 0) -> None:
@@ -111,6 +114,7 @@ class PieceGraph:
     written: tuple = ()  # positions of the tensor inputs the graph writes in place (a buffer the forward advances)
     in_place: tuple = ()  # positions of eager pieces' results that were their arguments' memory (not landed)
     overlapping: frozenset = frozenset()  # (i, k), i < k: a landed eager result and another input over its memory
+    by_memory: Dict[Any, tuple] = field(default_factory=dict)  # storage of an input -> its positions
 
     def __post_init__(self):
         self.refresh()
@@ -180,33 +184,38 @@ class CapturablePiece:
 
     def _copy_fresh(self, entry: PieceGraph, args) -> None:
         captured = entry.inputs
-        for i in entry.tensor_slots:
-            src = args[i]
-            dst = captured[i]
-            if src is not dst and i in entry.in_place:
-                _same_memory(src, dst)  # the graph reads it where the eager piece's argument is
-            elif src is not dst:
-                for k in entry.tensor_slots:  # one memory at capture must be one now, and other memory other
-                    if k == i:
-                        continue
-                    if captured[k] is dst and args[k] is not src or captured[k] is not dst and \
-                            _overlap(args[k], src) != ((min(i, k), max(i, k)) in entry.overlapping):
-                        raise ReplayDivergence(f"piece {self.name}: {self._input_name(i, '')} and "
-                                               f"{self._input_name(k, '')} share memory now and did not at capture, "
-                                               "or the other way round")
-                # A fresh tensor from an eager piece (or a splitting op): copy it where the graph reads.
-                if src.shape != dst.shape:  # a parameter replaced by one of another shape (resize_token_embeddings)
-                    raise ReplayDivergence(f"piece {self.name}: {self._input_name(i, '')} has shape "
-                                           f"{tuple(src.shape)}, captured {tuple(dst.shape)}; to keep the new "
-                                           "shape, clear_graphs() and capture_model() again")
-                dst.copy_(src)
+        adapter = self.adapter
+        fresh = [i for i in entry.tensor_slots if args[i] is not captured[i]]
+        for i in fresh:
+            src, dst = args[i], captured[i]
+            if i in entry.in_place:
+                if not same_memory(adapter, src, dst):  # the graph reads it where the eager piece's argument is
+                    raise ReplayDivergence(_NOT_IN_PLACE)
+                continue
+            # One memory at capture must be one now, and other memory other. Only inputs that are fresh,
+            # were over src's storage at capture, or met i at capture can differ; the rest are the captured
+            # tensors, away from src's storage.
+            near = set(fresh).union(entry.by_memory.get(_memory(src), ()),
+                                    *(pair for pair in entry.overlapping if i in pair))
+            for k in near:
+                if k != i and (captured[k] is dst and args[k] is not src or captured[k] is not dst and
+                               _spans_meet(adapter, args[k], src) != ((min(i, k), max(i, k)) in entry.overlapping)):
+                    raise ReplayDivergence(f"piece {self.name}: {self._input_name(i, '')} and "
+                                           f"{self._input_name(k, '')} share memory now and did not at capture, "
+                                           "or the other way round")
+            # A fresh tensor from an eager piece (or a splitting op): copy it where the graph reads.
+            if src.shape != dst.shape:  # a parameter replaced by one of another shape (resize_token_embeddings)
+                raise ReplayDivergence(f"piece {self.name}: {self._input_name(i, '')} has shape "
+                                       f"{tuple(src.shape)}, captured {tuple(dst.shape)}; to keep the new "
+                                       "shape, clear_graphs() and capture_model() again")
+            dst.copy_(src)
 
     def _capture(self, args):
         state = self.state
         inputs = list(args)
         slots = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
         made = {i: state.made_by_eager(inputs[i]) for i in slots}  # (eager call, leaf) of eager results
-        overlapping = _overlapping(inputs, slots, made)
+        overlapping = _overlapping(self.adapter, inputs, slots, made)
         landed = {}  # id(fresh tensor) -> its landing view: one tensor in two slots stays one memory
         for i, where in made.items():
             if where is not None and not where[2]:
@@ -255,7 +264,7 @@ class CapturablePiece:
         entry = PieceGraph(graph, held, slots, unflatten(spec, [state.alias(t, self.adapter) for t in leaves]),
                            written=written,
                            in_place=tuple(i for i, where in made.items() if where is not None and where[2]),
-                           overlapping=overlapping)
+                           overlapping=overlapping, by_memory=_by_memory(inputs, slots))
         self.entries[state.key] = entry
         for i, where in made.items():  # for the replay plan: an eager piece's result lands in entry.inputs[i]
             if where is not None:
@@ -368,7 +377,7 @@ class EagerPiece:
         return out
 
 
-def _overlapping(inputs, slots, made) -> frozenset:
+def _overlapping(adapter, inputs, slots, made) -> frozenset:
     """(i, k) with i < k where a fresh eager result at i (copied to a landing buffer where the graph
     reads) and the input at k, another tensor, span common memory. Reads through both copies are right;
     a graph writing one of them is refused (CaptureError), and a replay checks the relation still holds."""
@@ -378,19 +387,21 @@ def _overlapping(inputs, slots, made) -> frozenset:
         if where is None or where[2]:
             continue
         for k in slots:
-            if k != i and inputs[k] is not inputs[i] and _overlap(inputs[k], inputs[i]):
+            if k != i and inputs[k] is not inputs[i] and _spans_meet(adapter, inputs[k], inputs[i]):
                 pairs.add((min(i, k), max(i, k)))
     return frozenset(pairs)
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the byte ranges the two tensors span meet (interleaved strided views count as meeting)."""
-    if not a.numel() or not b.numel():
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + (1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))) * a.element_size()
-    b1 = b0 + (1 + sum((n - 1) * st for n, st in zip(b.shape, b.stride()))) * b.element_size()
-    return a0 < b1 and b0 < a1
+def _spans_meet(adapter, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte spans of two non-empty tensors meet (interleaved strided views count as meeting)."""
+    return bool(a.numel() and b.numel()) and overlaps((adapter.extent(a),), adapter.extent(b))
+
+
+def _by_memory(inputs, slots) -> Dict[Any, tuple]:
+    out: Dict[Any, list] = {}
+    for k in slots:
+        out.setdefault(_memory(inputs[k]), []).append(k)
+    return {m: tuple(ks) for m, ks in out.items()}
 
 
 def _memory(t: torch.Tensor):
@@ -439,18 +450,18 @@ class ReplayPlan:
         steps: List[Callable] = []
         for call in state.calls:
             if isinstance(call, _EagerCall):
-                steps.append(_eager_step(call.fn, [owners.get(id(a), a) for a in call.args], call.dests,
-                                         call.same, call.passed))
+                steps.append(_eager_step(state.adapter, call.fn, [owners.get(id(a), a) for a in call.args],
+                                         call.dests, call.same, call.passed))
             else:
                 steps.append(call.replay)
         return ReplayPlan(steps)
 
 
-def _eager_step(fn: Callable, args: List[Any], dests: List[tuple], same=(), passed=()) -> Callable:
+def _eager_step(adapter, fn: Callable, args: List[Any], dests: List[tuple], same=(), passed=()) -> Callable:
     if not dests and not same and not passed:
         return functools.partial(fn, *args)
 
-    tensor_args = [a for a in flatten(args, _is_tensor)[0]]
+    tensor_args = flatten(args, _is_tensor)[0]
 
     def step():
         leaves, _ = flatten(fn(*args), _is_tensor)
@@ -458,12 +469,16 @@ def _eager_step(fn: Callable, args: List[Any], dests: List[tuple], same=(), pass
                 any(leaves[j] is not tensor_args[k] for j, k in passed):
             raise ReplayDivergence("an eager piece returned other tensors than at capture, where one tensor "
                                    "reached the graphs after it through two names")
+        held = None
         for j, dst, in_place in dests:
             src = leaves[j]
             if in_place:
-                _same_memory(src, dst)
+                if not same_memory(adapter, src, dst):
+                    raise ReplayDivergence(_NOT_IN_PLACE)
                 continue
-            if any(_memory(a) == _memory(src) for a in tensor_args):
+            if held is None:
+                held = {_memory(a) for a in tensor_args}
+            if _memory(src) in held:
                 raise ReplayDivergence("an eager piece returned its argument or a view of it, where at capture it "
                                        "returned a new tensor that the graphs after it read from a copy")
             if src.shape != dst.shape:
@@ -478,12 +493,9 @@ def _is_tensor(x) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def _same_memory(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """An eager piece returned its argument's memory at capture (dst); at replay it must again."""
-    if (src.data_ptr() != dst.data_ptr() or src.shape != dst.shape or src.stride() != dst.stride()
-            or src.dtype != dst.dtype):
-        raise ReplayDivergence("an eager piece returned a new tensor where at capture it returned its argument or "
-                               "a view of it, whose memory the graphs after it read")
+# An eager piece returned its argument's memory at capture; at replay it must again.
+_NOT_IN_PLACE = ("an eager piece returned a new tensor where at capture it returned its argument or a view of it, "
+                 "whose memory the graphs after it read")
 
 
 class CompiledForward:
