@@ -12,8 +12,9 @@ while the Python state the forward read at capture is unchanged. What is checked
   framework's _apply bumps a counter, and after a bump the tensors' addresses, dtypes and devices are
   compared with those at capture;
 - parameters, buffers and submodules replaced by new objects: a counter that torch's registration hooks
-  (Paddle: Layer.__setattr__ and friends) bump; at level 0, and on Paddle at every level (torch's level
-  >= 1 copies a replaced parameter into the graph through Dynamo's code);
+  and its functional_call helpers (Paddle: Layer.__setattr__ and friends) bump; at level 0, and on Paddle
+  at every level (torch's level >= 1: direct_replay._ModuleTensors). Replays resume once the captured
+  objects are back;
 - hooks of submodules and global module hooks registered or removed (a counter that making or removing
   a hook handle bumps; after a bump the hooks are compared with those at capture). The model's own
   hooks run around the plugin at every call;
@@ -50,7 +51,8 @@ class ModelState:
         self.name = name
         self.watch_attributes = watch_attributes
         # A parameter, buffer or submodule replaced by a new object: level 0, and Paddle's level >= 1 (its
-        # replays run the captured program on the captured parameters); torch's level >= 1 copies it in.
+        # replays run the captured program on the captured parameters); torch's level >= 1 checks the
+        # tensors itself (direct_replay._ModuleTensors) and here only that none is gone.
         self.watch_replacements = watch_replacements
         self.captured = False
         self.paused = False  # a capture phase: attributes set now are what the graphs bake
@@ -69,7 +71,11 @@ class ModelState:
         self.ambient: Any = None
         self.registrations = -1
         self.tensor_ids: Optional[Tuple[int, ...]] = None
-        self.stale: Optional[Tuple[str, str]] = None  # a parameter replaced: sticky until clear_graphs
+        self.stale: Optional[Tuple[str, str]] = None  # the parameters converted: sticky until clear_graphs
+        # (registration count, refusal) of the last look that found a tensor or submodule replaced: the
+        # model is walked again only after another registration, and replays resume once the captured
+        # objects are back (torch.func.functional_call swaps them in and out around one call)
+        self.replaced: Tuple[int, Any] = (-1, None)
         # level 0, attributes of the decorated model set since capture: name -> (key at capture, value then)
         self.original: Dict[str, Tuple[Any, Any]] = {}
         self.changed: Dict[str, Any] = {}
@@ -98,6 +104,7 @@ class ModelState:
         self.fingerprint = adapter.tensor_fingerprint(self.model)
         self.tensor_ids = adapter.module_tensor_ids(self.model)
         self.stale = None
+        self.replaced = (-1, None)
         self.original.clear()
         self.changed.clear()
         self.captured = True
@@ -108,6 +115,7 @@ class ModelState:
         self.original.clear()
         self.changed.clear()
         self.stale = None
+        self.replaced = (-1, None)
 
     def buffer_versions(self) -> List[Tuple[str, int]]:
         """(name, version counter) of every buffer of the model: which ones a run writes in place."""
@@ -221,10 +229,13 @@ class ModelState:
         return self.stale
 
     def _registrations_changed(self) -> Optional[Tuple[str, str]]:
-        adapter = self.adapter
-        now = adapter.module_tensor_ids(self.model)
+        count = self.registered[0]
+        if self.replaced[0] == count:
+            return self.replaced[1]
+        now = self.adapter.module_tensor_ids(self.model)
         if now == self.tensor_ids:
-            self.registrations = self.registered[0]  # a registration elsewhere
+            self.registrations = count  # a registration elsewhere, or the captured objects put back
+            self.replaced = (-1, None)
             return None
         before, after = dict(self.tensor_ids), dict(now)
         names = [n for n in after if before.get(n) != after[n]] + [n for n in before if n not in after]
@@ -233,12 +244,14 @@ class ModelState:
             # for speed): only a tensor now gone (set to None, deleted) must not replay
             names = [n for n in names if before.get(n) and not after.get(n)]
             if not names:
-                self.registrations = self.registered[0]
+                self.registrations = count
                 return None
         what = ", ".join(f"{self.name}.{n}" for n in names[:3]) or "a submodule"
-        self.stale = ("replaced", f"{what} was replaced by a new object since capture (or added or removed); the "
-                      "graphs read the old one. clear_graphs() and capture_model() capture the new one")
-        return self.stale
+        self.replaced = (count, ("replaced", f"{what} was replaced by a new object since capture (or added or "
+                                             "removed); the graphs read the old one. Put the captured one back to "
+                                             "replay again, or clear_graphs() and capture_model() to capture the "
+                                             "new one"))
+        return self.replaced[1]
 
 
 def _show(value) -> str:

@@ -46,6 +46,20 @@ def _install_registration_hooks() -> None:
 
         functools.update_wrapper(counted, Module_method)
         setattr(Module, name, counted)
+    # torch.func.functional_call (and stateless, make_functional) swaps tensors and submodules by writing
+    # module._parameters / _buffers / _modules directly, bypassing those hooks: a replay would run the
+    # captured tensors instead of the ones passed. NamedMemberAccessor looks these helpers up at call time.
+    from torch.nn.utils import _named_member_accessor as accessor
+
+    for name in ("set_tensor", "swap_tensor", "swap_submodule"):
+        helper = getattr(accessor, name)
+
+        def counted_helper(*args, __helper=helper, **kwargs):
+            if not compiling():
+                _registrations[0] += 1
+            return __helper(*args, **kwargs)
+
+        setattr(accessor, name, functools.update_wrapper(counted_helper, helper))
     _hooks_installed = True
 
 

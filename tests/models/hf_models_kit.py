@@ -350,6 +350,39 @@ def test_a_config_replaced_or_changed_through_its_class_is_seen_and_an_unread_ch
     assert graph_opt.stats(m).replays == replays + 2
 
 
+class _LowRank(torch.nn.Module):
+    """A LoRA-style adapter around a projection, as adapter libraries inject one."""
+
+    def __init__(self, base, rank=4):
+        super().__init__()
+        self.base = base
+        self.down = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.up = torch.nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def test_an_adapter_injected_into_a_projection_runs_without_graphs_and_replays_resume_once_removed(env):
+    """A low-rank adapter wrapped around layer 0's q_proj of both twins: the calls equal the twin's,
+    without graphs; the adapter removed (the captured projection put back), the graphs replay again."""
+    m, twin = _captured_level_1(env, "llama")
+    replays = graph_opt.stats(m).replays
+    projections = [model.model.model.layers[0].self_attn for model in (m, twin)]
+    originals = [attn.q_proj for attn in projections]
+    torch.manual_seed(3)
+    adapter = _LowRank(originals[0]).to(env.device)
+    twin_adapter = _LowRank(originals[1]).to(env.device)
+    twin_adapter.load_state_dict(adapter.state_dict())
+    projections[0].q_proj, projections[1].q_proj = adapter, twin_adapter
+    _calls_equal(env, m, twin, "with the adapter")
+    assert graph_opt.stats(m).replays == replays and graph_opt.stats(m).fallbacks >= 2, graph_opt.stats(m)
+    for attn, original in zip(projections, originals):
+        attn.q_proj = original
+    _calls_equal(env, m, twin, "adapter removed")
+    assert graph_opt.stats(m).replays == replays + 2, graph_opt.stats(m).fallback_reasons
+
+
 def test_resize_token_embeddings_after_capture_runs_without_graphs_until_captured_again(env, graph_opt_warnings):
     """transformers' resize_token_embeddings keeps the embedding's Parameter object and swaps its data
     (and the tied head's): the graphs read the old memory. The calls run without graphs, equal to the

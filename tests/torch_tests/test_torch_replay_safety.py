@@ -214,7 +214,47 @@ def test_a_parameter_replaced_after_capture_is_never_replayed_stale_at_level_0(F
         assert torch.allclose(m(x), twin(x))
     s = graph_opt.stats(m)
     assert s.replays == 0 and s.fallback_reasons == {"replaced": 2}
-    assert len(warned(logs, "replaced by a new object")) == 1
+    assert len(warned(logs, "replaced by a new object", "Put the captured one back")) == 1
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "piecewise"])
+def test_torch_func_calls_with_other_parameters_never_replay_the_captured_ones(F, level, full):
+    """functional_call (and vmap / grad over it, as model ensembling and meta-learning do) swaps the
+    tensors by writing module._parameters directly, around one call: that call runs the plain forward
+    on the tensors passed, and the next plain call replays again."""
+    from torch.func import functional_call, grad, vmap
+
+    m, twin = pair(F, _TwoLayers, level, full=full)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    halved = {k: p.detach() * 0.5 for k, p in twin.named_parameters()}
+    stacked = {k: torch.stack([p.detach(), halved[k]]) for k, p in twin.named_parameters()}
+    with torch.no_grad():
+        assert F.close(functional_call(m, halved, (x,)), functional_call(twin, halved, (x,)))
+        ensemble = vmap(lambda p: functional_call(m, p, (x,)))(stacked)
+        assert F.close(ensemble, vmap(lambda p: functional_call(twin, p, (x,)))(stacked))
+    grads = grad(lambda p: functional_call(m, p, (x,)).sum())(halved)
+    twin_grads = grad(lambda p: functional_call(twin, p, (x,)).sum())(halved)
+    assert all(F.close(grads[k], twin_grads[k]) for k in grads)
+    assert graph_opt.stats(m).replays == 0
+    with torch.no_grad():
+        assert same(F, level, m(x), twin(x))
+    assert graph_opt.stats(m).replays == 1, graph_opt.stats(m)
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.second = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return self.second(graph_opt_mix(self.first(x)))
+
+
+@graph_opt.splitting_op(name="test_func_mix")
+def graph_opt_mix(h):
+    return torch.tanh(h)
 
 
 class _WithActivation(torch.nn.Module):
