@@ -232,8 +232,15 @@ class ModelState:
         count = self.registered[0]
         if self.replaced[0] == count:
             return self.replaced[1]
-        now = self.adapter.module_tensor_ids(self.model)
+        adapter = self.adapter
+        now = adapter.module_tensor_ids(self.model)
         if now == self.tensor_ids:
+            if self.watch_replacements and not self._as_captured():
+                self.stale = ("replaced", "the memory or submodules of the model changed since capture although the "
+                              "names hold objects with the captured ids (a tensor's .data replaced or set_() while "
+                              "swapped out, a parametrization removed, or a freed object's id reused); the graphs "
+                              "read the old memory. clear_graphs() and capture_model() capture the model as it is")
+                return self.stale
             self.registrations = count  # a registration elsewhere, or the captured objects put back
             self.replaced = (-1, None)
             return None
@@ -252,6 +259,14 @@ class ModelState:
                                              "replay again, or clear_graphs() and capture_model() to capture the "
                                              "new one"))
         return self.replaced[1]
+
+    def _as_captured(self) -> bool:
+        """The tensors at the captured addresses, dtypes and devices, and every submodule the very object
+        captured: ids alone do not say it (a freed object's id is reused; .data and set_() keep the id)."""
+        if self.adapter.tensor_fingerprint(self.model) != self.fingerprint:
+            return False
+        dicts = [d for _, d in self.adapter.module_dicts(self.model)]
+        return len(dicts) == len(self.dicts) and all(map(operator.is_, dicts, self.dicts))
 
 
 def _show(value) -> str:

@@ -119,4 +119,13 @@ def _install_conversion_counter() -> None:
     if _conversion_counter_installed:
         return
     count_calls(torch.nn.Module, ("_apply",), _conversions)
+    # swap_tensors keeps both objects and exchanges their data: load_state_dict does it outside _apply
+    # under torch.__future__.set_swap_module_params_on_conversion(True). Looked up at call time.
+    swap = torch.utils.swap_tensors
+
+    def counted_swap(t1, t2, __swap=swap):
+        _conversions[0] += 1
+        return __swap(t1, t2)
+
+    torch.utils.swap_tensors = functools.update_wrapper(counted_swap, swap)
     _conversion_counter_installed = True

@@ -2,6 +2,7 @@
 on CPU, plus the torch-only cases (autocast, inference_mode, a replaced parameter at level 0)."""
 import collections
 import functools
+import gc
 import logging
 import operator
 import threading
@@ -240,6 +241,105 @@ def test_torch_func_calls_with_other_parameters_never_replay_the_captured_ones(F
     with torch.no_grad():
         assert same(F, level, m(x), twin(x))
     assert graph_opt.stats(m).replays == 1, graph_opt.stats(m)
+
+
+class _WithActivation2(torch.nn.Module):
+    """A submodule holding the layers: the decorated model's own attributes are watched apart (level 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.LeakyReLU(0.01))
+        self.second = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return self.second(self.block(x))
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, w):
+        return w * 2
+
+
+def _reused_id(make, gone_id):
+    """One of many new objects, the one Python placed where a freed object was (the same id()); the first
+    where the object is still alive (level >= 1 holds the captured tensors)."""
+    gc.collect()
+    made = [make() for _ in range(3000)]
+    return next((a for a in made if id(a) == gone_id), made[0])
+
+
+def _data_changed_while_swapped_out(m):
+    weight = m.block[0].weight
+    m.block[0].weight = torch.nn.Parameter(torch.zeros_like(weight))
+    weight.data = weight.data * 2 + 1
+    m.block[0].weight = weight
+
+
+def _parametrized_and_removed(m):
+    """torch's remove_parametrizations(leave_parametrized=True) set_()s new memory into the same Parameter."""
+    from torch.nn.utils import parametrize
+
+    parametrize.register_parametrization(m.second, "bias", _Doubled())
+    parametrize.remove_parametrizations(m.second, "bias", leave_parametrized=True)
+
+
+def _freed_parameters_id_reused(m):
+    gone, values = id(m.block[0].weight), torch.randn_like(m.block[0].weight)
+    m.block[0].weight = None
+    m.block[0].weight = _reused_id(lambda: torch.nn.Parameter(values.clone()), gone)
+
+
+def _freed_submodules_id_reused(m):
+    gone = id(m.block[1])
+    m.block[1] = None
+    # Bare objects of the class first (nothing else allocated in between takes the freed place), then
+    # the one at the freed place made a module
+    act = _reused_id(lambda: torch.nn.LeakyReLU.__new__(torch.nn.LeakyReLU), gone)
+    act.__init__(3.0)
+    m.block[1] = act
+
+
+@pytest.mark.parametrize("change", [_data_changed_while_swapped_out, _parametrized_and_removed,
+                                    _freed_parameters_id_reused, _freed_submodules_id_reused],
+                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("level", [0, 1], ids=["level0", "level1"])
+def test_names_holding_objects_with_the_captured_ids_but_other_memory_are_never_replayed(F, level, change):
+    """Replays resume once the captured objects are back; ids alone do not say they are: .data and set_()
+    keep the object and move its memory, and a freed object's id goes to the next one made. On a device
+    a replay would read the old memory (an H200 showed diffs of 0.06 to 1.1); the calls run without graphs."""
+    m, twin = pair(F, _WithActivation2, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    captured = [id(t) for t in (m.block[0].weight, m.block[1])]
+    for model in (m, twin):
+        torch.manual_seed(4)
+        change(model)
+    if level == 0:  # nothing else holds the captured objects: the ids come back
+        assert [id(t) for t in (m.block[0].weight, m.block[1])] == captured
+    x = F.randn(4, HIDDEN, seed=1)
+    with torch.no_grad():
+        assert torch.equal(m(x), twin(x))
+        assert torch.equal(m(x), twin(x))
+    assert graph_opt.stats(m).replays == 0, graph_opt.stats(m)
+
+
+def test_load_state_dict_swapping_tensors_is_seen_as_a_conversion_at_level_0(F):
+    """Under torch.__future__.set_swap_module_params_on_conversion(True), load_state_dict(assign=True)
+    swaps the new data into the captured Parameter objects (torch.utils.swap_tensors)."""
+    m, twin = pair(F, Scaled, 0)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    torch.manual_seed(5)
+    new = {k: torch.randn_like(v) for k, v in m.state_dict().items()}  # no .to(): no conversion counted
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for model in (m, twin):
+            model.load_state_dict({k: v.clone() for k, v in new.items()}, assign=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    x = F.randn(4, HIDDEN, seed=1)
+    with torch.no_grad():
+        assert torch.equal(m(x), twin(x))
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.fallbacks == 1, s  # "converted", or "replaced": it also reassigns buffers
 
 
 class _TwoLayers(torch.nn.Module):
