@@ -220,8 +220,12 @@ class ModelState:
         return ("training", "a submodule's training flag changed since capture")
 
     def _conversions_changed(self) -> Optional[Tuple[str, str]]:
-        if self.adapter.tensor_fingerprint(self.model) == self.fingerprint:
-            self.conversions = self.converted[0]  # another module's .to(), or one that changed nothing
+        now = self.adapter.tensor_fingerprint(self.model)  # (id, where and how the graphs read it, ...)
+        captured = {entry[0]: entry for entry in self.fingerprint}
+        if now == self.fingerprint or all(captured.get(entry[0], entry) == entry for entry in now):
+            # another module's .to(), one that changed nothing, or only tensors replaced by new objects:
+            # those are the registration check's (they may be put back)
+            self.conversions = self.converted[0]
             return None
         self.stale = ("converted", "the model's parameters or buffers were converted since capture (to(), half(), "
                       "cpu() ... keep the parameter objects and move their data); the graphs read the old data. "

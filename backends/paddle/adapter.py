@@ -283,7 +283,9 @@ class PaddleAdapter:
         return _conversions
 
     def tensor_fingerprint(self, model):
-        return tuple((address(t), t.dtype, str(t.place)) for t in list(model.parameters()) + list(model.buffers()))
+        """(id, address, dtype, place, shape, strides) of every parameter and buffer (see the torch adapter's)."""
+        return tuple((id(t), address(t), t.dtype, str(t.place), tuple(t.shape), tuple(t.strides))
+                     for t in list(model.parameters()) + list(model.buffers()))
 
     def after_failed_capture(self) -> None:
         pass  # Paddle's generators: not known to need it (its CUDA path is not run here)

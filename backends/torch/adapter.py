@@ -288,7 +288,10 @@ class TorchAdapter:
         return _conversions
 
     def tensor_fingerprint(self, model):
-        return tuple((t.data_ptr(), t.dtype, t.device) for t in itertools.chain(model.parameters(), model.buffers()))
+        """(id, address, dtype, device, shape, strides) of every parameter and buffer: where and how the
+        graphs read each (ModelState compares them by object, so that a replaced one is not a conversion)."""
+        return tuple((id(t), t.data_ptr(), t.dtype, t.device, t.shape, t.stride())
+                     for t in itertools.chain(model.parameters(), model.buffers()))
 
     def mode_counter(self) -> list:
         """[count] that Module.train() (and so eval()) bumps, process-wide: a replay compares one integer

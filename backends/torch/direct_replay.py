@@ -32,8 +32,9 @@ class _ModuleTensors:
     - one of another shape, dtype or device: the graph may have baked what the forward read of it
       (`self.scale.shape[0]` is a constant in the graph, and Dynamo's guards on the parameters' and
       buffers' metadata are left out: dynamo._replay_guards);
-    - the same tensor with other memory (`p.data = ...`, as transformers' resize_token_embeddings does,
-      seen at its registration of the module): the graph reads the old memory.
+    - the same tensor with other memory or strides (`p.data = ...`, as transformers'
+      resize_token_embeddings does, seen at its registration of the module): the graph reads the memory
+      as it was laid out at capture.
     A submodule or a tensor slot added since capture moves the replays to the transformed code."""
 
     def __init__(self, model):
@@ -110,16 +111,16 @@ class _ModuleTensors:
         held_at = {}
         for path, layout in now.items():
             held_at.setdefault(layout[3], path)
-        for path, (shape, dtype, device, ident, address) in self.layouts.items():
+        for path, (shape, dtype, device, ident, address, strides) in self.layouts.items():
             if path not in now:
                 continue
-            shape2, dtype2, device2, ident2, address2 = now[path]
+            shape2, dtype2, device2, ident2, address2, strides2 = now[path]
             if (shape2, dtype2, device2) != (shape, dtype, device):
                 return (f"{path} was replaced by a tensor of shape {list(shape2)}, {dtype2} on {device2}; the graphs "
                         f"were captured with {list(shape)}, {dtype} on {device} and may hold what the forward read of it")
-            if ident2 == ident and address2 != address:
-                return (f"{path} holds other memory than at capture (its .data was replaced); the graphs read the "
-                        "memory it had")
+            if ident2 == ident and (address2 != address or strides2 != strides):
+                return (f"{path} holds other memory or strides than at capture (its .data was replaced, or set_() or "
+                        "as_strided_() ran on it); the graphs read the memory as it was laid out then")
             if ident2 != ident:
                 where = f", and the captured one is still in the model at {held_at[ident]}" if ident in held_at else ""
                 return (f"{type(self.model).__name__}.{path} was replaced by a new object after capture{where}; the "

@@ -69,8 +69,8 @@ def module_fingerprint(model) -> tuple:
 
 
 def module_state(model, layouts: bool = True) -> tuple:
-    """(module_fingerprint, path -> (shape, dtype, device, id, address) of every parameter and buffer the
-    model holds, or None), from one walk of the module tree."""
+    """(module_fingerprint, path -> (shape, dtype, device, id, address, strides) of every parameter and
+    buffer the model holds, or None), from one walk of the module tree."""
     fingerprint, held = [], ({} if layouts else None)
     for path, m in model.named_modules(remove_duplicate=False):
         prefix = path + "." if path else ""
@@ -80,7 +80,7 @@ def module_state(model, layouts: bool = True) -> tuple:
             for k, t in slots.items():
                 fingerprint.append((prefix + k, 0 if t is None else id(t)))
                 if layouts and t is not None:
-                    held[prefix + k] = (tuple(t.shape), t.dtype, t.device, id(t), t.data_ptr())
+                    held[prefix + k] = (tuple(t.shape), t.dtype, t.device, id(t), t.data_ptr(), t.stride())
     return tuple(fingerprint), held
 
 

@@ -275,6 +275,22 @@ def _data_changed_while_swapped_out(m):
     m.block[0].weight = weight
 
 
+def _transposed_while_swapped_out(m):
+    """The same memory, other strides: a square weight's .data made its transpose."""
+    weight = m.block[0].weight
+    m.block[0].weight = torch.nn.Parameter(torch.zeros_like(weight))
+    weight.data = weight.data.t()
+    m.block[0].weight = weight
+
+
+def _bias_narrowed_while_swapped_out(m):
+    """The same address, another shape: a bias made its first element (eager broadcasts it)."""
+    bias = m.second.bias
+    m.second.bias = torch.nn.Parameter(torch.zeros_like(bias))
+    bias.data = bias.data[:1]
+    m.second.bias = bias
+
+
 def _parametrized_and_removed(m):
     """torch's remove_parametrizations(leave_parametrized=True) set_()s new memory into the same Parameter."""
     from torch.nn.utils import parametrize
@@ -299,14 +315,16 @@ def _freed_submodules_id_reused(m):
     m.block[1] = act
 
 
-@pytest.mark.parametrize("change", [_data_changed_while_swapped_out, _parametrized_and_removed,
+@pytest.mark.parametrize("change", [_data_changed_while_swapped_out, _transposed_while_swapped_out,
+                                    _bias_narrowed_while_swapped_out, _parametrized_and_removed,
                                     _freed_parameters_id_reused, _freed_submodules_id_reused],
                          ids=lambda f: f.__name__.strip("_"))
 @pytest.mark.parametrize("level", [0, 1], ids=["level0", "level1"])
 def test_names_holding_objects_with_the_captured_ids_but_other_memory_are_never_replayed(F, level, change):
     """Replays resume once the captured objects are back; ids alone do not say they are: .data and set_()
-    keep the object and move its memory, and a freed object's id goes to the next one made. On a device
-    a replay would read the old memory (an H200 showed diffs of 0.06 to 1.1); the calls run without graphs."""
+    keep the object and move its memory or change its strides, and a freed object's id goes to the next
+    one made. On a device a replay would read the old memory or layout (an H200 showed diffs of 0.06 to
+    1.1); the calls run without graphs."""
     m, twin = pair(F, _WithActivation2, level)
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
     captured = [id(t) for t in (m.block[0].weight, m.block[1])]
@@ -320,6 +338,26 @@ def test_names_holding_objects_with_the_captured_ids_but_other_memory_are_never_
         assert torch.equal(m(x), twin(x))
         assert torch.equal(m(x), twin(x))
     assert graph_opt.stats(m).replays == 0, graph_opt.stats(m)
+
+
+def test_a_submodule_replaced_then_put_back_replays_again_after_a_conversion_elsewhere(F, level):
+    """A conversion anywhere (here of another model) while a submodule of this one is replaced: the
+    replaced tensors are not converted ones, so replays resume once the captured submodule is back."""
+    m, twin = pair(F, _WithActivation2, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(4, HIDDEN, seed=1)
+    captured, twin_captured = m.second, twin.second
+    m.second = F.place(torch.nn.Linear(HIDDEN, HIDDEN))
+    twin.second = F.place(torch.nn.Linear(HIDDEN, HIDDEN))
+    twin.second.load_state_dict(m.second.state_dict())
+    F.place(torch.nn.Linear(2, 2))  # .to(): a conversion
+    with torch.no_grad():
+        assert F.close(m(x), twin(x))
+    m.second, twin.second = captured, twin_captured
+    with torch.no_grad():
+        for _ in range(2):
+            assert same(F, level, m(x), twin(x))
+    assert graph_opt.stats(m).replays == 2, graph_opt.stats(m)
 
 
 def test_load_state_dict_swapping_tensors_is_seen_as_a_conversion_at_level_0(F):
