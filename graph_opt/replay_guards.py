@@ -76,6 +76,9 @@ class ModelState:
         # model is walked again only after another registration, and replays resume once the captured
         # objects are back (torch.func.functional_call swaps them in and out around one call)
         self.replaced: Tuple[int, Any] = (-1, None)
+        # ((conversion count, registration count), refusal) of the last look that found parameters or
+        # buffers other than the captured objects after a conversion: looked at again after either bumps
+        self.remade: Tuple[Any, Any] = (None, None)
         # level 0, attributes of the decorated model set since capture: name -> (key at capture, value then)
         self.original: Dict[str, Tuple[Any, Any]] = {}
         self.changed: Dict[str, Any] = {}
@@ -105,6 +108,7 @@ class ModelState:
         self.tensor_ids = adapter.module_tensor_ids(self.model)
         self.stale = None
         self.replaced = (-1, None)
+        self.remade = (None, None)
         self.original.clear()
         self.changed.clear()
         self.captured = True
@@ -116,6 +120,7 @@ class ModelState:
         self.changed.clear()
         self.stale = None
         self.replaced = (-1, None)
+        self.remade = (None, None)
 
     def buffer_versions(self) -> List[Tuple[str, int]]:
         """(name, version counter) of every buffer of the model: which ones a run writes in place."""
@@ -220,13 +225,24 @@ class ModelState:
         return ("training", "a submodule's training flag changed since capture")
 
     def _conversions_changed(self) -> Optional[Tuple[str, str]]:
+        counts = (self.converted[0], self.registered[0])
+        if self.remade[0] == counts:
+            return self.remade[1]
         now = self.adapter.tensor_fingerprint(self.model)  # (id, where and how the graphs read it, ...)
-        captured = {entry[0]: entry for entry in self.fingerprint}
-        if now == self.fingerprint or all(captured.get(entry[0], entry) == entry for entry in now):
-            # another module's .to(), one that changed nothing, or only tensors replaced by new objects:
-            # those are the registration check's (they may be put back)
-            self.conversions = self.converted[0]
+        if now == self.fingerprint:
+            self.conversions = self.converted[0]  # another module's .to(), or one that changed nothing
+            self.remade = (None, None)
             return None
+        captured = {entry[0]: entry for entry in self.fingerprint}
+        if all(captured.get(entry[0], entry) == entry for entry in now):
+            # Only other objects than the captured ones: replaced by the user (put back, they replay again),
+            # or made anew by the conversion (torch's _apply writes new buffers into _buffers, no
+            # registration): not replayed while they are there, without telling the two apart
+            self.remade = (counts, ("converted", "the model's parameters or buffers are not the objects captured: "
+                                                 "a conversion (to(), half() ...) made new ones, or they were "
+                                                 "replaced; the graphs read the captured ones. Put those back, or "
+                                                 "clear_graphs() and capture_model() to capture the model as it is"))
+            return self.remade[1]
         self.stale = ("converted", "the model's parameters or buffers were converted since capture (to(), half(), "
                       "cpu() ... keep the parameter objects and move their data); the graphs read the old data. "
                       "clear_graphs() and capture_model() capture the converted model")

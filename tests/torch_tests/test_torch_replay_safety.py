@@ -371,6 +371,36 @@ def test_a_submodule_replaced_then_put_back_replays_again_after_a_conversion_els
     assert graph_opt.stats(m).replays == 2, graph_opt.stats(m)
 
 
+class _Normalized(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.norm = torch.nn.BatchNorm1d(HIDDEN, affine=False)  # buffers only
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+@pytest.mark.parametrize("level", [0, 1], ids=["level0", "level1"])
+def test_a_conversion_that_makes_new_buffers_is_never_replayed_stale(F, level):
+    """torch's _apply converts buffers by writing new tensors into _buffers, with no registration: a
+    round trip (double() then float()) leaves new buffer objects the graphs do not read. Found by a
+    red-team of the check that leaves replaced objects to the registration check (diff 1.8)."""
+    m, twin = pair(F, _Normalized, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(4, HIDDEN, seed=1)
+    captured = m.norm.running_mean, m.norm.running_var  # held: their ids are not reused
+    for model in (m, twin):
+        model.norm.double()
+        model.norm.float()
+        model.norm.running_mean.add_(3.0)
+    with torch.no_grad():
+        assert torch.equal(m(x), twin(x))
+        assert torch.equal(m(x), twin(x))
+    assert graph_opt.stats(m).replays == 0, graph_opt.stats(m)
+    assert m.norm.running_mean is not captured[0] and m.norm.running_var is not captured[1]
+
+
 def test_load_state_dict_swapping_tensors_is_seen_as_a_conversion_at_level_0(F):
     """Under torch.__future__.set_swap_module_params_on_conversion(True), load_state_dict(assign=True)
     swaps the new data into the captured Parameter objects (torch.utils.swap_tensors)."""
