@@ -1,19 +1,21 @@
-"""Process-wide change counters, for both frameworks: a class's methods wrapped so that every call
-bumps a one-element list first. A replay compares the count with the one it saw and looks at the model
+"""Process-wide change counters, for both frameworks: a class's methods (or a module's functions)
+wrapped so that every call bumps a one-element list first. A replay compares the count with the one it saw and looks at the model
 again only after a bump (graph_opt.replay_guards)."""
 from __future__ import annotations
 
 import functools
-from typing import Iterable, List
+from typing import Callable, Iterable, List, Optional
 
 
-def count_calls(owner: type, names: Iterable[str], counter: List[int]) -> None:
-    """Wrap owner.<name> for each name: every call adds one to counter[0], then runs the method."""
+def count_calls(owner, names: Iterable[str], counter: List[int], unless: Optional[Callable[[], bool]] = None) -> None:
+    """Wrap owner.<name> for each name (a class's methods, or a module's functions looked up at call time):
+    every call adds one to counter[0], except while unless() is true, then runs the original."""
     for name in names:
         method = getattr(owner, name)
 
-        def counted(self, *args, _method=method, **kwargs):
-            counter[0] += 1
-            return _method(self, *args, **kwargs)
+        def counted(*args, _method=method, **kwargs):
+            if unless is None or not unless():
+                counter[0] += 1
+            return _method(*args, **kwargs)
 
         setattr(owner, name, functools.wraps(method)(counted))

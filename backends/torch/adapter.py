@@ -27,7 +27,7 @@ from ...static_address import MARK
 from . import math_mode
 from .module_counters import (
     _conversions, _hook_changes, _install_conversion_counter, _install_hook_counter, _install_mode_counter,
-    _install_registration_hooks, _mode_changes, _registrations, module_fingerprint,
+    _install_registration_hooks, _mode_changes, _registrations, module_fingerprint, tensor_layout,
 )
 logger = logging.getLogger("graph_opt")
 
@@ -290,8 +290,7 @@ class TorchAdapter:
     def tensor_fingerprint(self, model):
         """(id, address, dtype, device, shape, strides) of every parameter and buffer: where and how the
         graphs read each (ModelState compares them by object, so that a replaced one is not a conversion)."""
-        return tuple((id(t), t.data_ptr(), t.dtype, t.device, t.shape, t.stride())
-                     for t in itertools.chain(model.parameters(), model.buffers()))
+        return tuple(map(tensor_layout, itertools.chain(model.parameters(), model.buffers())))
 
     def mode_counter(self) -> list:
         """[count] that Module.train() (and so eval()) bumps, process-wide: a replay compares one integer

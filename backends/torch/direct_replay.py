@@ -110,11 +110,11 @@ class _ModuleTensors:
     def _conflict(self, now: dict) -> Optional[str]:
         held_at = {}
         for path, layout in now.items():
-            held_at.setdefault(layout[3], path)
-        for path, (shape, dtype, device, ident, address, strides) in self.layouts.items():
+            held_at.setdefault(layout[0], path)
+        for path, (ident, address, dtype, device, shape, strides) in self.layouts.items():
             if path not in now:
                 continue
-            shape2, dtype2, device2, ident2, address2, strides2 = now[path]
+            ident2, address2, dtype2, device2, shape2, strides2 = now[path]
             if (shape2, dtype2, device2) != (shape, dtype, device):
                 return (f"{path} was replaced by a tensor of shape {list(shape2)}, {dtype2} on {device2}; the graphs "
                         f"were captured with {list(shape)}, {dtype} on {device} and may hold what the forward read of it")

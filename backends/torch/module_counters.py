@@ -5,8 +5,6 @@ bump (graph_opt.replay_guards, through the adapter; dynamo.py for the registrati
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.nn.modules import module as _module_mod
 
@@ -35,31 +33,14 @@ def _install_registration_hooks() -> None:
     _module_mod.register_module_module_registration_hook(bump)
     # torch calls those hooks for tensors and modules only: `lin.bias = None` (register_parameter(name,
     # None)), register_buffer(name, None) and `del m.attr` change what a forward reads without them.
-    Module = torch.nn.Module
-    for name in ("register_parameter", "register_buffer", "__delattr__"):
-        Module_method = getattr(Module, name)
-
-        def counted(self, *args, __method=Module_method, **kwargs):
-            if not compiling():
-                _registrations[0] += 1
-            return __method(self, *args, **kwargs)
-
-        functools.update_wrapper(counted, Module_method)
-        setattr(Module, name, counted)
+    count_calls(torch.nn.Module, ("register_parameter", "register_buffer", "__delattr__"), _registrations,
+                unless=compiling)
     # torch.func.functional_call (and stateless, make_functional) swaps tensors and submodules by writing
     # module._parameters / _buffers / _modules directly, bypassing those hooks: a replay would run the
     # captured tensors instead of the ones passed. NamedMemberAccessor looks these helpers up at call time.
     from torch.nn.utils import _named_member_accessor as accessor
 
-    for name in ("set_tensor", "swap_tensor", "swap_submodule"):
-        helper = getattr(accessor, name)
-
-        def counted_helper(*args, __helper=helper, **kwargs):
-            if not compiling():
-                _registrations[0] += 1
-            return __helper(*args, **kwargs)
-
-        setattr(accessor, name, functools.update_wrapper(counted_helper, helper))
+    count_calls(accessor, ("set_tensor", "swap_tensor", "swap_submodule"), _registrations, unless=compiling)
     _hooks_installed = True
 
 
@@ -68,9 +49,14 @@ def module_fingerprint(model) -> tuple:
     return module_state(model, layouts=False)[0]
 
 
+def tensor_layout(t) -> tuple:
+    """(id, address, dtype, device, shape, strides): which tensor a graph read, and where and how."""
+    return id(t), t.data_ptr(), t.dtype, t.device, t.shape, t.stride()
+
+
 def module_state(model, layouts: bool = True) -> tuple:
-    """(module_fingerprint, path -> (shape, dtype, device, id, address, strides) of every parameter and
-    buffer the model holds, or None), from one walk of the module tree."""
+    """(module_fingerprint, path -> tensor_layout of every parameter and buffer the model holds, or
+    None), from one walk of the module tree."""
     fingerprint, held = [], ({} if layouts else None)
     for path, m in model.named_modules(remove_duplicate=False):
         prefix = path + "." if path else ""
@@ -80,7 +66,7 @@ def module_state(model, layouts: bool = True) -> tuple:
             for k, t in slots.items():
                 fingerprint.append((prefix + k, 0 if t is None else id(t)))
                 if layouts and t is not None:
-                    held[prefix + k] = (tuple(t.shape), t.dtype, t.device, id(t), t.data_ptr(), t.stride())
+                    held[prefix + k] = tensor_layout(t)
     return tuple(fingerprint), held
 
 
@@ -121,11 +107,5 @@ def _install_conversion_counter() -> None:
     count_calls(torch.nn.Module, ("_apply",), _conversions)
     # swap_tensors keeps both objects and exchanges their data: load_state_dict does it outside _apply
     # under torch.__future__.set_swap_module_params_on_conversion(True). Looked up at call time.
-    swap = torch.utils.swap_tensors
-
-    def counted_swap(t1, t2, __swap=swap):
-        _conversions[0] += 1
-        return __swap(t1, t2)
-
-    torch.utils.swap_tensors = functools.update_wrapper(counted_swap, swap)
+    count_calls(torch.utils, ("swap_tensors",), _conversions)
     _conversion_counter_installed = True
