@@ -333,12 +333,17 @@ def test_names_holding_objects_with_the_captured_ids_but_other_memory_are_never_
     keep the object and move its memory or change its strides, and a freed object's id goes to the next
     one made. On a device a replay would read the old memory or layout (an H200 showed diffs of 0.06 to
     1.1); the calls run without graphs."""
-    m, twin = pair(F, _WithActivation2, level)
-    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
-    captured = [id(t) for t in (m.block[0].weight, m.block[1])]
-    for model in (m, twin):
-        torch.manual_seed(4)
-        change(model)
+    # Whether a freed object's place goes to the next one made depends on what else the process allocated
+    # in between (seen on the GPU host, late in a long run): a few attempts, each from a new capture.
+    for _ in range(5):
+        m, twin = pair(F, _WithActivation2, level)
+        capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+        captured = [id(t) for t in (m.block[0].weight, m.block[1])]
+        for model in (m, twin):
+            torch.manual_seed(4)
+            change(model)
+        if level > 0 or [id(t) for t in (m.block[0].weight, m.block[1])] == captured:
+            break
     if level == 0:  # nothing else holds the captured objects: the ids come back
         assert [id(t) for t in (m.block[0].weight, m.block[1])] == captured
     x = F.randn(4, HIDDEN, seed=1)
