@@ -273,10 +273,16 @@ def _captured_level_1(env, name):
 
 
 def _calls_equal(env, m, twin, what):
+    """Calls of 4 and 3 rows against the twin on the rows the call ran: a replay of 3 rows runs them padded
+    with rows of token 0 (the pad value) to 4, which eager on 3 rows alone may round otherwise."""
     with torch.no_grad():
         for n in (4, 3):
             x = tokens(env, n, 20 + n)
-            assert same(env, m(x), twin(x)), f"{what}, {n} rows"
+            replays = graph_opt.stats(m).replays
+            out = m(x)
+            if graph_opt.stats(m).replays > replays:
+                x = torch.cat([x, x.new_zeros(SIZES[-1] - n, SEQ)])
+            assert same(env, out, twin(x)[:n]), f"{what}, {n} rows"
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

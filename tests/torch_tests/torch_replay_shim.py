@@ -571,6 +571,11 @@ class TorchF:
     def rows(t, start, stop):
         return t[start:stop]
 
+    @staticmethod
+    def pad_rows(t, size, value=0):
+        """t with rows of `value` appended up to `size` rows, as a padded call's static buffer holds it."""
+        return torch.cat([t, t.new_full((size - t.shape[0], *t.shape[1:]), value)])
+
     def containers(self, n, seed=0):
         return Batch(self.randn(n, HIDDEN, seed=seed)), collections.OrderedDict(b=self.randn(n, HIDDEN, seed=seed + 7))
 
