@@ -61,6 +61,21 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+class _WeakBackend:
+    """The graph path's torch.compile backend, holding its strategy weakly: torch keeps every backend it
+    was given in a process-wide dict until torch._dynamo.reset() (eval_frame.cached_backends), and the
+    strategy's bound method would keep the model, its graphs and their memory pool alive after `del model`."""
+
+    def __init__(self, strategy: "DynamoStrategy"):
+        self._strategy = weakref.ref(strategy)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        strategy = self._strategy()
+        if strategy is None:  # the model is gone; Dynamo compiles only for a live one
+            raise RuntimeError("graph_opt: the model of this compiled forward was freed")
+        return strategy._backend(gm, example_inputs)
+
+
 # -- which transformed code belongs to which compiled graph ------------------------------------------
 _OWNERS: "weakref.WeakValueDictionary[int, DynamoStrategy]" = weakref.WeakValueDictionary()
 _hook_installed = False
@@ -216,7 +231,7 @@ class DynamoStrategy:
         self._graph_code = self._graph_fn.__code__
         _OWNERS[id(self._graph_code)] = self
         _install_hook()
-        self._compiled = torch.compile(self._graph_fn, backend=self._backend, fullgraph=True, dynamic=None,
+        self._compiled = torch.compile(self._graph_fn, backend=_WeakBackend(self), fullgraph=True, dynamic=None,
                                        options={"guard_filter_fn": _replay_guards})
         self._filtered = True
 
@@ -225,7 +240,7 @@ class DynamoStrategy:
         a numpy array the model holds: RuntimeError "Boolean value of Tensor ... is ambiguous" comparing
         guard weakrefs). Safe, at the price of the parameters' metadata guards on guarded replays."""
         self._filtered = False
-        self._compiled = torch.compile(self._graph_fn, backend=self._backend, fullgraph=True, dynamic=None)
+        self._compiled = torch.compile(self._graph_fn, backend=_WeakBackend(self), fullgraph=True, dynamic=None)
 
     def _graph_path(self, mode: Mode, key, args, kwargs, pool=None, simulate=False, share_key=None, padded=0):
         self._ensure_graph_path()
