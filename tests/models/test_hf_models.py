@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 import graph_opt  # noqa: E402
 from hf_models_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
 
-_CI_SECONDS = 80  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+_CI_SECONDS = 60  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 # Level 2 on one model here (Inductor compiles each model for seconds); tests/gpu runs all (tests/conftest.py)
 _INDUCTOR_ON_CPU = {"test_inference_replays_equal_eager[level2-full-gpt2]"}
 

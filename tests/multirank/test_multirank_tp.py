@@ -13,7 +13,7 @@ if not torch.distributed.is_available():
 import multirank_kit as kit  # noqa: E402
 from multirank_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
 
-_CI_SECONDS = 80  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+_CI_SECONDS = 25  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 
 SCENARIOS = list(kit.SCENARIOS)  # level 2 included: Inductor's C++ compile costs about 16 s here, cold
 DEADLINE_S = 240

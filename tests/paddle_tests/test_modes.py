@@ -10,6 +10,8 @@ from paddle_models import SIZES, capture, config, decoder, inputs, max_diff, sam
 # float32; a padded batch may take another kernel than the unpadded eager run
 ROW_TOLERANCE = 1e-5
 
+_CI_SECONDS = 4  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+
 MODES = {
     "L0 eager": dict(graph_opt_level=0, use_cudagraph=False),
     "L0 full graph": dict(graph_opt_level=0, full_cuda_graph=True),

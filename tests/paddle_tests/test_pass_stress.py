@@ -19,6 +19,8 @@ paddle = pytest.importorskip("paddle")
 
 import graph_opt  # noqa: E402
 
+_CI_SECONDS = 6  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+
 N = 4096  # elements per tensor: big enough for the thread pool to interleave
 ITERS = 6
 RUNS = 50

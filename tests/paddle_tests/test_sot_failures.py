@@ -15,6 +15,8 @@ paddle = pytest.importorskip("paddle")
 import graph_opt  # noqa: E402
 from paddle.jit.dy2static.program_translator import StaticFunction  # noqa: E402
 
+_CI_SECONDS = 8  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+
 
 class Base:
     def __getattribute__(self, key):

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from graph_opt.benchmarks import torch_models  # noqa: E402
 
-_CI_SECONDS = 30  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+_CI_SECONDS = 10  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 
 
 def test_models_bench_smoke(tmp_path):

@@ -16,6 +16,8 @@ _INDUCTOR_ON_CPU = {"test_a_pure_forward_replays_without_the_transformed_code"}
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
+_CI_SECONDS = 8  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+
 
 def _cfg(level, full=True):
     return graph_opt.GraphOptConfig(graph_opt_level=level, full_cuda_graph=full, cudagraph_capture_sizes=SIZES)

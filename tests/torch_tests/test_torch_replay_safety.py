@@ -19,7 +19,7 @@ from replay_safety_kit import (HIDDEN, capture, check_a_decorated_submodule_fail
 from graph_opt.decorator import state_of
 from torch_replay_shim import Scaled, TorchF
 
-_CI_SECONDS = 135  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+_CI_SECONDS = 20  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 # Level 2 here only where Inductor's kernels change what a replay must get right; tests/gpu runs all (conftest)
 _INDUCTOR_ON_CPU = {
     "test_a_changed_attribute_runs_without_graphs_with_one_warning_then_replays_again",

@@ -19,7 +19,7 @@ from soak_kit import (  # noqa: E402,F401  the shared tests: collected here, run
     test_two_threads_calling_one_model_get_right_answers_or_a_clear_error,
 )
 
-_CI_SECONDS = 100  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+_CI_SECONDS = 17  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 
 
 # -- the model: two batch-major arguments, two splitting ops ---------------------------------------

@@ -18,7 +18,7 @@ from training_kit import assert_same_step, graph_warnings, twins  # noqa: E402
 from torch_training_shim import Block, TorchShim  # noqa: E402
 from replay_safety_kit import advance_in_place, in_place_counter  # noqa: E402
 
-_CI_SECONDS = 20  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+_CI_SECONDS = 10  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 # Level 2 here in tests/torch_tests/test_torch_training_levels.py; tests/gpu runs every level (tests/conftest.py)
 _INDUCTOR_ON_CPU = set()
 
