@@ -50,6 +50,8 @@ class Adapter(Protocol):
 
     def keep_changes(self, before, want, got): ...  # got where want differs from before, want elsewhere
 
+    def other_writes(self, before, want, got): ...  # want where it differs from before, got elsewhere
+
     def layout(self, t) -> Any: ...  # hashable (dtype, device): what a buffer must share to hold t
 
     def weak_alias(self, t): ...  # t's memory without owning it, where the graph pool allows; else t

@@ -815,6 +815,89 @@ def test_a_buffer_written_only_at_small_sizes_keeps_captured_sizes_and_counts_as
     assert s.replays == 3 and s.fallback_reasons == {"outputs": 2}  # 4, 8 and 2 replay; 3 and 5 do not
 
 
+def _state_as_eager(F, m, twin, call, state_of_pair, sizes):
+    """Calls of these sizes, each against the twin run on the real rows alone: the outputs (within
+    rounding: a padded batch may round otherwise) and the state after each call (bitwise: a padded call
+    that runs without graphs, or a replay of a captured size, leaves exactly what eager leaves)."""
+    with F.no_grad():
+        for step, real in enumerate(sizes):
+            got, want = call(m, real, step), call(twin, real, step)
+            assert F.close(got, want), f"call {step} of {real} rows"
+            mine, theirs = state_of_pair()
+            assert F.equal(mine, theirs), f"the state after call {step} of {real} rows differs from eager's"
+
+
+def _written_by_padding(F, logs, report, name):
+    """A capture that succeeded warned once that padding rows write `name` where a later call reads."""
+    if report.failed is not None:
+        return
+    assert len(warned(logs, name, "padding rows write")) == 1, [r.getMessage() for r in logs.records]
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "piecewise"])
+def test_a_per_row_state_buffer_is_never_written_by_padding_rows(F, M, level, full, logs):
+    """`self.h[:n] = f(self.h[:n], x)`: a call of 3 rows replayed at 4 would write h[3] too, which the
+    next call of 4 rows reads. Padded calls run without graphs; captured sizes replay."""
+    m, twin = pair(F, M.RowState, level, full=full)
+    with F.graphs():
+        report = graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
+    if report.failed is None:
+        _written_by_padding(F, logs, report, "buffer 'h'")
+    elif level >= 1 and not F.static_writes_inputs:  # Paddle's SOT drops the write into the buffer: named
+        assert "buffer 'h'" in report.failed
+    else:
+        raise AssertionError(report.failed)
+    F.copy_weights(twin, m)
+    _state_as_eager(F, m, twin, lambda model, n, step: model(F.randn(n, HIDDEN, seed=10 + step)),
+                    lambda: (m.h, twin.h), (3, 4, 3, 8, 5, 8, 2))
+    s = graph_opt.stats(m)
+    if report.failed is None:
+        assert s.replays == 4 and s.fallback_reasons == {"outputs": 3}, s  # 4, 8, 8 and 2 replay
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "piecewise"])
+def test_a_per_row_state_passed_as_a_marked_argument_is_never_written_by_padding_rows(F, M, level, full, logs):
+    m, twin = pair(F, M.ArgRowState, level, full=full)
+    state = graph_opt.mark_static_address(F.randn(8, HIDDEN, seed=99))
+    state_twin = F.clone(state)
+    with F.graphs():
+        report = graph_opt.capture_model(m, lambda n: (F.randn(n, HIDDEN, seed=n), state), progress=False)
+    if report.failed is None:
+        _written_by_padding(F, logs, report, "argument 'state'")
+    elif level >= 1 and not F.static_writes_inputs:
+        assert "'state' in place" in report.failed
+    else:
+        raise AssertionError(report.failed)
+    assert F.equal(state, state_twin), "capturing left the marked state other than it found it"
+    _state_as_eager(F, m, twin,
+                    lambda model, n, step: model(F.randn(n, HIDDEN, seed=10 + step), state if model is m else state_twin),
+                    lambda: (state, state_twin), (3, 4, 3, 8, 5, 8, 2))
+    s = graph_opt.stats(m)
+    if report.failed is None:
+        assert s.replays == 4 and s.fallback_reasons == {"outputs": 3}, s
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "piecewise"])
+def test_a_count_per_token_id_is_never_advanced_by_padding_rows(F, M, level, full, logs):
+    """A repetition penalty's counts, `counts.index_add_(0, ids, ones)`: padding rows hold id 0 and would
+    count it at every padded call, and later logits would be penalized."""
+    m, twin = pair(F, M.PenaltyCounts, level, full=full)
+    with F.graphs():
+        report = graph_opt.capture_model(m, lambda n: F.arange(n, start=1), progress=False)
+    if report.failed is None:
+        _written_by_padding(F, logs, report, "buffer 'counts'")
+    elif level >= 1 and not F.static_writes_inputs:
+        assert "buffer 'counts'" in report.failed
+    else:
+        raise AssertionError(report.failed)
+    F.copy_weights(twin, m)
+    _state_as_eager(F, m, twin, lambda model, n, step: model(F.arange(n, start=1 + step)),
+                    lambda: (m.counts, twin.counts), (3, 3, 5, 4, 8, 3))
+    s = graph_opt.stats(m)
+    if report.failed is None:
+        assert s.replays == 2 and s.fallback_reasons == {"outputs": 4}, s
+
+
 def test_dummy_capture_inputs_of_zeros_do_not_hide_a_forward_that_mixes_rows(F, M, level, logs):
     """Captured with all-zero inputs (a serving engine's dummy run): padding rows hold the pad value 0
     too, so the check must probe with rows that differ from them."""

@@ -190,6 +190,11 @@ class PaddleAdapter:
         changed, as another run left them."""
         return paddle.where(_equal_elements(before, want), want, got)
 
+    def other_writes(self, before, want, got):
+        """want where it differs from before, got elsewhere (NaN equal to NaN): the state one run left,
+        with what only another run wrote."""
+        return paddle.where(_equal_elements(before, want), got, want)
+
     def nbytes(self, t) -> int:
         return math.prod(t.shape) * t.element_size()
 

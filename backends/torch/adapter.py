@@ -188,6 +188,11 @@ class TorchAdapter:
         changed, as another run left them."""
         return torch.where(_equal_elements(before, want), want, got)
 
+    def other_writes(self, before, want, got):
+        """want where it differs from before, got elsewhere (NaN equal to NaN): the state one run left,
+        with what only another run wrote."""
+        return torch.where(_equal_elements(before, want), got, want)
+
     def nbytes(self, t) -> int:
         return t.numel() * t.element_size()
 

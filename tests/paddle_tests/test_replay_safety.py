@@ -455,7 +455,46 @@ class ReadyOnce(Scaled):
         return self.lin(x)
 
 
-MODELS = types.SimpleNamespace(Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+class RowState(Scaled):
+    """A recurrent state per batch row, a buffer [max batch, H] updated in place by row position (an RNN's or
+    Mamba's decode state): padding rows would write the rows past the call's own, which a larger call reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("h", paddle.zeros([8, HIDDEN]))
+
+    def forward(self, x):
+        n = x.shape[0]
+        h = paddle.tanh(self.h[:n] * 0.5 + self.lin(x))
+        self.h[:n] = h
+        return h * 2.0
+
+
+class ArgRowState(Scaled):
+    """RowState's state passed as a marked argument [max batch, H]."""
+
+    def forward(self, x, state):
+        n = x.shape[0]
+        h = paddle.tanh(state[:n] * 0.5 + self.lin(x))
+        state[:n] = h
+        return h * 2.0
+
+
+class PenaltyCounts(Embeds):
+    """A repetition penalty: a count per token id, advanced by every row's id (padding rows hold id 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = paddle.nn.Linear(HIDDEN, 32)
+        self.register_buffer("counts", paddle.zeros([32]))
+
+    def forward(self, ids):
+        logits = self.head(self.lin(self.emb(ids))) - self.counts
+        paddle.index_add_(self.counts, ids, 0, paddle.ones([ids.shape[0]]))
+        return logits
+
+
+MODELS = types.SimpleNamespace(RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
