@@ -15,7 +15,9 @@ host time per call at batch 8 with and without them, on four models, each full g
 
 Columns: a hand-written CUDA graph's replay() alone and copy_ + replay(); the plugin at levels 0, 1
 and 2 with guarded_replays true (the default) and false; at level 0 also with the model-state check
-stubbed out, and its own graph's replay() called bare (measurement only). Host time is the median of
+stubbed out, with keep_outputs false, in a loop that holds the previous output while the next call runs
+(`out = model(x)`: its values are copied first), and its own graph's replay() called bare (measurement
+only). Host time is the median of
 alternating rounds (torch_gpu.host_us), and again for one call at a time with the GPU idle before it
 (idle_host_us). Every plugin column's output is checked against the hand-written
 graph's first. --smoke runs the same code on CPU with simulated graphs and tiny sizes (no meaningful
@@ -123,6 +125,11 @@ def _variants(make: Callable[[Optional[graph_opt.GraphOptConfig]], torch.nn.Modu
                     graph_opt.capture_model(stubbed, make_inputs, progress=False)
                 state_of(stubbed).model_state.check = lambda: None  # measurement only
                 models["L0 no model-state check"] = stubbed
+                unkept = make(graph_opt.GraphOptConfig(graph_opt_level=0, cudagraph_capture_sizes=SIZES,
+                                                       keep_outputs=False))
+                with simulated():
+                    graph_opt.capture_model(unkept, make_inputs, progress=False)
+                models["L0 keep_outputs off"] = unkept
     return models
 
 
@@ -166,6 +173,14 @@ def measure(name: str, make, make_inputs, smoke: bool) -> Tuple[Dict[str, float]
             # The plugin's own graph, replayed bare: the same work as the hand-written graph's replay().
             plan = state_of(m).runner.shortcut.sig.plans[BATCH]
             fns["L0 graph replay() alone"] = lambda t, replay=plan.replay: replay()
+            # `out = model(x)` in a loop: the previous output is still held while the next call runs, and
+            # its values are copied first (graph_opt/handed_outputs.py)
+            held = [None]
+
+            def holding(t, call=_spread(m, x), held=held):
+                held[0] = call(t)
+
+            fns["L0 previous output held"] = holding
     with torch.no_grad():
         if smoke:
             return {k: 0.0 for k in fns}, {}, {}, {}
@@ -182,6 +197,9 @@ def _gaps(samples: Dict[str, List[float]]) -> Dict[str, float]:
     gaps = {"L0 - copy_ + replay()": paired_us(samples, "L0", "copy_ + replay()"),
             "L0 graph replay() alone - raw replay()": paired_us(samples, "L0 graph replay() alone", "raw replay()")}
     for label in ("L1", "L1 unguarded", "L2", "L2 unguarded"):
+        if label in samples:
+            gaps[f"{label} - L0"] = paired_us(samples, label, "L0")
+    for label in ("L0 keep_outputs off", "L0 previous output held"):
         if label in samples:
             gaps[f"{label} - L0"] = paired_us(samples, label, "L0")
     return gaps

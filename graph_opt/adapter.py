@@ -50,6 +50,12 @@ class Adapter(Protocol):
 
     def keep_changes(self, before, want, got): ...  # got where want differs from before, want elsewhere
 
+    def alias(self, t): ...  # a new tensor object over t's memory
+
+    def keep_values(self, t) -> None: ...  # an alias made to hold a copy of its values, in memory of its own
+
+    def model_tensors(self, model) -> list: ...  # its parameters and buffers
+
     def other_writes(self, before, want, got): ...  # want where it differs from before, got elsewhere
 
     def layout(self, t) -> Any: ...  # hashable (dtype, device): what a buffer must share to hold t

@@ -409,6 +409,7 @@ class CapturePhase:
             capture_ms=capture_ms,
             memory_bytes=memory,
             copies=copies,
+            handed=self.handed,
         )
         if entry.copy_inputs and copies is None:
             entry.returned_inputs = returned_inputs(adapter, captured.outputs, static)

@@ -14,6 +14,7 @@ from .pytree import flatten, shallow_copier, unflatten
 from .static_address import same_memory
 
 if TYPE_CHECKING:
+    from .handed_outputs import HandedOutputs
     from .signature import Signature
 
 _MISMATCH = object()  # CapturedSize.run could not use its graph for these inputs
@@ -60,6 +61,10 @@ class CapturedSize:
     # (output leaf, input leaf) where the forward returned that input itself: a replay returns the caller's
     # tensor there, as eager does (`h.add_(y); return h` called as `h = m(h)`), not the static copy.
     returned_inputs: List[Tuple[int, int]] = field(default_factory=list)
+    # The model's outputs a caller may still hold: kept (copied) before this size replays, and this
+    # size's outputs handed out as new aliases (handed_outputs.py). None: the stored outputs as they are.
+    handed: Optional["HandedOutputs"] = None
+    written_spans: Optional[List[Tuple[int, int]]] = None  # where its replay writes outputs, once asked
 
     def run(self, adapter, leaves: Sequence[Any], real: int):
         copies = self.copies
@@ -97,6 +102,9 @@ class CapturedSize:
             for i, value in self.host_values:
                 if not adapter.same_values(leaves[i], value):
                     return _HOST_VALUE
+        handed = self.handed
+        if handed is not None:
+            handed.keep()  # before the copies too: an output fed back as an argument is read as it is
         if self.copy_inputs:
             sources = leaves if sig.fed_back is None else staged(adapter, sig.fed_back, dsts, leaves)
             sig.padding.wrote(real)  # before the copies: one that raises leaves rows [0, real) counted as written
@@ -107,11 +115,13 @@ class CapturedSize:
         if sig.mutated:
             self._write_back(adapter, sig, dsts, leaves)
         if self.captured.stable_outputs:
-            if copies is not None:
-                return copies.after_replay(output, real)
             out = output if copier is None else copier()
+            if copies is not None:
+                return copies.after_replay(out, real)
         else:
             out = self.cut_outputs(adapter, fresh, real)
+            if handed is not None:
+                out = handed.hand_out(out, self.written(adapter))
         if self.returned_inputs:
             # Not an argument in the outputs' memory (an earlier output fed back): the replay has just
             # written there, and the static copy holds what eager returns.
@@ -144,10 +154,22 @@ class CapturedSize:
         dtypes = [adapter.dtype(t) for t in dsts]
         strides = [adapter.stride(t) for t in dsts]
         output = self.cut_outputs(adapter, self.captured.outputs, real) if self.captured.stable_outputs else None
-        # The stored outputs are never handed out themselves: each call gets its own dicts and lists.
-        views = (dsts, shapes, dtypes, strides, output, shallow_copier(output))
+        # The stored outputs are never handed out themselves: each call gets its own dicts and lists, and
+        # (handed_outputs.py) its own tensor objects over the memory the replay writes.
+        handed = self.handed
+        copier = shallow_copier(output) if handed is None else handed.copier(output, self.written(adapter))
+        views = (dsts, shapes, dtypes, strides, output, copier)
         self.views[real] = views
         return views
+
+    def written(self, adapter) -> List[Tuple[int, int]]:
+        """(start, end) bytes of the captured outputs a replay writes: those that are not the model's
+        parameters or buffers, nor views of them."""
+        spans = self.written_spans
+        if spans is None:
+            model = self.handed.model_spans() if self.handed is not None else []
+            spans = self.written_spans = [s for s in self.output_extents(adapter) if not overlaps(model, s)]
+        return spans
 
     def cut_outputs(self, adapter, outputs, real: int):
         if real == self.padded_size:

@@ -50,6 +50,10 @@ class GraphOptConfig:
         functions) before every replay, except those on graph_opt's own capture flags. False skips
         them, as vLLM does: the Python state the forward reads must then not change after capture
         (the decorated model's own attributes are still watched, as at level 0).
+    keep_outputs: an output the caller still holds when the next replay of the model runs keeps its
+        values (they are copied to memory of its own first), as eager's would. False: every output is
+        the graphs' memory until the next call overwrites it (no copy; for callers that read each
+        call's outputs before the next call).
     """
 
     graph_opt_level: int = 0
@@ -65,6 +69,7 @@ class GraphOptConfig:
     program_passes: List[str] = field(default_factory=lambda: list(KNOWN_PASSES))
     cudagraph_max_signatures: int = 8
     guarded_replays: bool = True
+    keep_outputs: bool = True
     sources: Dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -285,7 +290,7 @@ def validate(cfg: GraphOptConfig) -> None:
     if not _is_int(cfg.graph_opt_level) or cfg.graph_opt_level not in (0, 1, 2):
         fail("graph_opt_level", "must be 0 (eager), 1 (static) or 2 (static + compiler)")
     for name in ("use_cudagraph", "full_cuda_graph", "use_unique_memory_pool", "cudagraph_copy_inputs",
-                 "guarded_replays"):
+                 "guarded_replays", "keep_outputs"):
         if not isinstance(getattr(cfg, name), bool):
             fail(name, "must be a boolean (true or false)")
     if cfg.cudagraph_mode is not None:

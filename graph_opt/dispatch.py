@@ -69,6 +69,7 @@ class KindDispatch:
             raise ValueError("KindDispatch: the two runners must share one guard (GraphRunner(guard=...))")
         self.guard = full.guard
         full.siblings, piecewise.siblings = [piecewise], [full]  # one model state: a failure stops both
+        piecewise.handed = full.handed  # one pool: a piecewise replay may write where a full one's outputs are
 
     # -- the call ------------------------------------------------------------------------------------
     fast = None  # no shortcut: each call's kind is the key function's

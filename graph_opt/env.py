@@ -111,6 +111,7 @@ ENV_VARS = (
     EnvVar("GRAPH_OPT_MAX_SIGNATURES", "cudagraph_max_signatures", parse_int,
            "cudagraph_max_signatures, a positive integer"),
     EnvVar("GRAPH_OPT_GUARDED_REPLAYS", "guarded_replays", parse_bool, "guarded_replays"),
+    EnvVar("GRAPH_OPT_KEEP_OUTPUTS", "keep_outputs", parse_bool, "keep_outputs"),
     EnvVar("GRAPH_OPT_LOG_LEVEL", None, parse_log_level, "level of the 'graph_opt' logger (DEBUG..CRITICAL)"),
     EnvVar("GRAPH_OPT_SIMULATE_CUDAGRAPH", None, parse_switch, "replay host stand-in graphs where CUDA graphs are unavailable"),
 )

@@ -4,9 +4,9 @@ Each size's graph writes its outputs to blocks of the graph pool, and those bloc
 long as the outputs are held: for 35 sizes of a decoder that is 8.3 MiB of hidden states (35 times
 bs x 1024 bf16), for logits hundreds of MiB. So a size smaller than one captured before ends its
 graph with a copy of each batch-major output into the first rows of the larger size's output, and
-keeps only views of those rows; its own output blocks go back to the pool for the next size. A call's
-outputs are then valid until the next call of the model, whatever its size (README, "How a call
-goes"); the shared storage is owned by the outputs themselves, so it outlives clear_graphs().
+keeps only views of those rows; its own output blocks go back to the pool for the next size. A call of
+any size then writes where an earlier call's outputs are: handed_outputs.py copies the ones a caller
+still holds first. The shared storage is owned by the outputs themselves, so it outlives clear_graphs().
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 TENSOR = "<tensor>"  # the spec of a tensor leaf
 
@@ -286,37 +286,38 @@ def holds_tensor(obj, is_tensor, depth: int) -> bool:
     return any(holds_tensor(v, is_tensor, depth - 1) for v in values)
 
 
-def shallow_copier(tree: Any) -> Any:
+def shallow_copier(tree: Any, fresh: Optional[Callable[[Any], Optional[Callable[[], Any]]]] = None) -> Any:
     """A function returning `tree` with every container a caller could change (dict, list, a dataclass
     or Hugging Face ModelOutput object) a new one, the leaves shared; None where `tree` holds no such
     container (a tensor, a tuple of them). A replay returns its stored outputs through it: a caller that
-    changes one call's dict must not change the next call's."""
-    return _copier(tree)
+    changes one call's dict must not change the next call's. `fresh(leaf)` may give a function making a
+    new object for that leaf at every call (handed_outputs.py), or None to share it."""
+    return _copier(tree, fresh)
 
 
-def _copier(x):
+def _copier(x, fresh=None):
     kind = type(x)
     if kind is tuple or (isinstance(x, tuple) and hasattr(x, "_fields")):
-        parts = [_copier(v) for v in x]
+        parts = [_copier(v, fresh) for v in x]
         if not any(parts):
             return None
         make = tuple if kind is tuple else (lambda values, _kind=kind: _kind(*values))
         return lambda: make([p() if p else v for p, v in zip(parts, x)])
     if kind is list:
-        parts = [_copier(v) for v in x]
+        parts = [_copier(v, fresh) for v in x]
         return lambda: [p() if p else v for p, v in zip(parts, x)]
     if kind is dict:
-        parts = {k: _copier(v) for k, v in x.items()}
+        parts = {k: _copier(v, fresh) for k, v in x.items()}
         if not any(parts.values()):
             return x.copy
         return lambda: {k: (p() if p else x[k]) for k, p in parts.items()}
     if isinstance(x, collections.OrderedDict) or (dataclasses.is_dataclass(x) and not isinstance(x, type)) \
             or isinstance(x, dict):
-        return _object_copier(x)
-    return None
+        return _object_copier(x, fresh)
+    return None if fresh is None else fresh(x)
 
 
-def _object_copier(x):
+def _object_copier(x, fresh=None):
     """A dict subclass or dataclass object: a new one of its class with its items and attributes; the
     ones that are containers themselves copied too. An OrderedDict subclass (a ModelOutput) is built
     directly (copy.copy of one costs 17 us); any other (a defaultdict, a slotted dataclass) is copied
@@ -330,8 +331,8 @@ def _object_copier(x):
         attrs = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
     else:
         attrs = {}
-    item_parts = [(k, _copier(v), v) for k, v in items]
-    attr_parts = [(k, _copier(v), v) for k, v in attrs.items()]
+    item_parts = [(k, _copier(v, fresh), v) for k, v in items]
+    attr_parts = [(k, _copier(v, fresh), v) for k, v in attrs.items()]
     if not isinstance(x, collections.OrderedDict) or held is None:
         def make_copy():
             new = copy.copy(x)

@@ -24,6 +24,7 @@ from .capture_phase import CapturePhase
 from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH, _MOVED, in_place
 from .errors import GraphOptError, GuardFailed, ReplayDivergence
 from .fast_replay import MISS, FastReplay, plan_for
+from .handed_outputs import HandedOutputs
 from .host_outputs import HostRingFull
 from .pytree import flatten, strict_key
 from .replay_guards import ModelState, Unwatched
@@ -91,6 +92,16 @@ class GraphRunner(SignatureChecks, CapturePhase):
         # The other graph kind of the same model (graph_opt.dispatch): it shares this runner's model state,
         # which a failure here releases, so it stops with this one (disable()).
         self.siblings: List["GraphRunner"] = []
+        # The outputs of earlier replays a caller may still hold (shared with the siblings: one pool).
+        self.handed = HandedOutputs(adapter, config.keep_outputs, self._model_spans)
+
+    def _model_spans(self) -> List[Tuple[int, int]]:
+        """(start, end) bytes of the model's parameters and buffers: outputs there are the model's own."""
+        model = getattr(self.model_state, "model", None)
+        if model is None:
+            return []
+        adapter = self.adapter
+        return [adapter.extent(t) for t in adapter.model_tensors(model)]
 
     # -- hot path ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -360,6 +371,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
             sig.padding = None
         self.signatures.clear()
         self.shortcut = self.fast = None
+        self.handed.release()
         self._sig_numbers = itertools.count(1)
         self.strategy.release()
         self.model_state.release()

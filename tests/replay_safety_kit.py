@@ -898,6 +898,48 @@ def test_a_count_per_token_id_is_never_advanced_by_padding_rows(F, M, level, ful
         assert s.replays == 2 and s.fallback_reasons == {"outputs": 4}, s
 
 
+# -- outputs a caller keeps (graph_opt/handed_outputs.py) ------------------------------------------------
+@pytest.mark.parametrize("outer", ["plain", "decorated"])
+def test_a_decorated_block_called_twice_in_one_forward_gives_eager_s_answer(F, M, level, outer, logs):
+    """`a = self.block(x); b = self.block(y)`: the second replay writes where the first one's output is;
+    the first is kept (its values copied) before it runs. The same inside a decorated outer model, whose
+    level-0 capture records the block's replays and the copy between them."""
+    block, block_twin = pair(F, M.Scaled, level)
+    capture(F, block, lambda n: F.randn(n, HIDDEN, seed=n))
+    twin = F.place(M.CallsTwice(block_twin))
+    if outer == "plain":
+        model = F.place(M.CallsTwice(block))
+    else:
+        Outer = graph_opt.support_graph_optimization(type("Outer", (M.CallsTwice,), {}))
+        model = F.place(Outer(block, graph_opt_config=graph_opt.GraphOptConfig(cudagraph_capture_sizes=SIZES)))
+        capture(F, model, lambda n: (F.randn(n, HIDDEN, seed=n), F.randn(n, HIDDEN, seed=n + 1)))
+    with F.graphs(), F.no_grad():
+        for real in (4, 3, 8):
+            x, y = F.randn(real, HIDDEN, seed=real), F.randn(real, HIDDEN, seed=real + 50)
+            assert F.close(model(x, y), twin(x, y)), f"a call of {real} rows"
+    assert graph_opt.stats(block).replays >= 6 and graph_opt.stats(block).fallbacks == 0
+    if outer == "decorated":
+        assert graph_opt.stats(model).replays == 3
+
+
+def test_outputs_kept_across_calls_keep_their_values_unless_keep_outputs_is_off(F, M, level):
+    """Every size's outputs share the largest size's storage: each later call writes where the earlier
+    ones' outputs are. Kept outputs keep their values; with keep_outputs=False they are overwritten."""
+    for keep in (True, False):
+        m, twin = pair(F, M.Scaled, level, config={"keep_outputs": keep})
+        capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+        xs = [F.randn(n, HIDDEN, seed=10 + n + i) for i, n in enumerate((3, 8, 4, 3))]
+        with F.graphs(), F.no_grad():
+            outs = [m(x) for x in xs]
+            wants = [twin(x) for x in xs]
+        assert graph_opt.stats(m).replays == 4
+        if keep:
+            for i, (out, want) in enumerate(zip(outs, wants)):
+                assert F.close(out, want), f"output {i}"
+        else:  # documented: valid until the next call
+            assert not F.close(outs[0], wants[0])
+
+
 def test_dummy_capture_inputs_of_zeros_do_not_hide_a_forward_that_mixes_rows(F, M, level, logs):
     """Captured with all-zero inputs (a serving engine's dummy run): padding rows hold the pad value 0
     too, so the check must probe with rows that differ from them."""

@@ -272,6 +272,7 @@ for var, value, fragments in [
     ("GRAPH_OPT_COPY_INPUTS", "nah", ("GRAPH_OPT_COPY_INPUTS='nah'", BOOL)),
     ("GRAPH_OPT_MAX_SIGNATURES", "many", ("GRAPH_OPT_MAX_SIGNATURES='many'", "a positive integer")),
     ("GRAPH_OPT_GUARDED_REPLAYS", "sometimes", ("GRAPH_OPT_GUARDED_REPLAYS='sometimes'", BOOL)),
+    ("GRAPH_OPT_KEEP_OUTPUTS", "always", ("GRAPH_OPT_KEEP_OUTPUTS='always'", BOOL)),
     ("GRAPH_OPT_LOG_LEVEL", "LOUD", ("GRAPH_OPT_LOG_LEVEL='LOUD'", "one of DEBUG, INFO, WARNING, ERROR, CRITICAL")),
     ("GRAPH_OPT_SIMULATE_CUDAGRAPH", "maybe", ("GRAPH_OPT_SIMULATE_CUDAGRAPH='maybe'", BOOL)),
     ("GRAPH_OPT_LEVLE", "1", ("unknown environment variable GRAPH_OPT_LEVLE", "graph_opt reads GRAPH_OPT_CONFIG")),

@@ -23,9 +23,10 @@ def test_every_design_field_exists_with_its_default():
     expected = {"graph_opt_level", "use_cudagraph", "full_cuda_graph", "cudagraph_mode", "cudagraph_capture_sizes",
                 "max_capture_size",
                 "cudagraph_num_of_warmups", "cudagraph_splitting_ops", "use_unique_memory_pool",
-                "cudagraph_copy_inputs", "program_passes", "cudagraph_max_signatures", "guarded_replays"}
+                "cudagraph_copy_inputs", "program_passes", "cudagraph_max_signatures", "guarded_replays",
+                "keep_outputs"}
     assert set(field_names()) == expected
-    assert cfg.cudagraph_max_signatures == 8 and cfg.guarded_replays is True
+    assert cfg.cudagraph_max_signatures == 8 and cfg.guarded_replays is True and cfg.keep_outputs is True
     assert cfg.capture_sizes[:4] == [1, 2, 4, 8] and cfg.capture_sizes[-1] == 256
     assert len(cfg.capture_sizes) == 35
 
@@ -126,6 +127,7 @@ BAD_CONFIGS = [
     ({"use_unique_memory_pool": "true"}, "use_unique_memory_pool"),
     ({"cudagraph_copy_inputs": 0}, "cudagraph_copy_inputs=0"),
     ({"guarded_replays": "no"}, "guarded_replays='no'"),
+    ({"keep_outputs": 1}, "keep_outputs=1"),
     ({"cudagraph_max_signatures": 0}, "cudagraph_max_signatures=0 (from dict): must be a positive integer"),
     ({"cudagraph_capture_sizes": []}, "cudagraph_capture_sizes=[]"),
     ({"cudagraph_capture_sizes": [1, 0, 4]}, "every size must be a positive integer, got 0"),
@@ -218,6 +220,7 @@ ENV_OVERRIDES = [
     ("GRAPH_OPT_COPY_INPUTS", "0", "cudagraph_copy_inputs", False),
     ("GRAPH_OPT_MAX_SIGNATURES", "3", "cudagraph_max_signatures", 3),
     ("GRAPH_OPT_GUARDED_REPLAYS", "off", "guarded_replays", False),
+    ("GRAPH_OPT_KEEP_OUTPUTS", "false", "keep_outputs", False),
 ]
 
 

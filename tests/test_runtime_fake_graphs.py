@@ -127,6 +127,15 @@ class FakeAdapter:
             shape[dim] = size
         return T(np.zeros(shape, t.a.dtype))
 
+    def alias(self, t):
+        return T(t.a.view(), base=t)
+
+    def keep_values(self, t):
+        t.a, t.base = t.a.copy(), None
+
+    def model_tensors(self, model):
+        return []
+
     def narrow(self, t, dim, length):
         index = [slice(None)] * t.a.ndim
         index[dim] = slice(0, length)
@@ -325,15 +334,27 @@ def test_one_memory_pool_per_model_only_when_configured(unique_pool):
     assert adapter.pools == (1 if unique_pool else 0)
 
 
-def test_a_replay_reads_the_captured_buffers_and_returns_the_same_output_objects():
+@pytest.mark.parametrize("keep", [True, False], ids=["keep_outputs", "no-keep_outputs"])
+def test_a_replay_reads_the_captured_buffers_and_hands_out_the_captured_memory(keep):
+    """Each call's output is the graph's memory (no copy), in a tensor object of its own; a kept one gets
+    its values copied at the next replay (graph_opt/handed_outputs.py). keep_outputs=False: the stored
+    output itself, overwritten by the next call."""
     adapter = FakeAdapter()
     forward, _ = forward_calls()
-    runner = runner_for(GraphOptConfig(cudagraph_capture_sizes=[4]), adapter, forward)
+    runner = runner_for(GraphOptConfig(cudagraph_capture_sizes=[4], keep_outputs=keep), adapter, forward)
     runner.capture((T(np.ones((4, 4), np.float32)),), {}, 4)
-    first = runner(T(np.zeros((4, 4), np.float32)))
-    second = runner(T(np.full((4, 4), 2.0, np.float32)))
-    assert second is first  # overwritten in place by the replay
-    np.testing.assert_allclose(second.a, eager(np.full((4, 4), 2.0, np.float32)), rtol=1e-6)
+    (stored,) = [e.captured.outputs for e in next(iter(runner.signatures.values())).entries.values()]
+    zeros, twos = np.zeros((4, 4), np.float32), np.full((4, 4), 2.0, np.float32)
+    first = runner(T(zeros))
+    assert np.shares_memory(first.a, stored.a)
+    second = runner(T(twos))
+    assert np.shares_memory(second.a, stored.a)
+    np.testing.assert_allclose(second.a, eager(twos), rtol=1e-6)
+    if keep:
+        assert second is not first and not np.shares_memory(first.a, stored.a)
+        np.testing.assert_allclose(first.a, eager(zeros), rtol=1e-6)  # kept: its own values
+    else:
+        assert second is first  # overwritten in place by the replay
 
 
 @pytest.mark.parametrize("full", [True, False])
@@ -368,8 +389,10 @@ def test_smaller_sizes_write_their_outputs_into_the_largest_sizes_storage(full):
         np.testing.assert_allclose(batch.a, want, rtol=1e-6)
     x4 = rng.randn(4, 4).astype(np.float32)
     held = runner(T(x4))[0]
-    runner(T(rng.randn(8, 4).astype(np.float32)))  # another size: valid until the next call, as documented
-    assert not np.allclose(held.a, np.tanh(x4 @ W) * (np.arange(1, 5, dtype=np.float32)[:, None] if not full else 1))
+    assert shares_storage(adapter, held, largest[0])
+    runner(T(rng.randn(8, 4).astype(np.float32)))  # another size writes the same storage: `held` was kept first
+    np.testing.assert_allclose(held.a, np.tanh(x4 @ W) * (np.arange(1, 5, dtype=np.float32)[:, None] if not full else 1),
+                               rtol=1e-6)
 
 
 def counting_copies(monkeypatch):

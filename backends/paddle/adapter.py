@@ -195,6 +195,20 @@ class PaddleAdapter:
         with what only another run wrote."""
         return paddle.where(_equal_elements(before, want), got, want)
 
+    def alias(self, t):
+        """A new tensor object over t's memory: what a replay hands out (graph_opt/handed_outputs.py).
+        A view, not detach(): a detached tensor or a slice shares t's own storage object, which set_
+        (keep_values) would move too."""
+        return t.view(t.shape)
+
+    def keep_values(self, t) -> None:
+        """A handed-out alias made to hold a copy of its values, in memory of its own."""
+        with paddle.no_grad():
+            t.set_(t.clone())
+
+    def model_tensors(self, model) -> list:
+        return [t for t in list(model.parameters()) + list(model.buffers()) if t._is_initialized()]
+
     def nbytes(self, t) -> int:
         return math.prod(t.shape) * t.element_size()
 

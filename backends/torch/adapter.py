@@ -193,6 +193,18 @@ class TorchAdapter:
         with what only another run wrote."""
         return torch.where(_equal_elements(before, want), got, want)
 
+    def alias(self, t):
+        """A new tensor object over t's memory: what a replay hands out (graph_opt/handed_outputs.py)."""
+        return t.detach()
+
+    def keep_values(self, t) -> None:
+        """A handed-out alias made to hold a copy of its values, in memory of its own."""
+        with (torch.inference_mode() if t.is_inference() else torch.no_grad()):
+            t.set_(t.clone())
+
+    def model_tensors(self, model) -> list:
+        return list(itertools.chain(model.parameters(), model.buffers()))
+
     def nbytes(self, t) -> int:
         return t.numel() * t.element_size()
 

@@ -1,0 +1,80 @@
+"""Outputs handed to a caller: tensor objects of their own, which keep their values after later replays.
+
+A replay writes its outputs into the graphs' memory, and every later replay of the model writes there
+again: each size's outputs, and the smaller sizes' in the largest size's (output_sharing.py). Eager gives
+each call new tensors. So a replay hands out new tensor objects over that memory (adapter.alias), held
+weakly here; before the model's next replay, each one a caller still holds gets its values copied to
+memory of its own (adapter.keep_values). `a = block(x); b = block(y); a + b` is then eager's answer, and
+so is an output kept across decode steps.
+
+Costs: per call, one alias and one weak reference per output tensor; at the next call, a device copy per
+output tensor still held. A loop written `out = model(x)` still holds the previous `out` while the next
+call runs, and pays that copy; `del out` before the call, or keep_outputs: false (outputs valid only
+until the next call, as vLLM's and FastDeploy's are), does not.
+
+Only outputs in memory a replay writes are handed out so: an output that is a parameter or buffer of the
+model (or a view of one) is that tensor, as in eager.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from .captured_size import overlaps
+from .pytree import shallow_copier
+
+
+class HandedOutputs:
+    """The outputs of one model's replays that a caller may still hold (see the module doc)."""
+
+    __slots__ = ("adapter", "held", "model_spans", "enabled")
+
+    def __init__(self, adapter, enabled: bool, model_spans: Callable[[], Sequence[Tuple[int, int]]]):
+        self.adapter = adapter
+        self.enabled = enabled
+        self.held: List[Any] = []  # weak references to the last replay's outputs
+        self.model_spans = model_spans  # (start, end) bytes of the model's parameters and buffers
+
+    def keep(self) -> None:
+        """Before a replay: the outputs of earlier ones that a caller still holds keep their values."""
+        held = self.held
+        if held:
+            keep_values = self.adapter.keep_values
+            for ref in held:
+                t = ref()
+                if t is not None:
+                    keep_values(t)
+            held.clear()
+
+    def copier(self, output, written: Sequence[Tuple[int, int]]) -> Optional[Callable[[], Any]]:
+        """A function returning `output` (a size's stored outputs, cut) as a call hands it out: its
+        containers new (pytree.shallow_copier) and, when enabled, each tensor in `written` memory (where
+        the replay writes) a new alias, recorded for keep(). None where nothing needs a new object."""
+        if not self.enabled:
+            return shallow_copier(output)
+        adapter = self.adapter
+        alias, ref = adapter.alias, weakref.ref
+        append = self.held.append
+
+        def fresh(leaf):
+            if not adapter.is_tensor(leaf) or not overlaps(written, adapter.extent(leaf)):
+                return None
+
+            def handed():
+                t = alias(leaf)
+                append(ref(t))
+                return t
+
+            return handed
+
+        return shallow_copier(output, fresh)
+
+    def hand_out(self, output, written: Sequence[Tuple[int, int]]):
+        """`output` as copier() would hand it out, for outputs a replay returns anew (not stable)."""
+        if not self.enabled:
+            return output
+        made = self.copier(output, written)
+        return output if made is None else made()
+
+    def release(self) -> None:
+        self.held.clear()
