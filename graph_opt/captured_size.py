@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from .errors import ReplayDivergence
 from .host_outputs import SizeCopies, _pending as _pending_host_copies, land_pending_copies
 from .pytree import flatten, shallow_copier, unflatten
 from .static_address import same_memory
@@ -35,6 +36,10 @@ class Captured:
     keepalive: List[Any] = field(default_factory=list)  # graphs and tensors the replay reads
     # The framework's guards (level >= 1): None when a replay may run, else (key, what changed).
     check: Optional[Callable[[], Optional[Tuple[str, str]]]] = None
+    # Given what replay() returned, whether that is not the captured outputs: the replay took a path the
+    # capture did not (Paddle's SOT runs a frame it did not record as plain Python, a branch or loop on a
+    # tensor value), and what it returned is the call's result, not the stable outputs.
+    diverged: Optional[Callable[[Any], bool]] = None
 
 
 @dataclass
@@ -114,11 +119,15 @@ class CapturedSize:
         fresh = self.captured.replay()
         if sig.mutated:
             self._write_back(adapter, sig, dsts, leaves)
-        if self.captured.stable_outputs:
+        diverged = self.captured.diverged
+        if self.captured.stable_outputs and (diverged is None or not diverged(fresh)):
             out = output if copier is None else copier()
             if copies is not None:
                 return copies.after_replay(out, real)
         else:
+            if copies is not None:  # the host copies read the captured outputs, which this path did not make
+                raise ReplayDivergence("the replay took a path the capture did not (a branch on a tensor value), "
+                                       "so its host_outputs were not copied; this call runs without graphs")
             out = self.cut_outputs(adapter, fresh, real)
             if handed is not None:
                 out = handed.hand_out(out, self.written(adapter))

@@ -37,6 +37,7 @@ class ReplayPlan:
     output: Any  # the outputs' views, when the replay writes them in place (stable)
     copier: Optional[Callable[[], Any]]  # a copy of output's dicts and lists per call (pytree.shallow_copier)
     stable: bool
+    diverged: Optional[Callable[[Any], bool]]  # Captured.diverged
     replay: Callable[[], Any]
     check: Optional[Callable[[], Any]]  # the framework's guards (level >= 1)
     padding: Any
@@ -67,7 +68,7 @@ def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan
     copied = tuple(i for i in range(len(dsts)) if i not in sig.in_place)
     marked = tuple((i, dsts[i]) for i in sorted(sig.in_place))
     checks = tuple((i, dsts[i], shapes[i], dtypes[i]) for i in copied)
-    return ReplayPlan(entry, dsts, shapes, dtypes, output, copier, captured.stable_outputs,
+    return ReplayPlan(entry, dsts, shapes, dtypes, output, copier, captured.stable_outputs, captured.diverged,
                       captured.replay, captured.check, sig.padding, real, written, copied, marked, checks)
 
 
@@ -164,7 +165,8 @@ def _shortcut(runner, sig):
             except Exception as exc:  # as the full path: the eager forward answers; the graphs go if it works
                 return runner.replay_raised(exc, plan.entry.padded_size, args, {}, sig)
             counters.replays += 1
-            if plan.stable:
+            diverged = plan.diverged
+            if plan.stable and (diverged is None or not diverged(fresh)):
                 copier = plan.copier
                 return plan.output if copier is None else copier()
             entry = plan.entry

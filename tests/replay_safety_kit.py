@@ -898,6 +898,32 @@ def test_a_count_per_token_id_is_never_advanced_by_padding_rows(F, M, level, ful
         assert s.replays == 2 and s.fallback_reasons == {"outputs": 4}, s
 
 
+# -- branches on tensor values ---------------------------------------------------------------------------
+@pytest.mark.parametrize("full", [True, False], ids=["full", "piecewise"])
+@pytest.mark.parametrize("kind", ["BranchOnValue", "LoopOnValue"])
+def test_a_branch_or_loop_on_a_tensor_value_answers_as_eager_on_every_path(F, M, level, full, kind, logs):
+    """A call of a captured size that takes another path than the capture did (the branch not taken, a
+    loop's other number of turns) gets eager's answer: Paddle's SOT runs the frames it did not record as
+    plain Python, and their result is the call's. A padded call would decide such a branch over the
+    padding rows too (`x.min()` sees the pad value 0): where the translator shows the branch (level >= 1)
+    padded calls run without graphs; at level 0 a real capture fails on the branch's host sync (tests/gpu),
+    while the host stand-in re-runs it on the padded rows, so padded calls are checked only there."""
+    m, twin = pair(F, getattr(M, kind), level, full=full)
+    with F.graphs():
+        simulated = graph_opt.testing.simulation_enabled()
+        report = graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
+    calls = [(4, "mixed"), (4, "positive"), (8, "large"), (8, "mixed"), (8, "positive"), (4, "large")]
+    if level >= 1 or not simulated:
+        calls += [(3, "positive"), (5, "large"), (3, "mixed")]
+    with F.graphs(), F.no_grad():
+        for real, kind_of_x in calls:
+            x = F.randn(real, HIDDEN, seed=real)
+            x = {"mixed": x, "positive": x * x + 0.1, "large": x * 10.0}[kind_of_x]
+            assert F.close(m(x), twin(x)), f"a call of {real} {kind_of_x} rows"
+    if report.failed is None and level >= 1 and not F.static_writes_inputs:  # Paddle's SOT traced the branch
+        assert warned(logs, "branches on a tensor value")
+
+
 # -- outputs a caller keeps (graph_opt/handed_outputs.py) ------------------------------------------------
 @pytest.mark.parametrize("outer", ["plain", "decorated"])
 def test_a_decorated_block_called_twice_in_one_forward_gives_eager_s_answer(F, M, level, outer, logs):

@@ -31,6 +31,7 @@ from paddle.jit.dy2static.utils import CUDAGraphState
 from paddle.jit.sot import symbolic_translate
 from paddle.jit.sot.opcode_translator import eval_frame_callback
 from paddle.jit.sot.opcode_translator.custom_code import CustomCode
+from paddle.jit.sot.opcode_translator.executor.opcode_executor import OpcodeExecutor
 from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
 from paddle.jit.sot.utils import StepInfoManager
 from paddle.jit.sot.utils.exceptions import InnerError
@@ -117,6 +118,9 @@ class SotStrategy:
         self._scope = None
         self._cache = OpcodeExecutorCache()
         self._forwards = _instance_forwards(model)  # what a failed SOT call must leave as it found
+        # "file:line" of each Python branch or loop on a tensor value SOT broke the graph at while translating
+        # (`if x.min() > 0`, `while h.abs().max() > 1`): a padded call decides it over the padding rows too
+        self.value_branches: List[str] = []
         self.blacklist = self._blacklist_names()
         self.split_names = frozenset(
             w.__graph_opt_split__.name for w in selection.selected_functions()
@@ -189,7 +193,7 @@ class SotStrategy:
         replay = self._make_replay(args, kwargs, record, first_checked=check is not None)
         return Captured(outputs, replay, stable, pieces, len(record.subgraphs),
                         keepalive=[sub.graph for sub in record.subgraphs if sub.graph is not None] + [record],
-                        check=check)
+                        check=check, diverged=_diverged_from(outputs, self.adapter.is_tensor))
 
     def release(self) -> None:
         for record in self.records.values():
@@ -222,6 +226,7 @@ class SotStrategy:
         self.hook.begin(state, record, simulate)
         try:
             with _Scope(self.hook, self.split_names, min_graph_size=True), self._blacklist_scope(), \
+                    _value_branches_seen(self.value_branches), \
                     StepInfoManager().step_guard(self.forward_fn.__code__):
                 old = paddle.framework.core.set_eval_frame(callback)
                 try:
@@ -356,6 +361,55 @@ class SotStrategy:
             yield
         finally:
             paddle.set_flags({_BLACKLIST_FLAG: old})
+
+
+@contextlib.contextmanager
+def _value_branches_seen(seen: List[str]):
+    """While SOT translates: each jump on a tensor's truth value it breaks the graph at (OpcodeExecutor.
+    _break_graph_when_if: SOT's graph break of an `if` or `while` on a tensor; not a jump on `is None`,
+    where SOT breaks as well) is added to `seen` as "file:line". Installed around the translating call
+    only (the state lock is held), and put back."""
+    real = OpcodeExecutor._break_graph_when_if
+
+    def noted(executor, result, instr):
+        if "NONE" in instr.opname:  # `if mask is not None` on a tensor: SOT breaks there too, on no value
+            return real(executor, result, instr)
+        code = executor.vframe.code
+        where = f"{code.co_filename}:{_line_of(executor, instr, code)}"
+        if where not in seen:
+            seen.append(where)
+        return real(executor, result, instr)
+
+    OpcodeExecutor._break_graph_when_if = noted
+    try:
+        yield
+    finally:
+        OpcodeExecutor._break_graph_when_if = real
+
+
+def _line_of(executor, instr, code) -> int:
+    """The source line of a jump SOT is about to break at: the last line start at or before it."""
+    line = code.co_firstlineno
+    for other in executor._instructions:
+        if getattr(other, "starts_line", None):
+            line = other.starts_line
+        if other is instr:
+            break
+    return line
+
+
+def _diverged_from(outputs, is_tensor):
+    """Captured.diverged for SOT's replays: a frame the capture did not record runs as plain Python
+    (_RUN_AS_IS: the branch of `if x.min() > 0` that the capture did not take, a loop's other number of
+    turns), so the forward then returns other tensors than the captured ones, and its own are right."""
+    leaves, spec = flatten(outputs, is_tensor)
+    ids = [id(t) for t in leaves]
+
+    def diverged(out) -> bool:
+        now, now_spec = flatten(out, is_tensor)
+        return now_spec != spec or any(id(t) != i for t, i in zip(now, ids))
+
+    return diverged
 
 
 _warned_no_cinn = False

@@ -515,7 +515,27 @@ class CallsTwice(torch.nn.Module):
         return a * 2.0 - b
 
 
-MODELS = types.SimpleNamespace(CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+class BranchOnValue(Scaled):
+    """A Python branch on a tensor value at the end of forward, with no program after it."""
+
+    def forward(self, x):
+        h = self.lin(x)
+        if x.min() > 0:
+            h = h * 2.0
+        return h
+
+
+class LoopOnValue(Scaled):
+    """A Python loop on a tensor value at the end of forward: its number of turns depends on the values."""
+
+    def forward(self, x):
+        h = self.lin(x) * 3.0
+        while h.abs().max() > 1:
+            h = h * 0.5
+        return h
+
+
+MODELS = types.SimpleNamespace(BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
