@@ -115,6 +115,9 @@ def protect_inplace_writes(program, semantics: str = "static", result: Optional[
                 result.inserted_ops.append(_copy_before(loop, j))
                 result.copies_inserted += 1
                 clobbered.discard(j)
+                # The copy's ops are new users of the operand (one tensor passed in two slots, say): the
+                # next slot's question needs them in the index.
+                idx = _Index(program)
         clobbers[loop.id()] = clobbered
         idx = _Index(program)
     if semantics == "static":

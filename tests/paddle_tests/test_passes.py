@@ -397,3 +397,34 @@ def test_run_passes_and_registry():
         passes.run_passes(main, ["remove_loop_carried_copies", "no_such_pass"])
     with pytest.raises(ValueError, match="semantics='lazy'.*static, eager"):
         passes.run_passes(main, [], semantics="lazy")
+
+
+@pytest.mark.parametrize("names", [["protect_inplace_writes"], ["protect_inplace_writes", "remove_loop_carried_copies"]],
+                         ids=["safety pass", "both passes"])
+def test_one_tensor_passed_as_two_loop_operands_gets_a_buffer_per_slot(names):
+    """while_loop(cond, body, [i, a, a]): both slots start as a's buffer. As built, the body's write of
+    one slot was the other's too (both results equal, every run); the passes raised a bare KeyError."""
+    def make():
+        main, startup = paddle.static.Program(), paddle.static.Program()
+        with paddle.static.program_guard(main, startup):
+            (a,) = _data("c")
+            n = paddle.full([1], 5, "int64")
+
+            def body(i, x, y):
+                return [paddle.assign(i + 1, output=i), paddle.assign(x * 2.0, output=x),
+                        paddle.assign(y + 1.0, output=y)]
+
+            out = paddle.static.nn.while_loop(lambda i, x, y: i < n, body, [paddle.full([1], 0, "int64"), a, a])
+        return main, startup, list(out)
+
+    main, startup, fetch = make()
+    passes.run_passes(main, names, "static")
+    for seed in (0, 1):
+        feed = _feed(seed, ("c",))
+        for serial in (True, False):
+            _, x, y = _run(main, startup, fetch, feed, serial=serial)
+            want_x, want_y = feed["c"].copy(), feed["c"].copy()
+            for _ in range(5):  # as the loop rounds, step by step in float32
+                want_x, want_y = want_x * np.float32(2.0), want_y + np.float32(1.0)
+            np.testing.assert_array_equal(x, want_x)
+            np.testing.assert_array_equal(y, want_y)
