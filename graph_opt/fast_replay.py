@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 from .captured_size import CapturedSize
+from .guards import capture_phase_in_this_thread
 from .host_outputs import _pending as _pending_host_copies, land_pending_copies
 
 MISS = object()  # the plan does not answer this call: take the full path
@@ -101,9 +102,10 @@ def _shortcut(runner, sig):
     pending = _pending_host_copies  # simulated slow copies (tests) still reading outputs land first
     keep = runner.handed.keep  # the outputs of earlier calls a caller still holds keep their values
     single = arity == 1  # the lead, a batch-dim argument: never the static buffer itself
+    capturing = capture_phase_in_this_thread  # inside another model's capture: the full path runs the plain forward
 
     def call(args):
-        if len(args) != arity or runner.disabled_reason is not None:
+        if len(args) != arity or runner.disabled_reason is not None or capturing():
             return MISS
         # Held while the static buffers are used; a busy runner is the full path's error to raise.
         if not acquire(False):

@@ -55,6 +55,25 @@ sot_warmup_guard, in_sot_warmup_mode, _set_sot_warmup = _create_flag(False)
 _capture_phase_guard, is_capturing, _set_capturing = _create_flag(False)
 
 
+_this_thread = threading.local()
+
+
+def capture_phase_in_this_thread() -> bool:
+    """Whether this thread is inside a size's capture phase: a graph-optimized model called now is a
+    submodule of the model being captured, whose graph records its work (runner.py)."""
+    return getattr(_this_thread, "phase", False)
+
+
+@contextlib.contextmanager
+def _this_thread_captures():
+    was = getattr(_this_thread, "phase", False)
+    _this_thread.phase = True
+    try:
+        yield
+    finally:
+        _this_thread.phase = was
+
+
 def as_captured(check: Callable[..., Any], *args) -> Any:
     """check(*args) with graph_opt's flags as they were at capture (in_sot_warmup_mode() and
     is_capturing() true). For evaluating the framework's guards before a replay: those on these flags

@@ -23,6 +23,7 @@ from . import ranks, static_address
 from .capture_phase import CapturePhase
 from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH, _MOVED, in_place
 from .errors import GraphOptError, GuardFailed, ReplayDivergence
+from .guards import capture_phase_in_this_thread
 from .fast_replay import MISS, FastReplay, plan_for
 from .handed_outputs import HandedOutputs
 from .host_outputs import HostRingFull
@@ -114,6 +115,12 @@ class GraphRunner(SignatureChecks, CapturePhase):
 
     def full_call(self, args, kwargs):
         """Any call, without the shortcut (the decorated class's __call__ tried it already)."""
+        if capture_phase_in_this_thread():
+            # Called while another model's size is being captured (this model is its submodule, called
+            # from its forward): that graph records this model's work. A replay cannot run inside a
+            # capture ("Cannot prepare for replay during capturing stage"), nor a graph of this model be
+            # captured in another's. Not a fallback: the caller's graph holds it.
+            return self.eager(*args, **kwargs)
         if self.disabled_reason is not None:
             return self._disabled_call(args, kwargs)
         if not self._acquire(False):

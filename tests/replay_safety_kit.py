@@ -943,8 +943,10 @@ def test_a_decorated_block_called_twice_in_one_forward_gives_eager_s_answer(F, M
         for real in (4, 3, 8):
             x, y = F.randn(real, HIDDEN, seed=real), F.randn(real, HIDDEN, seed=real + 50)
             assert F.close(model(x, y), twin(x, y)), f"a call of {real} rows"
-    assert graph_opt.stats(block).replays >= 6 and graph_opt.stats(block).fallbacks == 0
-    if outer == "decorated":
+    assert graph_opt.stats(block).fallbacks == 0 and graph_opt.stats(block).capture_failures == 0
+    if outer == "plain":
+        assert graph_opt.stats(block).replays == 6
+    else:  # the outer graph holds the block's work (the block ran its plain forward inside that capture)
         assert graph_opt.stats(model).replays == 3
 
 

@@ -25,8 +25,10 @@ FILES = [
 @pytest.mark.skipif(not any(importlib.util.find_spec(fw) for fw in ("torch", "paddle")), reason="needs torch or paddle")
 def test_no_test_compares_a_padded_replay_bitwise_with_eager_on_fewer_rows():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    # Not the freed-id cases: they need the allocator to give a freed object's place to the next one made,
+    # which the probe's extra tensors make less likely (and they call only captured sizes).
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "row_count_probe",
-           *[os.path.join(TESTS, f) for f in FILES]]
+           "-k", "not id_reused", *[os.path.join(TESTS, f) for f in FILES]]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
     assert done.returncode == 0, tail

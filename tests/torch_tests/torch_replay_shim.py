@@ -498,7 +498,7 @@ class PenaltyCounts(Embeds):
 
     def forward(self, ids):
         logits = self.head(self.lin(self.emb(ids))) - self.counts
-        self.counts.index_add_(0, ids, torch.ones(ids.shape[0]))
+        self.counts.index_add_(0, ids, torch.ones_like(ids, dtype=self.counts.dtype))
         return logits
 
 
