@@ -149,15 +149,12 @@ def _validate(runner, sig, entry, leaves: List, expected) -> None:
         if fair is not None:
             differing, read_later = fair
             if read_later and not differing:
-                why = (f"a replay of size {padded} for a call of {rows} rows: its padding rows write "
-                       f"{', '.join(read_later)} where a later call reads (a state per row, `h[:n] = ...`, or "
-                       "a count per token id that padding rows would advance)")
-                sig.block(why)
-                message = (f"{why}: calls of a size that is not captured run without graphs. Give the padding "
-                           "rows a slot or id that no call reads (pad_values), or capture every batch size the "
-                           "model is called with")
-                logger.warning("%s: %s", runner.name, message)
-                runner.capture_notes.append(message)
+                _padded_calls_differ(
+                    runner, sig, f"a replay of size {padded} for a call of {rows} rows: its padding rows write "
+                                 f"{', '.join(read_later)} where a later call reads (a state per row, `h[:n] = ...`, "
+                                 "or a count per token id that padding rows would advance)",
+                    "Give the padding rows a slot or id that no call reads (pad_values), or capture every batch "
+                    "size the model is called with")
                 return
             differing = differing + read_later
     if differing:
@@ -168,15 +165,21 @@ def _validate(runner, sig, entry, leaves: List, expected) -> None:
                    "so the model runs its plain forward. Use graph_opt_level=0 for it")
             runner.capture_failed(CaptureError(why), padded)
             return
-        why = (f"a replay of size {padded} for a call of {rows} rows gave other values than eager in "
-               f"{', '.join(differing)} (the forward reads other rows or branches on the batch size"
-               f"{_PADDING_STATE if any(d.startswith(_STATE_NAMES) for d in differing) else ''})")
-        sig.block(why)
-        message = (f"{why}: calls of a size that is not captured run without graphs. Keep the forward "
-                   "row-independent (no batch statistics, no attention across the batch, no branch on the "
-                   "batch size), or capture every batch size it is called with")
-        logger.warning("%s: %s", runner.name, message)
-        runner.capture_notes.append(message)
+        _padded_calls_differ(
+            runner, sig, f"a replay of size {padded} for a call of {rows} rows gave other values than eager in "
+                         f"{', '.join(differing)} (the forward reads other rows or branches on the batch size"
+                         f"{_PADDING_STATE if any(d.startswith(_STATE_NAMES) for d in differing) else ''})",
+            "Keep the forward row-independent (no batch statistics, no attention across the batch, no branch on "
+            "the batch size), or capture every batch size it is called with")
+
+
+def _padded_calls_differ(runner, sig, why: str, remedy: str) -> None:
+    """Padded calls of this signature run without graphs from now on: one warning with the remedy, and a
+    capture note."""
+    sig.block(why)
+    message = f"{why}: calls of a size that is not captured run without graphs. {remedy}"
+    logger.warning("%s: %s", runner.name, message)
+    runner.capture_notes.append(message)
 
 
 def _captured_path_differs(runner, sig, entry) -> List[str]:
