@@ -56,6 +56,8 @@ class Adapter(Protocol):
 
     def model_tensors(self, model) -> list: ...  # its parameters and buffers
 
+    def shifted(self, t): ...  # a copy of t plus a ramp of distinct values (floating tensors)
+
     def other_writes(self, before, want, got): ...  # want where it differs from before, got elsewhere
 
     def layout(self, t) -> Any: ...  # hashable (dtype, device): what a buffer must share to hold t

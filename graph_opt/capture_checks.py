@@ -256,7 +256,8 @@ def _from_one_state(runner, sig, entry, inputs, rows: int, state, later=None) ->
                           if adapter.max_abs_diff(adapter.keep_changes(b, a, t), a) > _tolerance(adapter, a, level)]
             # Where only the replay wrote (its padding rows), calls allow it only if no later call reads it:
             # a KV-cache slot reserved for padding is never read; a per-row state's rows past the call's own are.
-            read_later = [] if later is None else _read_later(runner, sig, state, saved, after, later, put_back)
+            read_later = [] if later is None else _read_later(runner, sig, entry, inputs, rows, state, saved, later,
+                                                              put_back)
     except Exception:  # the first check's verdict stands
         return None
     finally:
@@ -265,38 +266,98 @@ def _from_one_state(runner, sig, entry, inputs, rows: int, state, later=None) ->
     return differing, read_later
 
 
-def _read_later(runner, sig, state, before, eager_after, later, put_back) -> List[str]:
-    """Names of the state tensors where the replay (just run) wrote elements that eager left as they were,
-    and a call of `later`'s rows, started from what eager left, computes otherwise with those writes in it
-    (its outputs, or the other state it leaves). A call that raises with them counts as computing otherwise."""
+def _read_later(runner, sig, entry, inputs, rows: int, state, saved, later, put_back) -> List[str]:
+    """Names of the state tensors where the replay of a call of `rows` rows of `inputs` wrote elements that
+    eager on those rows leaves as they were (its padding rows wrote them), and later calls, started from
+    what eager left, compute otherwise with those writes in it. Done from the state as it is (`saved`) and
+    from it shifted by a ramp (adapter.shifted): a write of the value an element already held (a state of
+    zeros, written zero by padding rows of zeros) shows there. The later calls are chained calls of the
+    padded size: the capture inputs (`later`), a call whose rows all hold the pad values (unless the user
+    set pad_values: reserved values no call holds), and `later` again: state read only at the padding
+    rows' own ids (the count of token id 0), or only calls later, shows too. What they compare: their outputs,
+    and the state they leave (an element they update from its old value, an EMA, shows). A later call
+    that raises with those writes counts as computing otherwise."""
     adapter = runner.adapter
-    replayed = [adapter.other_writes(b, a, t) for (_, t), b, a in zip(state, before, eager_after)]
-    written = [i for i, (a, r) in enumerate(zip(eager_after, replayed)) if not adapter.same_values(a, r)]
-    if not written:
-        return []
+    padding = sig.padding
+    padded = entry.padded_size
+    pad_of = [padding.values[i] if padding else 0 for i in range(len(later))]
+    # At the padded size, every row a real one: a size captured at a call checks on that call's rows, fewer
+    # than it holds, and its later calls repeat them (a padding row there would read what padding wrote)
+    later = [t if d is None or i in sig.in_place else _with_rows(adapter, t, d, padded)
+             for i, (t, d) in enumerate(zip(later, sig.dims))]
+    # A call of padding rows only where they hold what a real row may hold (0: token id 0, slot 0). Values
+    # set with pad_values are the user's reserved ones (vLLM's slot -1, a trash slot): no call holds them.
+    if runner.pad_values:
+        laters = (later, later)
+    else:
+        pads = [t if d is None or i in sig.in_place else _filled(adapter, t, pad_of[i])
+                for i, (t, d) in enumerate(zip(later, sig.dims))]
+        laters = (later, pads, later)
 
-    def later_call(values):
+    def set_state(values):
         put_back()  # the Python values as they were; the tensors are set next
         for (_, t), v in zip(state, values):
             adapter.copy_(t, v)
-        copies = [t if i in sig.in_place else adapter.clone(t) for i, t in enumerate(later)]
-        out = _clone(adapter, _run(runner, sig, copies))
-        return out, [adapter.clone(t) for _, t in state]
 
-    base_out, base_state = later_call(eager_after)
-    found = []
-    for i in written:
-        values = list(eager_after)
-        values[i] = replayed[i]
-        try:
-            out, left = later_call(values)
-        except Exception:
-            found.append(state[i][0])
+    def run(leaves):
+        return _run(runner, sig, [t if i in sig.in_place else adapter.clone(t) for i, t in enumerate(leaves)])
+
+    def later_calls(values):
+        set_state(values)
+        outs = [_clone(adapter, run(leaves)) for leaves in laters]
+        return outs, [adapter.clone(t) for _, t in state]
+
+    found: List[str] = []
+    for start in (saved, [adapter.shifted(t) for t in saved]):
+        set_state(start)
+        run(inputs)
+        after = [adapter.clone(t) for _, t in state]
+        set_state(start)
+        if _check_replay(adapter, entry, inputs, rows) is None:
+            return found
+        replayed = [adapter.other_writes(b, a, t) for (_, t), b, a in zip(state, start, after)]
+        written = [i for i, (a, r) in enumerate(zip(after, replayed))
+                   if state[i][0] not in found and not adapter.same_values(a, r)]
+        if not written:
             continue
-        if _differing(adapter, out, base_out, 0, exact=True) or any(
-                not adapter.same_values(x, y) for j, (x, y) in enumerate(zip(left, base_state)) if j != i):
-            found.append(state[i][0])
+        base_outs, base_state = later_calls(after)
+        for i in written:
+            values = list(after)
+            values[i] = replayed[i]
+            try:
+                outs, left = later_calls(values)
+            except Exception:
+                found.append(state[i][0])
+                continue
+            # The state the later calls leave: where they changed an element (from what eager left), the
+            # same value as without the padding rows' writes; where they did not, the value it started
+            # with (a slot the padding rows wrote and nothing reads keeps their write).
+            if any(_differing(adapter, o, b, 0, exact=True) for o, b in zip(outs, base_outs)) or any(
+                    not adapter.same_values(x, adapter.other_writes(a, y, v))
+                    for a, v, x, y in zip(after, values, left, base_state)):
+                found.append(state[i][0])
     return found
+
+
+def _with_rows(adapter, t, dim: int, rows: int):
+    """t with `rows` rows on `dim`: its first ones, or its rows repeated until there are that many."""
+    have = adapter.shape(t)[dim]
+    if have >= rows:
+        return adapter.narrow(t, dim, rows)
+    made = adapter.zeros_like(t, dim, rows)
+    start = 0
+    while start < rows:
+        n = min(have, rows - start)
+        adapter.copy_(adapter.rows(made, dim, start, start + n), adapter.narrow(t, dim, n))
+        start += n
+    return made
+
+
+def _filled(adapter, t, value):
+    """A tensor of t's shape and dtype holding `value` everywhere: the inputs of a call of padding rows."""
+    made = adapter.clone(t)
+    adapter.fill_(made, value)
+    return made
 
 
 def _check_replay(adapter, entry, leaves, rows: int):

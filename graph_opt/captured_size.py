@@ -173,11 +173,13 @@ class CapturedSize:
 
     def written(self, adapter) -> List[Tuple[int, int]]:
         """(start, end) bytes of the captured outputs a replay writes: those that are not the model's
-        parameters or buffers, nor views of them."""
+        parameters or buffers, nor arguments read in place (mark_static_address), nor views of them: an
+        output there is the caller's or the model's memory, as eager's view of it would be."""
         spans = self.written_spans
         if spans is None:
-            model = self.handed.model_spans() if self.handed is not None else []
-            spans = self.written_spans = [s for s in self.output_extents(adapter) if not overlaps(model, s)]
+            own = self.handed.model_spans() if self.handed is not None else []
+            own += [adapter.extent(self.inputs[i]) for i in self.sig.in_place]
+            spans = self.written_spans = [s for s in self.output_extents(adapter) if not overlaps(own, s)]
         return spans
 
     def cut_outputs(self, adapter, outputs, real: int):

@@ -27,13 +27,13 @@ from .pytree import shallow_copier
 class HandedOutputs:
     """The outputs of one model's replays that a caller may still hold (see the module doc)."""
 
-    __slots__ = ("adapter", "held", "model_spans", "enabled")
+    __slots__ = ("adapter", "held", "model_tensors", "enabled")
 
-    def __init__(self, adapter, enabled: bool, model_spans: Callable[[], Sequence[Tuple[int, int]]]):
+    def __init__(self, adapter, enabled: bool, model_tensors: Callable[[], Sequence[Any]]):
         self.adapter = adapter
         self.enabled = enabled
-        self.held: List[Any] = []  # weak references to the last replay's outputs
-        self.model_spans = model_spans  # (start, end) bytes of the model's parameters and buffers
+        self.held: List[Any] = []  # weak references to the last replay's outputs in the graphs' memory
+        self.model_tensors = model_tensors  # the model's parameters and buffers, now
 
     def keep(self) -> None:
         """Before a replay: the outputs of earlier ones that a caller still holds keep their values."""
@@ -46,23 +46,43 @@ class HandedOutputs:
                     keep_values(t)
             held.clear()
 
+    def model_spans(self) -> List[Tuple[int, int]]:
+        """(start, end) bytes of the model's parameters and buffers: outputs there are the model's own."""
+        extent = self.adapter.extent
+        return [extent(t) for t in self.model_tensors()]
+
     def copier(self, output, written: Sequence[Tuple[int, int]]) -> Optional[Callable[[], Any]]:
         """A function returning `output` (a size's stored outputs, cut) as a call hands it out: its
-        containers new (pytree.shallow_copier) and, when enabled, each tensor in `written` memory (where
-        the replay writes) a new alias, recorded for keep(). None where nothing needs a new object."""
+        containers new (pytree.shallow_copier) and, when enabled, each tensor a new alias, as eager's
+        outputs are new objects (a caller's in-place `unsqueeze_` must not reach the next call's). Those in
+        `written` memory (where the replay writes) are recorded for keep(). A tensor that is one of the
+        model's parameters or buffers itself is handed out as it is, and one that appears twice gets one
+        alias per call (`return y, y`: both the same object, as in eager). None: nothing to make anew."""
         if not self.enabled:
             return shallow_copier(output)
         adapter = self.adapter
         alias, ref = adapter.alias, weakref.ref
         append = self.held.append
+        own = {id(t) for t in self.model_tensors()}
+        # The same tensor in two places may be stored as two views of one memory (output_sharing.py makes
+        # one per place): one alias per (address, shape, strides, dtype).
+        cells = {}  # that key -> [weak reference to this call's alias]
 
         def fresh(leaf):
-            if not adapter.is_tensor(leaf) or not overlaps(written, adapter.extent(leaf)):
+            if not adapter.is_tensor(leaf) or id(leaf) in own:
                 return None
+            key = (adapter.data_ptr(leaf), tuple(adapter.shape(leaf)), tuple(adapter.stride(leaf)), adapter.dtype(leaf))
+            cell = cells.get(key)
+            if cell is not None:  # again in this output: the alias made at its first place, this call
+                return lambda: cell[0]()
+            cell = cells[key] = [None]
+            tracked = overlaps(written, adapter.extent(leaf))
 
             def handed():
                 t = alias(leaf)
-                append(ref(t))
+                cell[0] = held_ref = ref(t)  # weak: it must not keep the alias alive for keep()
+                if tracked:
+                    append(held_ref)
                 return t
 
             return handed

@@ -94,15 +94,12 @@ class GraphRunner(SignatureChecks, CapturePhase):
         # which a failure here releases, so it stops with this one (disable()).
         self.siblings: List["GraphRunner"] = []
         # The outputs of earlier replays a caller may still hold (shared with the siblings: one pool).
-        self.handed = HandedOutputs(adapter, config.keep_outputs, self._model_spans)
+        self.handed = HandedOutputs(adapter, config.keep_outputs, self._model_tensors)
 
-    def _model_spans(self) -> List[Tuple[int, int]]:
-        """(start, end) bytes of the model's parameters and buffers: outputs there are the model's own."""
+    def _model_tensors(self) -> list:
+        """The model's parameters and buffers (none where the runner has no model: tests of the core)."""
         model = getattr(self.model_state, "model", None)
-        if model is None:
-            return []
-        adapter = self.adapter
-        return [adapter.extent(t) for t in adapter.model_tensors(model)]
+        return [] if model is None else self.adapter.model_tensors(model)
 
     # -- hot path ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -887,6 +887,74 @@ def test_a_count_per_token_id_is_never_advanced_by_padding_rows(F, M, level, ful
         assert s.replays == 2 and s.fallback_reasons == {"outputs": 4}, s
 
 
+@pytest.mark.parametrize("at_calls", [False, True], ids=["capture_model", "at_calls"])
+@pytest.mark.parametrize("kind, name", [("DecayRowState", "h"), ("RowAverage", "avg")])
+def test_padding_rows_writing_state_as_it_was_or_state_only_the_caller_reads_are_seen(F, M, level, kind, name,
+                                                                                       at_calls, logs):
+    """A state of zeros that padding rows of zeros write as zeros (the check also starts from a shifted
+    state), and a running average the caller reads but the output does not (the check compares the state
+    later calls leave): padded calls would change rows of other sequences, so they run without graphs."""
+    m, twin = pair(F, getattr(M, kind), level)
+    report = None
+    if not at_calls:
+        with F.graphs():
+            report = graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False)
+        _written_by_padding(F, logs, report, level, f"buffer '{name}'", f"buffer '{name}'")
+    F.copy_weights(twin, m)
+    with F.graphs():
+        _state_as_eager(F, m, twin, lambda model, n, step: model(F.randn(n, HIDDEN, seed=10 + step)),
+                        lambda: (getattr(m, name), getattr(twin, name)), (3, 4, 3, 8, 5, 8, 3, 4))
+    if (report is None or report.failed is None) and (level == 0 or F.static_writes_inputs):
+        assert graph_opt.stats(m).fallback_reasons.get("outputs", 0) >= 3, graph_opt.stats(m)
+
+
+def test_counts_read_only_at_the_calls_own_ids_are_never_advanced_by_padding_rows(F, M, level, logs):
+    """Capture inputs of random ids in range never hold id 0, the padding rows' id: the check also runs a
+    call whose rows all hold the pad values, as a real call holding token 0 would."""
+    m, twin = pair(F, M.PenaltyAtIds, level)
+    with F.graphs():
+        report = graph_opt.capture_model(m, lambda n: F.arange(n, start=5), progress=False)
+    _written_by_padding(F, logs, report, level, "buffer 'counts'", "buffer 'counts'")
+    F.copy_weights(twin, m)
+    with F.graphs():
+        _state_as_eager(F, m, twin, lambda model, n, step: model(F.arange(n, start=step)),
+                        lambda: (m.counts, twin.counts), (3, 5, 4, 3, 8))
+
+
+def test_each_call_hands_out_its_own_output_objects_and_one_tensor_twice_stays_one(F, M, level):
+    """`return y, y`: one object in both places at every call, as in eager, kept together; a caller's
+    in-place change of an output's shape (`unsqueeze_`) does not reach the next call's output."""
+    m, twin = pair(F, M.ReturnsTwice, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x1, x2 = F.randn(4, HIDDEN, seed=1), F.randn(4, HIDDEN, seed=2)
+    with F.graphs(), F.no_grad():
+        a, b = m(x1)
+        assert a is b
+        c, d = m(x2)
+        assert c is d and c is not a
+        assert F.close(a, twin(x1)[0]) and F.close(c, twin(x2)[0])  # a was kept
+        c.unsqueeze_(0)
+        e, _ = m(x1)
+        assert F.shape(e) == F.shape(x1) and F.close(e, twin(x1)[0])
+    assert graph_opt.stats(m).replays == 3
+
+
+def test_an_output_that_is_rows_of_a_marked_argument_stays_a_view_of_it(F, M, level):
+    """Eager returns a view of the caller's cache, which later calls write: so does the replay's output,
+    kept or not (the argument is the caller's memory, not the graphs')."""
+    if level >= 1 and not F.static_writes_inputs:
+        pytest.skip("Paddle's SOT returns a copy of an argument's slice (docs/calls-and-captures.md)")
+    m, twin = pair(F, M.ReturnsRowsOfMarked, level)
+    cache = graph_opt.mark_static_address(F.randn(8, HIDDEN, seed=9))
+    cache_twin = F.clone(cache)
+    capture(F, m, lambda n: (F.randn(n, HIDDEN, seed=n), cache))
+    x1, x2 = F.randn(4, HIDDEN, seed=1), F.randn(4, HIDDEN, seed=2)
+    with F.graphs(), F.no_grad():
+        a, w = m(x1, cache), twin(x1, cache_twin)
+        m(x2, cache), twin(x2, cache_twin)
+        assert F.close(a, w) and F.close(a, F.rows(cache, 0, 4))  # both views show the second call's write
+
+
 # -- branches on tensor values ---------------------------------------------------------------------------
 @pytest.mark.parametrize("full", [True, False], ids=["full", "piecewise"])
 @pytest.mark.parametrize("kind", ["BranchOnValue", "LoopOnValue"])

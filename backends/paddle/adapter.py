@@ -109,6 +109,14 @@ class PaddleAdapter:
         ramp = (paddle.arange(t.size, dtype="float64") * 0.6180339887498949) % 1.0 - 0.5
         return ramp.reshape(t.shape).astype(t.dtype)
 
+    def shifted(self, t):
+        """A copy of t plus a ramp whose elements all differ (floating tensors; a copy of others): another
+        state a capture check starts from, where a write of the value an element held shows."""
+        if not t.is_floating_point() or t.size == 0:
+            return t.clone()
+        ramp = (paddle.arange(t.size, dtype="float64") * 0.6180339887498949) % 1.0 + 0.5
+        return t + ramp.reshape(t.shape).astype(t.dtype)
+
     def all_equal_to(self, t, value) -> bool:
         return bool((t == value).all()) if t.size else True
 

@@ -127,6 +127,15 @@ class TorchAdapter:
             ramp = (torch.arange(t.numel(), dtype=torch.float64, device=t.device) * _GOLDEN).remainder_(1.0) - 0.5
         return ramp.reshape(t.shape).to(t.dtype)
 
+    def shifted(self, t):
+        """A copy of t plus a ramp whose elements all differ (floating tensors; a copy of others): another
+        state a capture check starts from, where a write of the value an element held shows."""
+        if not t.is_floating_point() or t.numel() == 0:
+            return t.clone()
+        with torch.inference_mode(False):
+            ramp = (torch.arange(t.numel(), dtype=torch.float64, device=t.device) * _GOLDEN).remainder_(1.0) + 0.5
+        return t + ramp.reshape(t.shape).to(t.dtype)
+
     def all_equal_to(self, t, value) -> bool:
         return bool((t == value).all())
 

@@ -527,7 +527,64 @@ class LoopOnValue(Scaled):
         return h
 
 
-MODELS = types.SimpleNamespace(BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+class DecayRowState(Scaled):
+    """A state per row that decays and adds an input term, zero at the start (an SSM's decode state):
+    padding rows of zeros leave a zero state as it was, and decay any other."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("h", paddle.zeros([8, HIDDEN]))
+
+    def forward(self, x):
+        n = x.shape[0]
+        self.h[:n] = self.h[:n] * 0.9 + self.lin(x) * x
+        return self.h[:n] * 2.0
+
+
+class RowAverage(Scaled):
+    """A running average per row that the caller reads (m.avg); the output does not read it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("avg", paddle.zeros([8, HIDDEN]))
+
+    def forward(self, x):
+        n = x.shape[0]
+        self.avg[:n] = self.avg[:n] * 0.9 + x * 0.1
+        return self.lin(x)
+
+
+class PenaltyAtIds(Embeds):
+    """Counts per token id, read only at the call's own ids (a frequency penalty)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("counts", paddle.zeros([32]))
+
+    def forward(self, ids):
+        out = self.lin(self.emb(ids)) - paddle.gather(self.counts, ids).unsqueeze(-1)
+        paddle.index_add_(self.counts, ids, 0, paddle.ones([ids.shape[0]]))
+        return out
+
+
+class ReturnsTwice(Scaled):
+    """The same tensor as two outputs."""
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y
+
+
+class ReturnsRowsOfMarked(Scaled):
+    """Writes its rows of a marked argument and returns them: eager's output is a view of that argument."""
+
+    def forward(self, x, cache):
+        n = x.shape[0]
+        cache[:n] = self.lin(x)
+        return cache[:n]
+
+
+MODELS = types.SimpleNamespace(ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=ReturnsRowsOfMarked, DecayRowState=DecayRowState, RowAverage=RowAverage, PenaltyAtIds=PenaltyAtIds, BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
@@ -743,7 +800,9 @@ class _CacheWrittenThroughAView(paddle.nn.Layer):
 
 def test_a_buffer_written_through_a_view_is_written_by_every_call_or_the_capture_says_why(F, level, logs):
     """Level 0 records the write; SOT's programs drop it (level 1), and the capture finds that by the
-    buffer's values and leaves the model to eager calls, with one warning naming the buffer."""
+    buffer's values and leaves the model to eager calls, with one warning naming the buffer. The cache is
+    one row per sequence (`cache[:b]`): at level 0 a padded call's padding rows would write the rows of
+    sequences past the call's own, which a larger call reads, so padded calls run without graphs."""
     m, twin = pair(F, _CacheWrittenThroughAView, level)
     with F.graphs():
         report = graph_opt.capture_model(
@@ -754,11 +813,10 @@ def test_a_buffer_written_through_a_view_is_written_by_every_call_or_the_capture
         with paddle.no_grad():
             for step in range(4):
                 x, pos = F.randn(3, HIDDEN, seed=10 + step), paddle.full([3], step, "int64")
-                want = eager_padded(F, twin, x, pos, batch=(0, 1)) if level == 0 else twin(x, pos)  # 0: replays
-                assert F.equal(m(x, pos), want), f"step {step}"
+                assert F.equal(m(x, pos), twin(x, pos)), f"step {step}"
                 assert F.equal(m.cache, twin.cache), f"step {step}: the cache"
-    assert graph_opt.stats(m).replays == (4 if level == 0 else 0)
-    assert level == 0 or warned(logs, "buffer 'cache'")
+    assert graph_opt.stats(m).replays == 0
+    assert warned(logs, "buffer 'cache'", "padding rows write" if level == 0 else "")
 
 
 class _DefaultDtype(Scaled):

@@ -535,7 +535,64 @@ class LoopOnValue(Scaled):
         return h
 
 
-MODELS = types.SimpleNamespace(BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+class DecayRowState(Scaled):
+    """A state per row that decays and adds an input term, zero at the start (an SSM's decode state):
+    padding rows of zeros leave a zero state as it was, and decay any other."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("h", torch.zeros(8, HIDDEN))
+
+    def forward(self, x):
+        n = x.shape[0]
+        self.h[:n] = self.h[:n] * 0.9 + self.lin(x) * x
+        return self.h[:n] * 2.0
+
+
+class RowAverage(Scaled):
+    """A running average per row that the caller reads (m.avg); the output does not read it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(8, HIDDEN))
+
+    def forward(self, x):
+        n = x.shape[0]
+        self.avg[:n] = self.avg[:n] * 0.9 + x * 0.1
+        return self.lin(x)
+
+
+class PenaltyAtIds(Embeds):
+    """Counts per token id, read only at the call's own ids (a frequency penalty)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("counts", torch.zeros(32))
+
+    def forward(self, ids):
+        out = self.lin(self.emb(ids)) - self.counts[ids].unsqueeze(-1)
+        self.counts.index_add_(0, ids, torch.ones_like(ids, dtype=self.counts.dtype))
+        return out
+
+
+class ReturnsTwice(Scaled):
+    """The same tensor as two outputs."""
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y
+
+
+class ReturnsRowsOfMarked(Scaled):
+    """Writes its rows of a marked argument and returns them: eager's output is a view of that argument."""
+
+    def forward(self, x, cache):
+        n = x.shape[0]
+        cache[:n] = self.lin(x)
+        return cache[:n]
+
+
+MODELS = types.SimpleNamespace(ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=ReturnsRowsOfMarked, DecayRowState=DecayRowState, RowAverage=RowAverage, PenaltyAtIds=PenaltyAtIds, BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
