@@ -95,10 +95,10 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
         return
     branches = getattr(runner.strategy, "value_branches", None)
     if branches:
-        why = (f"the forward branches on a tensor value ({', '.join(branches)}: an `if` or `while` on a tensor, "
-               "traced by the framework's translator), and a padded call would decide it over the padding rows too "
-               "(`if x.min() > 0` sees the pad value). Capture every batch size the model is called with, or keep "
-               "the branch out of forward")
+        why = (f"the forward reads a tensor's value on the host ({', '.join(branches)}: an `if` or `while` on a "
+               "tensor, `.item()`, `bool(t)`), so its Python depends on the values, and a padded call would decide "
+               "it over the padding rows too (`if x.min() > 0` sees the pad value). Capture every batch size the "
+               "model is called with, or keep the branch out of forward")
         if why not in sig.layout.blocked:  # once per signature, not per size
             _block(runner, sig, why)
         return

@@ -120,14 +120,13 @@ class CapturedSize:
         if sig.mutated:
             self._write_back(adapter, sig, dsts, leaves)
         diverged = self.captured.diverged
-        if self.captured.stable_outputs and (diverged is None or not diverged(fresh)):
+        if diverged is not None and diverged(fresh):
+            return self._diverged(adapter, fresh, leaves, dsts, real)
+        if self.captured.stable_outputs:
             out = output if copier is None else copier()
             if copies is not None:
                 return copies.after_replay(out, real)
         else:
-            if copies is not None:  # the host copies read the captured outputs, which this path did not make
-                raise ReplayDivergence("the replay took a path the capture did not (a branch on a tensor value), "
-                                       "so its host_outputs were not copied; this call runs without graphs")
             out = self.cut_outputs(adapter, fresh, real)
             if handed is not None:
                 out = handed.hand_out(out, self.written(adapter))
@@ -140,6 +139,30 @@ class CapturedSize:
                 if not overlaps(spans, adapter.extent(leaves[i])):
                     outs[k] = leaves[i]
             out = unflatten(spec, outs, template=out)
+        return out
+
+    def _diverged(self, adapter, fresh, leaves, dsts, real: int):
+        """The replay took a path the capture did not (Captured.diverged): what the forward returned is the
+        call's result, on the static buffers. An argument the forward returned is the caller's tensor again,
+        one it wrote on that path is written back (the capture saw no write of it), and every output but
+        those is handed out as one the next replay may write (its memory is not known)."""
+        if self.copies is not None:  # the host copies read the captured outputs, which this path did not make
+            raise ReplayDivergence("the replay took a path the capture did not (a branch on a tensor value), "
+                                   "so its host_outputs were not copied; this call runs without graphs")
+        sig = self.sig
+        for i, (dst, src) in enumerate(zip(dsts, leaves)):
+            if i not in sig.mutated and src is not dst and not adapter.same_values(dst, src):
+                adapter.copy_(src, dst)
+        where = {id(t): i for i, t in enumerate(self.inputs)}
+        returned = [(k, where[id(t)]) for k, t in enumerate(flatten(fresh, adapter.is_tensor)[0]) if id(t) in where]
+        out = self.cut_outputs(adapter, fresh, real)
+        if returned:
+            outs, spec = flatten(out, adapter.is_tensor)
+            for k, i in returned:
+                outs[k] = leaves[i]
+            out = unflatten(spec, outs, template=out)
+        if self.handed is not None:
+            out = self.handed.hand_out(out, None, as_is={id(leaves[i]) for _, i in returned})
         return out
 
     def _write_back(self, adapter, sig, dsts, leaves) -> None:

@@ -51,13 +51,16 @@ class HandedOutputs:
         extent = self.adapter.extent
         return [extent(t) for t in self.model_tensors()]
 
-    def copier(self, output, written: Sequence[Tuple[int, int]]) -> Optional[Callable[[], Any]]:
+    def copier(self, output, written: Optional[Sequence[Tuple[int, int]]],
+               as_is: frozenset = frozenset()) -> Optional[Callable[[], Any]]:
         """A function returning `output` (a size's stored outputs, cut) as a call hands it out: its
         containers new (pytree.shallow_copier) and, when enabled, each tensor a new alias, as eager's
         outputs are new objects (a caller's in-place `unsqueeze_` must not reach the next call's). Those in
         `written` memory (where the replay writes) are recorded for keep(). A tensor that is one of the
         model's parameters or buffers itself is handed out as it is, and one that appears twice gets one
-        alias per call (`return y, y`: both the same object, as in eager). None: nothing to make anew."""
+        alias per call (`return y, y`: both the same object, as in eager). `written` None: every tensor may
+        be the graphs' memory. `as_is`: ids of tensors handed out as they are (the caller's own). None:
+        nothing to make anew."""
         if not self.enabled:
             return shallow_copier(output)
         adapter = self.adapter
@@ -69,14 +72,14 @@ class HandedOutputs:
         cells = {}  # that key -> [weak reference to this call's alias]
 
         def fresh(leaf):
-            if not adapter.is_tensor(leaf) or id(leaf) in own:
+            if not adapter.is_tensor(leaf) or id(leaf) in own or id(leaf) in as_is:
                 return None
             key = (adapter.data_ptr(leaf), tuple(adapter.shape(leaf)), tuple(adapter.stride(leaf)), adapter.dtype(leaf))
             cell = cells.get(key)
             if cell is not None:  # again in this output: the alias made at its first place, this call
                 return lambda: cell[0]()
             cell = cells[key] = [None]
-            tracked = overlaps(written, adapter.extent(leaf))
+            tracked = written is None or overlaps(written, adapter.extent(leaf))
 
             def handed():
                 t = alias(leaf)
@@ -89,11 +92,11 @@ class HandedOutputs:
 
         return shallow_copier(output, fresh)
 
-    def hand_out(self, output, written: Sequence[Tuple[int, int]]):
+    def hand_out(self, output, written: Optional[Sequence[Tuple[int, int]]], as_is: frozenset = frozenset()):
         """`output` as copier() would hand it out, for outputs a replay returns anew (not stable)."""
         if not self.enabled:
             return output
-        made = self.copier(output, written)
+        made = self.copier(output, written, as_is)
         return output if made is None else made()
 
     def release(self) -> None:

@@ -978,7 +978,7 @@ def test_a_branch_or_loop_on_a_tensor_value_answers_as_eager_on_every_path(F, M,
             x = {"mixed": x, "positive": x * x + 0.1, "large": x * 10.0}[kind_of_x]
             assert F.close(m(x), twin(x)), f"a call of {real} {kind_of_x} rows"
     if report.failed is None and level >= 1 and not F.static_writes_inputs:  # Paddle's SOT traced the branch
-        assert warned(logs, "branches on a tensor value")
+        assert warned(logs, "reads a tensor's value on the host")
 
 
 # -- outputs a caller keeps (graph_opt/handed_outputs.py) ------------------------------------------------

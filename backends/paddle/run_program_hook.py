@@ -42,6 +42,7 @@ class ProgramHook:
         self.record: Optional[SizeRecord] = None
         self.simulate = False
         self.call_index = 0
+        self.off_record = False  # this replay ran a program the recording does not have at its place
         self.seen_layers: Dict[int, Any] = {}
 
     def begin(self, state, record: Optional[SizeRecord], simulate: bool = False) -> None:
@@ -49,6 +50,7 @@ class ProgramHook:
         self.record = record
         self.simulate = simulate
         self.call_index = 0
+        self.off_record = False
 
     def end(self) -> None:
         self.state = CUDAGraphState.DISABLE
@@ -79,13 +81,13 @@ class ProgramHook:
         self.call_index = index + 1
         record = self.record
         if state == CUDAGraphState.REPLAY:
-            try:
-                sub = record.subgraphs[index]
-            except IndexError:
-                raise ReplayDivergence(f"replay reached run_program call #{index}, only "
-                                       f"{len(record.subgraphs)} were captured") from None
-            if sub.layer is not layer:
-                raise ReplayDivergence(f"run_program call #{index} runs another program than at capture")
+            sub = record.subgraphs[index] if index < len(record.subgraphs) else None
+            if sub is None or sub.layer is not layer:
+                # The forward took a path the capture did not (a branch on a tensor value): this program runs
+                # as it would without graphs, on this call's tensors, and the forward's own result is the
+                # call's (SotStrategy's replay). Raising here would leave the frames run so far to run again.
+                self.off_record = True
+                return run_impl(inputs, params, (prog_attrs, _cg_attrs(cg_attrs, CUDAGraphState.DISABLE, 0, 0)))
             copy_ = self.adapter.copy_
             for dst, src in zip(sub.inputs, inputs):
                 if src is not dst:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
+import sys
 from typing import Any, Dict, List, Optional
 
 import paddle
@@ -31,7 +33,6 @@ from paddle.jit.dy2static.utils import CUDAGraphState
 from paddle.jit.sot import symbolic_translate
 from paddle.jit.sot.opcode_translator import eval_frame_callback
 from paddle.jit.sot.opcode_translator.custom_code import CustomCode
-from paddle.jit.sot.opcode_translator.executor.opcode_executor import OpcodeExecutor
 from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
 from paddle.jit.sot.utils import StepInfoManager
 from paddle.jit.sot.utils.exceptions import InnerError
@@ -118,8 +119,8 @@ class SotStrategy:
         self._scope = None
         self._cache = OpcodeExecutorCache()
         self._forwards = _instance_forwards(model)  # what a failed SOT call must leave as it found
-        # "file:line" of each Python branch or loop on a tensor value SOT broke the graph at while translating
-        # (`if x.min() > 0`, `while h.abs().max() > 1`): a padded call decides it over the padding rows too
+        # "file:line" of each place the forward read a tensor's value on the host while captured (`if x.min()
+        # > 0`, `while h.abs().max() > 1`, `.item()`): a padded call decides it over the padding rows too
         self.value_branches: List[str] = []
         self.blacklist = self._blacklist_names()
         self.split_names = frozenset(
@@ -190,7 +191,7 @@ class SotStrategy:
         stable = all(id(t) in captured_outputs for t in out_leaves)
         pieces = sum(self._pieces_of(sub.layer) for sub in record.subgraphs)
         check = self._first_frame_check(args, kwargs, record)
-        replay = self._make_replay(args, kwargs, record, first_checked=check is not None)
+        replay = self._make_replay(args, kwargs, record, first_checked=check is not None, record_outputs=outputs)
         return Captured(outputs, replay, stable, pieces, len(record.subgraphs),
                         keepalive=[sub.graph for sub in record.subgraphs if sub.graph is not None] + [record],
                         check=check, diverged=_diverged_from(outputs, self.adapter.is_tensor))
@@ -226,7 +227,7 @@ class SotStrategy:
         self.hook.begin(state, record, simulate)
         try:
             with _Scope(self.hook, self.split_names, min_graph_size=True), self._blacklist_scope(), \
-                    _value_branches_seen(self.value_branches), \
+                    _host_reads_noted(self.value_branches), \
                     StepInfoManager().step_guard(self.forward_fn.__code__):
                 old = paddle.framework.core.set_eval_frame(callback)
                 try:
@@ -240,7 +241,7 @@ class SotStrategy:
             self.hook.end()
             self.translations += translate_count() - before
 
-    def _make_replay(self, args, kwargs, record: SizeRecord, first_checked: bool):
+    def _make_replay(self, args, kwargs, record: SizeRecord, first_checked: bool, record_outputs=None):
         frames = record.frames
         count = len(frames)
         position = [0]
@@ -252,6 +253,7 @@ class SotStrategy:
         hook_calls = [0]
         expected_calls = len(record.subgraphs)
         scope = _Scope(hook, self.split_names, min_graph_size=False)
+        diverged = _diverged_from(record_outputs, self.adapter.is_tensor)
 
         def callback(frame):
             # SOT stops handing some frames to the callback after their first runs (frames that hold
@@ -290,8 +292,11 @@ class SotStrategy:
                         set_eval_frame(old)
             finally:
                 hook_calls[0] = hook.call_index
+                off_record = hook.off_record
                 hook.end()
-            if hook_calls[0] != expected_calls:
+            if (hook_calls[0] != expected_calls or off_record) and not diverged(out):
+                # The path differed and the forward returned captured outputs, which a program this call
+                # did not replay may hold: the plain forward answers (its effects happened once already).
                 raise ReplayDivergence(f"replay ran {hook_calls[0]} of the {expected_calls} subgraphs captured")
             return out
 
@@ -363,39 +368,46 @@ class SotStrategy:
             paddle.set_flags({_BLACKLIST_FLAG: old})
 
 
+_HOST_READS = ("__bool__", "item", "__int__", "__float__", "__index__")  # what a Python branch takes
+_SHAPE_DTYPES = (paddle.int64, paddle.int32)
+_OWN_FILES = (os.path.dirname(paddle.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 @contextlib.contextmanager
-def _value_branches_seen(seen: List[str]):
-    """While SOT translates: each jump on a tensor's truth value it breaks the graph at (OpcodeExecutor.
-    _break_graph_when_if: SOT's graph break of an `if` or `while` on a tensor; not a jump on `is None`,
-    where SOT breaks as well) is added to `seen` as "file:line". Installed around the translating call
-    only (the state lock is held), and put back."""
-    real = OpcodeExecutor._break_graph_when_if
+def _host_reads_noted(seen: List[str]):
+    """While the forward runs in the capture phase: each place outside Paddle and graph_opt that reads a
+    tensor's value on the host (`if x.min() > 0` and `while` on a tensor, which SOT's code evaluates with
+    bool(); `.item()`, `int(t)`, `all(t)`, a comprehension over a tensor) is added to `seen` as "file:line".
+    The forward's Python then depends on the values, which a padded call decides over its padding rows
+    too. Seen as it runs, in every frame SOT translated, reused from another model, or left to plain
+    Python. Installed around the warmups and the capture only (the state lock is held), and put back."""
+    tensor = paddle.Tensor
+    real = {name: getattr(tensor, name) for name in _HOST_READS if hasattr(tensor, name)}
 
-    def noted(executor, result, instr):
-        if "NONE" in instr.opname:  # `if mask is not None` on a tensor: SOT breaks there too, on no value
-            return real(executor, result, instr)
-        code = executor.vframe.code
-        where = f"{code.co_filename}:{_line_of(executor, instr, code)}"
-        if where not in seen:
-            seen.append(where)
-        return real(executor, result, instr)
+    def noting(name, method):
+        def read(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
+                frame = frame.f_back
+            # SOT's own code (its names start with # or $) reads a symbolic dim as a 0-d int64 tensor (the
+            # batch size, when the forward unpacks x.shape): the padded size, which each graph holds anyway.
+            if frame is not None and name != "__bool__" and frame.f_code.co_name[:1] in "#$" \
+                    and not self.shape and self.dtype in _SHAPE_DTYPES:
+                frame = None
+            if frame is not None:
+                where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                if where not in seen:
+                    seen.append(where)
+            return method(self, *args, **kwargs)
+        return read
 
-    OpcodeExecutor._break_graph_when_if = noted
+    for name, method in real.items():
+        setattr(tensor, name, noting(name, method))
     try:
         yield
     finally:
-        OpcodeExecutor._break_graph_when_if = real
-
-
-def _line_of(executor, instr, code) -> int:
-    """The source line of a jump SOT is about to break at: the last line start at or before it."""
-    line = code.co_firstlineno
-    for other in executor._instructions:
-        if getattr(other, "starts_line", None):
-            line = other.starts_line
-        if other is instr:
-            break
-    return line
+        for name, method in real.items():
+            setattr(tensor, name, method)
 
 
 def _diverged_from(outputs, is_tensor):

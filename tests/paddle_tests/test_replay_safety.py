@@ -6,6 +6,7 @@ import pickle
 import types
 from typing import Any
 
+import numpy as np
 import pytest
 
 paddle = pytest.importorskip("paddle")
@@ -890,3 +891,124 @@ def test_python_state_the_forward_sets_fails_a_level_1_capture_naming_it(F, logs
     with F.graphs(), paddle.no_grad():
         x = F.randn(3, HIDDEN, seed=1)
         assert F.equal(m(x), twin(x)) and m.calls == twin.calls
+
+
+# -- level 1: paths the capture did not take (SOT runs the frames it did not record as plain Python) -------
+class _BranchingSub(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.lin = paddle.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if x.min() > 0:
+            h = h * 2.0
+        return h
+
+
+class _SharesABranchingSub(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.sub = _BranchingSub()
+
+    def forward(self, x):
+        return self.sub(x) + 1.0
+
+
+def _level1(cls, **options):
+    return pair(PaddleF(), cls, level=1, **options)
+
+
+def _positive(n, seed):
+    x = paddle.randn([n, HIDDEN])
+    return x * x + 0.1
+
+
+def test_a_second_model_running_a_branch_sot_translated_for_the_first_keeps_padded_calls_eager(logs):
+    """SOT translates a sublayer's frame once and every model running that code reuses it: the second
+    model's capture translates nothing, and its padded calls must still see the branch."""
+    for seed in (0, 1):
+        m, twin = _level1(_SharesABranchingSub)
+        with graph_opt.testing.simulate_cuda_graphs():
+            graph_opt.capture_model(m, lambda n: paddle.randn([n, HIDDEN]), progress=False)
+        with graph_opt.testing.simulate_cuda_graphs(), paddle.no_grad():
+            for real in (3, 5, 4):
+                x = _positive(real, seed + real)
+                np.testing.assert_allclose(m(x).numpy(), twin(x).numpy(), rtol=1e-5, atol=1e-5)
+        assert graph_opt.stats(m).fallback_reasons == {"outputs": 2}, seed
+
+
+@graph_opt.splitting_op
+def _positive_rows(x):
+    return bool(x.min() > 0)
+
+
+@pytest.mark.parametrize("spelling", ["bool", "item", "int", "all", "generator", "splitting op"])
+def test_a_branch_on_a_value_read_on_the_host_keeps_padded_calls_eager(spelling, logs):
+    """`if bool(t)`, `.item()`, `int(t)`, `all(t)` (SOT breaks the graph at the call, not at a jump), a
+    generator expression (a frame SOT leaves to plain Python), a splitting op (run eagerly between pieces):
+    the read is seen as the forward runs in the capture phase."""
+    decide = {"bool": lambda x: bool(x.min() > 0), "item": lambda x: x.min().item() > 0,
+              "int": lambda x: int(x.min() > 0) == 1, "all": lambda x: all(x.min(axis=1) > 0),
+              "generator": lambda x: all(v > 0 for v in x.min(axis=1)), "splitting op": _positive_rows}[spelling]
+
+    class Reads(Scaled):
+        def forward(self, x):
+            h = self.lin(x)
+            if decide(x):
+                h = h * 2.0
+            return h
+
+    m, twin = _level1(Reads, config={"full_cuda_graph": spelling != "splitting op"})
+    with graph_opt.testing.simulate_cuda_graphs():
+        report = graph_opt.capture_model(m, lambda n: paddle.randn([n, HIDDEN]), progress=False)
+    with graph_opt.testing.simulate_cuda_graphs(), paddle.no_grad():
+        for real in (3, 5, 1):
+            x = _positive(real, real)
+            np.testing.assert_allclose(m(x).numpy(), twin(x).numpy(), rtol=1e-5, atol=1e-5)
+    # (SOT may translate no program at all for such a forward: the capture fails and it runs eagerly)
+    assert report.failed is not None or warned(logs, "reads a tensor's value on the host")
+
+
+class _CountsWhenPositive(Scaled):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", paddle.zeros([2]))
+        self.hits = 0
+
+    def forward(self, x, w):
+        h = self.lin(x)
+        if x.mean() > 0:
+            self.count[0] = self.count[0] + 1.0
+            self.hits += 1
+            x.add_(paddle.ones_like(x))
+            return w, h * 2.0 + x + self.count[0]
+        return h, w
+
+
+def test_a_path_the_capture_did_not_take_runs_once_and_returns_and_writes_what_eager_does():
+    """A call taking the branch the capture did not runs it once (no replay abandoned and run again: the
+    count and a Python value advance once), writes the caller's argument as eager does, returns the
+    caller's own tensor where that path returns its argument, and its outputs are kept when held."""
+    m, twin = _level1(_CountsWhenPositive, dims={"x": 0})
+    w = paddle.arange(HIDDEN, dtype="float32")
+    with graph_opt.testing.simulate_cuda_graphs():
+        graph_opt.capture_model(m, lambda n: (-paddle.randn([n, HIDDEN]).abs() - 0.1, w), progress=False)
+    m.count.set_value(paddle.zeros([2]))
+    m.hits = 0
+    kept = []
+    with graph_opt.testing.simulate_cuda_graphs(), paddle.no_grad():
+        for i in range(4):
+            x = _positive(4, i) * (1.0 if i % 2 == 0 else -1.0)
+            x_twin = x.clone()
+            out, want = m(x, w), twin(x_twin, w)
+            taken = i % 2 == 0
+            assert out[0 if taken else 1] is w, "the argument returned is the caller's tensor"
+            got, expected = out[1 if taken else 0], want[1 if taken else 0]
+            np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(x.numpy(), x_twin.numpy())  # written on that path, as eager writes it
+            kept.append((got, expected.clone()))
+            assert float(m.count[0]) == float(twin.count[0]) and m.hits == twin.hits, i
+    for got, expected in kept:
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+    assert graph_opt.stats(m).replays == 4
