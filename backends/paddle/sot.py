@@ -368,9 +368,27 @@ class SotStrategy:
             paddle.set_flags({_BLACKLIST_FLAG: old})
 
 
-_HOST_READS = ("__bool__", "item", "__int__", "__float__", "__index__")  # what a Python branch takes
+_HOST_READS = ("__bool__", "item", "__int__", "__float__", "__index__", "numpy", "tolist")
 _SHAPE_DTYPES = (paddle.int64, paddle.int32)
-_OWN_FILES = (os.path.dirname(paddle.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PASSED = (os.path.dirname(paddle.__file__), os.path.dirname(os.__file__), "<")  # Paddle, stdlib, generated
+# graph_opt's own code: backends/ (a folder of the checkout, or graph_opt/backends once installed) and graph_opt/
+_GRAPH_OPT = tuple(os.path.join(p, "") for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                 os.path.dirname(os.path.abspath(sys.modules["graph_opt"].__file__))))
+
+
+def _reader(frame):
+    """The frame of the model's code that made a host read, walking up from `frame` past Paddle's (SOT's
+    generated code calls through its own wrappers), the standard library's and generated code (a
+    dataclass's `<string>` __repr__); None where graph_opt's frames come first: graph_opt's own reads, and
+    SOT's while it translates (printing a variable), under graph_opt's eval-frame callback."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_GRAPH_OPT):
+            return None
+        if not name.startswith(_PASSED):
+            return frame
+        frame = frame.f_back
+    return None
 
 
 @contextlib.contextmanager
@@ -386,9 +404,7 @@ def _host_reads_noted(seen: List[str]):
 
     def noting(name, method):
         def read(self, *args, **kwargs):
-            frame = sys._getframe(1)
-            while frame is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
-                frame = frame.f_back
+            frame = _reader(sys._getframe(1))
             # SOT's own code (its names start with # or $) reads a symbolic dim as a 0-d int64 tensor (the
             # batch size, when the forward unpacks x.shape): the padded size, which each graph holds anyway.
             if frame is not None and name != "__bool__" and frame.f_code.co_name[:1] in "#$" \

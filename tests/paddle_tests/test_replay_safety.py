@@ -943,13 +943,14 @@ def _positive_rows(x):
     return bool(x.min() > 0)
 
 
-@pytest.mark.parametrize("spelling", ["bool", "item", "int", "all", "generator", "splitting op"])
+@pytest.mark.parametrize("spelling", ["bool", "item", "int", "all", "numpy", "generator", "splitting op"])
 def test_a_branch_on_a_value_read_on_the_host_keeps_padded_calls_eager(spelling, logs):
     """`if bool(t)`, `.item()`, `int(t)`, `all(t)` (SOT breaks the graph at the call, not at a jump), a
     generator expression (a frame SOT leaves to plain Python), a splitting op (run eagerly between pieces):
     the read is seen as the forward runs in the capture phase."""
     decide = {"bool": lambda x: bool(x.min() > 0), "item": lambda x: x.min().item() > 0,
               "int": lambda x: int(x.min() > 0) == 1, "all": lambda x: all(x.min(axis=1) > 0),
+              "numpy": lambda x: f"{x.min().numpy():.3f}" != "0.000",
               "generator": lambda x: all(v > 0 for v in x.min(axis=1)), "splitting op": _positive_rows}[spelling]
 
     class Reads(Scaled):
