@@ -55,7 +55,7 @@ def _capture_phase(adapter):
     """Warmups and capture of one size: SOT/Dynamo translate here, on the capture branch of is_capturing().
     One size at a time in the process (guards.state_lock): the flags it sets are process-wide."""
     with guards.state_lock, guards.sot_warmup_guard(True), guards.capture_custom_allreduce(), adapter.no_grad(), \
-            adapter.capture_stream(), guards._this_thread_captures():
+            adapter.capture_stream(), guards.this_thread_captures():
         yield
 
 

@@ -121,7 +121,7 @@ class CapturedSize:
             self._write_back(adapter, sig, dsts, leaves)
         diverged = self.captured.diverged
         if diverged is not None and diverged(fresh):
-            return self._diverged(adapter, fresh, leaves, dsts, real)
+            return self.diverged_result(adapter, fresh, leaves, dsts, real)
         if self.captured.stable_outputs:
             out = output if copier is None else copier()
             if copies is not None:
@@ -141,7 +141,7 @@ class CapturedSize:
             out = unflatten(spec, outs, template=out)
         return out
 
-    def _diverged(self, adapter, fresh, leaves, dsts, real: int):
+    def diverged_result(self, adapter, fresh, leaves, dsts, real: int):
         """The replay took a path the capture did not (Captured.diverged): what the forward returned is the
         call's result, on the static buffers. An argument the forward returned is the caller's tensor again,
         one it wrote on that path is written back (the capture saw no write of it), and every output but

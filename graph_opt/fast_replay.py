@@ -167,11 +167,13 @@ def _shortcut(runner, sig):
             except Exception as exc:  # as the full path: the eager forward answers; the graphs go if it works
                 return runner.replay_raised(exc, plan.entry.padded_size, args, {}, sig)
             counters.replays += 1
+            entry = plan.entry
             diverged = plan.diverged
-            if plan.stable and (diverged is None or not diverged(fresh)):
+            if diverged is not None and diverged(fresh):  # as the full path (CapturedSize.run)
+                return entry.diverged_result(adapter, fresh, args, dsts, real)
+            if plan.stable:
                 copier = plan.copier
                 return plan.output if copier is None else copier()
-            entry = plan.entry
             return runner.handed.hand_out(entry.cut_outputs(adapter, fresh, real), entry.written(adapter))
         finally:
             release()

@@ -65,7 +65,7 @@ def capture_phase_in_this_thread() -> bool:
 
 
 @contextlib.contextmanager
-def _this_thread_captures():
+def this_thread_captures():
     was = getattr(_this_thread, "phase", False)
     _this_thread.phase = True
     try:

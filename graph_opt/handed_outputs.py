@@ -12,8 +12,9 @@ output tensor still held. A loop written `out = model(x)` still holds the previo
 call runs, and pays that copy; `del out` before the call, or keep_outputs: false (outputs valid only
 until the next call, as vLLM's and FastDeploy's are), does not.
 
-Only outputs in memory a replay writes are handed out so: an output that is a parameter or buffer of the
-model (or a view of one) is that tensor, as in eager.
+Every tensor output is a new object per call, as eager's are. Only those in memory a replay writes are
+kept: a view of a parameter, a buffer or a marked argument is the caller's or the model's memory, which it
+goes on showing, as eager's view would; a parameter or buffer returned itself is that tensor.
 """
 from __future__ import annotations
 

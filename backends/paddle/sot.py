@@ -191,10 +191,11 @@ class SotStrategy:
         stable = all(id(t) in captured_outputs for t in out_leaves)
         pieces = sum(self._pieces_of(sub.layer) for sub in record.subgraphs)
         check = self._first_frame_check(args, kwargs, record)
-        replay = self._make_replay(args, kwargs, record, first_checked=check is not None, record_outputs=outputs)
+        diverged = _diverged_from(outputs, self.adapter.is_tensor)
+        replay = self._make_replay(args, kwargs, record, first_checked=check is not None, diverged=diverged)
         return Captured(outputs, replay, stable, pieces, len(record.subgraphs),
                         keepalive=[sub.graph for sub in record.subgraphs if sub.graph is not None] + [record],
-                        check=check, diverged=_diverged_from(outputs, self.adapter.is_tensor))
+                        check=check, diverged=diverged)
 
     def release(self) -> None:
         for record in self.records.values():
@@ -241,7 +242,7 @@ class SotStrategy:
             self.hook.end()
             self.translations += translate_count() - before
 
-    def _make_replay(self, args, kwargs, record: SizeRecord, first_checked: bool, record_outputs=None):
+    def _make_replay(self, args, kwargs, record: SizeRecord, first_checked: bool, diverged):
         frames = record.frames
         count = len(frames)
         position = [0]
@@ -253,7 +254,6 @@ class SotStrategy:
         hook_calls = [0]
         expected_calls = len(record.subgraphs)
         scope = _Scope(hook, self.split_names, min_graph_size=False)
-        diverged = _diverged_from(record_outputs, self.adapter.is_tensor)
 
         def callback(frame):
             # SOT stops handing some frames to the callback after their first runs (frames that hold

@@ -1013,3 +1013,28 @@ def test_a_path_the_capture_did_not_take_runs_once_and_returns_and_writes_what_e
     for got, expected in kept:
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
     assert graph_opt.stats(m).replays == 4
+
+
+class _WritesWhenPositive(Scaled):
+    def forward(self, x):
+        h = self.lin(x)
+        if x.mean() > 0:
+            x.add_(paddle.ones_like(x))
+            return h * 2.0 + x
+        return h
+
+
+def test_a_path_the_capture_did_not_take_in_the_common_calls_shortcut_writes_its_argument_back():
+    """The same answer from the shortcut (fast_replay.py) as from the full path: its third call, the
+    branch taken again once the shortcut answers, wrote nothing into the caller's x before."""
+    m, twin = _level1(_WritesWhenPositive)
+    with graph_opt.testing.simulate_cuda_graphs():
+        graph_opt.capture_model(m, lambda n: -paddle.randn([n, HIDDEN]).abs() - 0.1, progress=False)
+    with graph_opt.testing.simulate_cuda_graphs(), paddle.no_grad():
+        for i in range(4):
+            x = _positive(4, i) * (1.0 if i % 2 == 0 else -1.0)
+            x_twin = x.clone()
+            np.testing.assert_allclose(m(x).numpy(), twin(x_twin).numpy(), rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(x.numpy(), x_twin.numpy())
+    assert graph_opt.stats(m).replays == 4
+    assert state_of(m).runner.shortcut is not None and state_of(m).runner.shortcut.plans
