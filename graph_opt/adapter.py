@@ -44,6 +44,10 @@ class Adapter(Protocol):
 
     def nbytes(self, t) -> int: ...
 
+    def numel(self, t) -> int: ...
+
+    def host_bytes(self, t) -> bytes: ...  # a host tensor's elements, as the bytes a kernel reads
+
     def extent(self, t) -> Tuple[int, int]: ...  # (start, end) bytes its elements span, gaps of a view included
 
     def same_values(self, a, b) -> bool: ...  # same shape, dtype and elements

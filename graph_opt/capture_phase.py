@@ -14,9 +14,11 @@ import time
 from typing import Any, List, Optional, Tuple
 
 from . import capture_checks, guards, output_layout, output_sharing, ranks, static_address
+from .arguments import entry_host_values
 from .captured_size import Captured, CapturedSize, overlaps, returned_inputs
 from .errors import CaptureError, GraphOptInputError
 from .failures import describe
+from .fallbacks import Fallback, Reason
 from .host_outputs import SizeCopies
 from .padding import Padding
 from .pytree import flatten, holding_tensors_message, objects_holding_tensors, tensor_leaf_owners, unflatten
@@ -194,7 +196,7 @@ class CapturePhase:
         self.counters.lazy_captures += 1
         return entry
 
-    def lazy_capture_refusal(self) -> Optional[Tuple[str, str]]:
+    def lazy_capture_refusal(self) -> Optional[Fallback]:
         """Why a size may not be captured at a call, or None: the model's state is too large to copy aside
         and put back after the capture's runs of the forward (_capture_lazily). Found again until it
         refuses (a cache may make its tensors at its first call), then kept."""
@@ -205,8 +207,8 @@ class CapturePhase:
         if size <= capture_checks.STATE_BYTES:
             return None
         largest = max(held, key=lambda h: self.adapter.nbytes(h[1]))[0]
-        self._lazy_refusal = (
-            "lazy_state",
+        self._lazy_refusal = Fallback(
+            Reason.LAZY_STATE,
             f"a size that capture_model() did not capture is captured at a call only where the model's state "
             f"(its buffers and the tensors its modules hold: {size / 2**20:.0f} MiB here, the largest {largest}) "
             f"can be copied aside and put back ({capture_checks.STATE_BYTES >> 20} MiB at most): each of the "
@@ -413,9 +415,8 @@ class CapturePhase:
         )
         if entry.copy_inputs and copies is None:
             entry.returned_inputs = returned_inputs(adapter, captured.outputs, static)
-        if self.config.graph_opt_level == 0 and not simulation_enabled():
-            entry.host_values = [(i, adapter.clone(t)) for i, (t, d) in enumerate(zip(static, sig.dims))
-                                 if d is None and adapter.on_host(t)]
+        if self.config.graph_opt_level == 0:
+            entry.host_values = entry_host_values(adapter, leaves, static, sig.dims)
         sig.entries[padded] = entry
         sig.plans.clear()  # a new size may have changed what the plans resolved (mutated inputs)
         # Checked by finish_captures(), once the ranks agreed that every one captured this size: the

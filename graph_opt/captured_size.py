@@ -15,6 +15,7 @@ from .pytree import flatten, shallow_copier, unflatten
 from .static_address import same_memory
 
 if TYPE_CHECKING:
+    from .fallbacks import Fallback
     from .handed_outputs import HandedOutputs
     from .signature import Signature
 
@@ -35,7 +36,7 @@ class Captured:
     graphs: int
     keepalive: List[Any] = field(default_factory=list)  # graphs and tensors the replay reads
     # The framework's guards (level >= 1): None when a replay may run, else (key, what changed).
-    check: Optional[Callable[[], Optional[Tuple[str, str]]]] = None
+    check: Optional[Callable[[], Optional[Fallback]]] = None
     # Given what replay() returned, whether that is not the captured outputs: the replay took a path the
     # capture did not (Paddle's SOT runs a frame it did not record as plain Python, a branch or loop on a
     # tensor value), and what it returned is the call's result, not the stable outputs.

@@ -11,6 +11,7 @@ from . import dispatch, ranks, training
 from .capture_phase import paused_gc
 from .decorator import GraphOptState, state_of
 from .errors import GraphOptConfigError, GraphOptInputError
+from .fallbacks import reason_counts
 from .runner import GraphRunner
 from .stats import CaptureReport, SizeReport, Stats
 
@@ -229,5 +230,5 @@ def stats(model):
         static_buffer_bytes=runner.buffer_bytes(), disabled_reason=runner.disabled_reason,
         replay_failures=c.replay_failures, **_host_copy_counts(state),
         replays_by_kind=runner.replays_by_kind() if isinstance(runner, dispatch.KindDispatch) else {},
-        fallback_reasons=dict(runner.fallback_reasons),
+        fallback_reasons=reason_counts(runner.fallback_reasons),
     )

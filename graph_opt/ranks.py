@@ -30,6 +30,7 @@ from typing import Any, List, Optional, Protocol, Sequence, Type
 
 from .errors import GraphOptConfigError, GraphOptError
 from .failures import describe
+from .fallbacks import Fallback, Reason
 
 
 _enabled = True
@@ -129,13 +130,13 @@ def agree_on_capture(group: Optional[RankGroup], size: int, error: Optional[Base
 
 
 def agree_on_replay(group: RankGroup, blocked):
-    """Before a replay, with several ranks: None where every rank may replay, else (kind, why) this
-    rank runs the call without graphs. blocked: this rank's own (kind, why), or None."""
+    """Before a replay, with several ranks: None where every rank may replay, else the Fallback this
+    rank runs the call without graphs for. blocked: this rank's own Fallback, or None."""
     if not group.any_rank(blocked is not None):
         return None
-    reasons = group.all_gather(None if blocked is None else blocked[1])
+    reasons = group.all_gather(None if blocked is None else blocked.message)
     if blocked is not None:
         return blocked
     failed = [r for r, why in enumerate(reasons) if why is not None]
-    return ("peer", f"rank {failed[0]} cannot replay this call ({reasons[failed[0]]}), so every rank of "
-                    f"{group.world_size} runs it without graphs, to keep their collectives matched")
+    return Fallback(Reason.PEER, f"rank {failed[0]} cannot replay this call ({reasons[failed[0]]}), so every rank "
+                                 f"of {group.world_size} runs it without graphs, to keep their collectives matched")

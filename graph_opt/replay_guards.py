@@ -33,6 +33,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Dict, List, Optional, Tuple
 
+from .fallbacks import Fallback, Reason
 from .held_state import NOTHING_HELD, HeldState, state_key
 from .pytree import value_key
 
@@ -186,14 +187,15 @@ class ModelState:
         ambient = self.ambient_now()
         if ambient != self.ambient:
             describe = self.adapter.describe_ambient
-            return ("ambient", f"the call runs under {describe(ambient)}; the graphs were captured under "
-                               f"{describe(self.ambient)}")
+            return Fallback(Reason.AMBIENT, f"the call runs under {describe(ambient)}; the graphs were captured "
+                                            f"under {describe(self.ambient)}")
         if len(self.math_changed) != self.math_changes:
             now = self.adapter.math_mode()
             if now != self.math:
-                return ("ambient", "the math mode changed since capture: "
-                                   f"{self.adapter.describe_math_mode(self.math, now)}; the graphs run the kernels "
-                                   "chosen then. Set it back, or clear_graphs() and capture_model() to capture in it")
+                return Fallback(
+                    Reason.AMBIENT, "the math mode changed since capture: "
+                    f"{self.adapter.describe_math_mode(self.math, now)}; the graphs run the kernels "
+                    "chosen then. Set it back, or clear_graphs() and capture_model() to capture in it")
             self.math_changes = len(self.math_changed)
         if self.registered[0] != self.registrations:
             replaced = self._registrations_changed()
@@ -203,28 +205,31 @@ class ModelState:
             return self._conversions_changed()
         if self.hooked[0] != self.hook_changes:
             if self.adapter.hooks_fingerprint(self.dicts) != self.hooks:
-                return ("hooks", "a hook of a submodule (or a global module hook) was registered or removed since "
-                                 "capture; the graphs ran the hooks there were then. Restore them, or clear_graphs() "
-                                 "and capture_model() to capture with them")
+                return Fallback(
+                    Reason.HOOKS, "a hook of a submodule (or a global module hook) was registered or removed since "
+                    "capture; the graphs ran the hooks there were then. Restore them, or clear_graphs() "
+                    "and capture_model() to capture with them")
             self.hook_changes = self.hooked[0]
         return None
 
-    def _changed_attributes(self) -> tuple:
+    def _changed_attributes(self) -> Fallback:
         parts = [f"{self.name}.{k} = {_show(new)} (was {_show(old)} at capture)" for k, (old, new) in self.changed.items()]
-        return ("attribute", "attribute changed since capture: " + "; ".join(parts) + ". Level-0 graphs bake the "
-                "Python values forward read; set it back, or clear_graphs() and capture_model() to capture with the "
-                "new value", ("attribute", tuple(self.changed)))
+        return Fallback(
+            Reason.ATTRIBUTE, "attribute changed since capture: " + "; ".join(parts) + ". Level-0 graphs bake the "
+            "Python values forward read; set it back, or clear_graphs() and capture_model() to capture with the "
+            "new value", ("attribute", tuple(self.changed)))
 
-    def _training_changed(self) -> Tuple[str, str]:
+    def _training_changed(self) -> Fallback:
         for (path, d), was in zip(self.modules, self.flags):
             now = d.get("training")
             if now is not was:
                 where = f"{self.name}{'.' + path if path else ''}"
-                return ("training", f"{where} is in {'training' if now else 'eval'} mode; the graphs were captured "
-                                    f"in {'training' if was else 'eval'} mode")
-        return ("training", "a submodule's training flag changed since capture")
+                return Fallback(
+                    Reason.TRAINING, f"{where} is in {'training' if now else 'eval'} mode; the graphs were captured "
+                    f"in {'training' if was else 'eval'} mode")
+        return Fallback(Reason.TRAINING, "a submodule's training flag changed since capture")
 
-    def _conversions_changed(self) -> Optional[Tuple[str, str]]:
+    def _conversions_changed(self) -> Optional[Fallback]:
         counts = (self.converted[0], self.registered[0])
         if self.remade[0] == counts:
             return self.remade[1]
@@ -238,17 +243,19 @@ class ModelState:
             # Only other objects than the captured ones: replaced by the user (put back, they replay again),
             # or made anew by the conversion (torch's _apply writes new buffers into _buffers, no
             # registration): not replayed while they are there, without telling the two apart
-            self.remade = (counts, ("converted", "the model's parameters or buffers are not the objects captured: "
-                                                 "a conversion (to(), half() ...) made new ones, or they were "
-                                                 "replaced; the graphs read the captured ones. Put those back, or "
-                                                 "clear_graphs() and capture_model() to capture the model as it is"))
+            self.remade = (counts, Fallback(
+                Reason.CONVERTED, "the model's parameters or buffers are not the objects captured: "
+                "a conversion (to(), half() ...) made new ones, or they were "
+                "replaced; the graphs read the captured ones. Put those back, or "
+                "clear_graphs() and capture_model() to capture the model as it is"))
             return self.remade[1]
-        self.stale = ("converted", "the model's parameters or buffers were converted since capture (to(), half(), "
-                      "cpu() ... keep the parameter objects and move their data); the graphs read the old data. "
-                      "clear_graphs() and capture_model() capture the converted model")
+        self.stale = Fallback(
+            Reason.CONVERTED, "the model's parameters or buffers were converted since capture (to(), half(), "
+            "cpu() ... keep the parameter objects and move their data); the graphs read the old data. "
+            "clear_graphs() and capture_model() capture the converted model")
         return self.stale
 
-    def _registrations_changed(self) -> Optional[Tuple[str, str]]:
+    def _registrations_changed(self) -> Optional[Fallback]:
         count = self.registered[0]
         if self.replaced[0] == count:
             return self.replaced[1]
@@ -256,10 +263,11 @@ class ModelState:
         now = adapter.module_tensor_ids(self.model)
         if now == self.tensor_ids:
             if self.watch_replacements and not self._as_captured():
-                self.stale = ("replaced", "the memory or submodules of the model changed since capture although the "
-                              "names hold objects with the captured ids (a tensor's .data replaced or set_() while "
-                              "swapped out, a parametrization removed, or a freed object's id reused); the graphs "
-                              "read the old memory. clear_graphs() and capture_model() capture the model as it is")
+                self.stale = Fallback(
+                    Reason.REPLACED, "the memory or submodules of the model changed since capture although the "
+                    "names hold objects with the captured ids (a tensor's .data replaced or set_() while "
+                    "swapped out, a parametrization removed, or a freed object's id reused); the graphs "
+                    "read the old memory. clear_graphs() and capture_model() capture the model as it is")
                 return self.stale
             self.registrations = count  # a registration elsewhere, or the captured objects put back
             self.replaced = (-1, None)
@@ -274,10 +282,11 @@ class ModelState:
                 self.registrations = count
                 return None
         what = ", ".join(f"{self.name}.{n}" for n in names[:3]) or "a submodule"
-        self.replaced = (count, ("replaced", f"{what} was replaced by a new object since capture (or added or "
-                                             "removed); the graphs read the old one. Put the captured one back to "
-                                             "replay again, or clear_graphs() and capture_model() to capture the "
-                                             "new one"))
+        self.replaced = (count, Fallback(
+            Reason.REPLACED, f"{what} was replaced by a new object since capture (or added or "
+            "removed); the graphs read the old one. Put the captured one back to "
+            "replay again, or clear_graphs() and capture_model() to capture the "
+            "new one"))
         return self.replaced[1]
 
     def _as_captured(self) -> bool:

@@ -23,6 +23,7 @@ from . import ranks, static_address
 from .capture_phase import CapturePhase
 from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH, _MOVED, in_place
 from .errors import GraphOptError, GuardFailed, ReplayDivergence
+from .fallbacks import Fallback, Reason
 from .guards import capture_phase_in_this_thread
 from .fast_replay import MISS, FastReplay, plan_for
 from .handed_outputs import HandedOutputs
@@ -154,7 +155,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
                 raise self._bad_call(sig, leaves, self._misfit(sig, leaves, "argument"))
             return self._fallback(args, kwargs, None)
         if self.adapter.grad_enabled():
-            return self._fallback(args, kwargs, ("grad", _FALLBACK_REASONS["grad"]))
+            return self._fallback(args, kwargs, _GRAD)
         state = self.model_state
         # Never capture or replay in another mode than captured (training flag, autocast, ...).
         blocked = state.check() if state.captured else None
@@ -163,7 +164,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         if entry is None:
             if blocked is None and sig.in_place and sig.buffers is not None \
                     and in_place(self.adapter, sig.in_place, sig.buffers, leaves) is None:
-                blocked = ("moved", self._moved(sig, leaves))  # a capture would read the marked tensor
+                blocked = Fallback(Reason.MOVED, self._moved(sig, leaves))  # a capture would read the marked tensor
             if group is not None:  # every rank captures lazily, or none does
                 blocked = ranks.agree_on_replay(group, blocked)
             if blocked is not None:
@@ -172,7 +173,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
             if misfit is not None:
                 if misfit[0] != "shape":
                     raise self._bad_call(sig, leaves, misfit)
-                return self._fallback(args, kwargs, ("mismatch", _FALLBACK_REASONS["mismatch"]))
+                return self._fallback(args, kwargs, _MISMATCH_CALL)
             refusal = self.lazy_capture_refusal()
             if refusal is not None:
                 return self._fallback(args, kwargs, refusal)
@@ -186,9 +187,9 @@ class GraphRunner(SignatureChecks, CapturePhase):
             if check is not None:
                 blocked = check()
             if blocked is None and real != padded and sig.layout.exact_only:
-                blocked = ("outputs", f"a call of {real} rows would replay size {padded}, and "
-                                      f"{sig.layout.why_exact_only()}; calls of a size that is not captured run "
-                                      "without graphs")
+                blocked = Fallback(Reason.OUTPUTS, f"a call of {real} rows would replay size {padded}, and "
+                                                   f"{sig.layout.why_exact_only()}; calls of a size that is not "
+                                                   "captured run without graphs")
         if group is not None:  # a replay runs on every rank or on none: their collectives must match
             blocked = ranks.agree_on_replay(group, blocked)
         if blocked is not None:
@@ -200,22 +201,23 @@ class GraphRunner(SignatureChecks, CapturePhase):
         except Exception as exc:
             return self.replay_raised(exc, padded, args, kwargs, sig)
         if out is _ALIASED:
-            return self._fallback(args, kwargs, ("aliased", "the forward writes a tensor argument in place that "
-                                                 "shares memory with another argument, with itself (an expanded "
-                                                 "tensor) or with the outputs of the last replay (fed back): the "
-                                                 "graph reads and writes separate buffers, so this call runs "
-                                                 "without graphs"))
+            return self._fallback(args, kwargs, Fallback(
+                Reason.ALIASED, "the forward writes a tensor argument in place that "
+                "shares memory with another argument, with itself (an expanded "
+                "tensor) or with the outputs of the last replay (fed back): the "
+                "graph reads and writes separate buffers, so this call runs "
+                "without graphs"))
         if out is _HOST_VALUE:
-            return self._fallback(args, kwargs, ("host_argument", _FALLBACK_REASONS["host_argument"]))
+            return self._fallback(args, kwargs, _HOST_ARGUMENT)
         if out is _MOVED:
-            return self._fallback(args, kwargs, ("moved", self._moved(sig, leaves)))
+            return self._fallback(args, kwargs, Fallback(Reason.MOVED, self._moved(sig, leaves)))
         if out is _MISMATCH:
             # The slow path: a rank or dtype the graph cannot take is the caller's error; another
             # non-batch shape (or, without copied inputs, another address or strides) runs without graphs.
             misfit = self._misfit(sig, leaves, "argument")
             if misfit is not None and misfit[0] != "shape":
                 raise self._bad_call(sig, leaves, misfit)
-            return self._fallback(args, kwargs, ("mismatch", _FALLBACK_REASONS["mismatch"]))
+            return self._fallback(args, kwargs, _MISMATCH_CALL)
         self.counters.replays += 1
         if positional and real not in sig.plans:
             self._keep_plan(sig, entry, real)
@@ -255,9 +257,9 @@ class GraphRunner(SignatureChecks, CapturePhase):
                 "failed, so the call cannot be answered by running the forward again without writing it twice. "
                 "The graphs are dropped (clear_graphs() and capture_model() capture again)") from exc
         if isinstance(exc, GuardFailed):
-            return self._fallback(args, kwargs, ("guard", exc.guard))
+            return self._fallback(args, kwargs, Fallback(Reason.GUARD, exc.guard))
         if isinstance(exc, ReplayDivergence):
-            return self._fallback(args, kwargs, ("divergence", f"{exc}; this call runs without graphs"))
+            return self._fallback(args, kwargs, Fallback(Reason.DIVERGENCE, f"{exc}; this call runs without graphs"))
         return self._replay_failed(exc, padded, args, kwargs)
 
     def canonical(self, args, kwargs):
@@ -281,32 +283,35 @@ class GraphRunner(SignatureChecks, CapturePhase):
     def _disabled_call(self, args, kwargs):
         """A call after a failed capture or replay: the translated path is suspect too, so the plain forward."""
         self.counters.fallbacks += 1
-        self.fallback_reasons["disabled"] = self.fallback_reasons.get("disabled", 0) + 1
+        self.fallback_reasons[Reason.DISABLED] = self.fallback_reasons.get(Reason.DISABLED, 0) + 1
         return self.eager(*args, **kwargs)
 
-    def _fallback(self, args, kwargs, why: Optional[tuple]):
-        """Run this call without graphs. why: (kind, message[, warning key]) for stats().fallback_reasons
-        and one warning per key (default: kind and message); None for the silent, expected cases (a
+    def _fallback(self, args, kwargs, why: Optional[Fallback]):
+        """Run this call without graphs. why: counted in stats().fallback_reasons under its reason, with
+        one warning per warn_key (default: reason and message); None for the silent, expected cases (a
         size above the max)."""
         self.counters.fallbacks += 1
         if why is not None:
-            kind, message = why[0], why[1]
-            self.fallback_reasons[kind] = self.fallback_reasons.get(kind, 0) + 1
-            self._warn_once(why[2] if len(why) > 2 else why[:2],
+            reason, message = why.reason, why.message
+            self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+            self._warn_once(why.warn_key or (reason, message),
                             message if message.endswith("without graphs") else f"{message}; this call runs without graphs")
-            if kind in _EAGER_KINDS or kind == "ambient" and not self.adapter.static_follows_ambient:
-                # Paddle's SOT runs its programs on the parameters it traced with, and neither
-                # translator guards every hook.
+            if self._eager_for(why):
                 return self.eager(*args, **kwargs)
         state = self.model_state
         if state.captured:  # any other fallback (autograd on, a size above the max) after such a change too
             changed = state.check()
-            if changed is not None and (changed[0] in _EAGER_KINDS or
-                                        changed[0] == "ambient" and not self.adapter.static_follows_ambient):
+            if changed is not None and self._eager_for(changed):
                 return self.eager(*args, **kwargs)
         if self._eager_with_grad and self.adapter.grad_enabled():
             return self.eager(*args, **kwargs)
         return self.strategy.run(args, kwargs)
+
+    def _eager_for(self, why: Fallback) -> bool:
+        """Whether such a call runs the plain eager forward, not the translated one without graphs: the
+        translated code would read what changed as at capture (fallbacks.EAGER); an ambient change too
+        where the translator does not follow it (Paddle's SOT)."""
+        return why.eager or why.reason is Reason.AMBIENT and not self.adapter.static_follows_ambient
 
     def _replay_failed(self, exc: Exception, padded: int, args, kwargs):
         """A replay raised. The call is answered by the plain eager forward; if that raises too, the
@@ -392,18 +397,17 @@ _WARNINGS_PER_KIND = 3
 # The plain forward answers these: model changes (the static path would not see them), and aliased
 # arguments (rare; a translator would compile the forward once more for the aliasing, and Inductor
 # has failed to do so: an IndexError building its shape guards, measured on an H100).
-_EAGER_KINDS = frozenset({"replaced", "converted", "hooks", "aliased"})
-_NO_BATCH = ("no_batch", "a call whose tensors have no batch dimension (dim 0, or dynamic_arg_dims) runs without graphs")
-
-
-_FALLBACK_REASONS = {
-    "grad": "autograd is enabled: graphs replay only under no_grad, so this call runs without graphs",
-    "mismatch": "an input does not match the captured buffers (shape, or address and strides with "
-    "cudagraph_copy_inputs=false); this call runs without graphs",
-    "host_argument": "a host (CPU) tensor argument holds another value than at capture, and a level-0 graph "
-    "keeps the value its kernels were launched with; this call runs without graphs. Pass it as a device "
-    "tensor, or use graph_opt_level=1, which runs host operations outside the graphs",
-}
+_NO_BATCH = Fallback(Reason.NO_BATCH, "a call whose tensors have no batch dimension (dim 0, or dynamic_arg_dims) "
+                                       "runs without graphs")
+_GRAD = Fallback(Reason.GRAD, "autograd is enabled: graphs replay only under no_grad, so this call runs without graphs")
+_MISMATCH_CALL = Fallback(
+    Reason.MISMATCH, "an input does not match the captured buffers (shape, or address and strides "
+    "with cudagraph_copy_inputs=false); this call runs without graphs")
+_HOST_ARGUMENT = Fallback(
+    Reason.HOST_ARGUMENT, "a host (CPU) tensor argument holds another value than at capture, and a "
+    "level-0 graph keeps the value its kernels were launched with; this call runs without graphs. "
+    "Pass it as a device tensor, or use graph_opt_level=1, which runs host operations outside "
+    "the graphs")
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from . import output_layout
 from .captured_size import overlaps
 from .errors import GraphOptConfigError, GraphOptInputError
+from .fallbacks import Fallback, Reason
 from .padding import Padding
 from .pytree import TENSOR, flatten, leaf_paths, tensor_leaf_owners
 
@@ -240,26 +241,29 @@ class SignatureChecks:
         graph per value without bound would capture (and hold static buffers) at every new value."""
         opaque = self._opaque_arguments(spec)
         if opaque and self.config.graph_opt_level == 0:
-            return ("object_argument", f"{_opaque_message(opaque)}; these calls run without graphs",
+            return Fallback(Reason.OBJECT_ARGUMENT, f"{_opaque_message(opaque)}; these calls run without graphs",
                     ("object_argument",))
         if opaque:
             # The warmups, the capture and its check would run the forward on the caller's object, which
             # sees every run's changes (a cache object advanced several times by one call).
-            return ("object_argument", f"forward argument {', '.join(opaque)}: capturing a size at this call would "
-                    "run the forward several times on the caller's object (warmups, the capture, its check), and "
-                    "it would see every run's changes, so sizes are captured at a call only without object "
-                    "arguments (capture_model() captures with the objects make_inputs returns); these calls run "
-                    "without graphs", ("object_argument",))
+            return Fallback(
+                Reason.OBJECT_ARGUMENT, f"forward argument {', '.join(opaque)}: capturing a size at this call would "
+                "run the forward several times on the caller's object (warmups, the capture, its check), and "
+                "it would see every run's changes, so sizes are captured at a call only without object "
+                "arguments (capture_model() captures with the objects make_inputs returns); these calls run "
+                "without graphs", ("object_argument",))
         if self.capture_model_done and self.signatures:
-            return ("new_signature", f"{self._new_values(spec)}: a call with a structure or non-tensor value not "
-                    "seen at capture runs without graphs (capture_model() with inputs of that value captures it too)",
-                    ("new_signature",))
+            return Fallback(
+                Reason.NEW_SIGNATURE, f"{self._new_values(spec)}: a call with a structure or non-tensor value not "
+                "seen at capture runs without graphs (capture_model() with inputs of that value captures it too)",
+                ("new_signature",))
         limit = self.config.cudagraph_max_signatures
         if sum(1 for sig in self.signatures.values() if sig.lazy) >= limit:
-            return ("signature_limit", f"{self._new_values(spec)}; graphs are captured per non-tensor argument value "
-                    f"and {limit} were captured at call time (cudagraph_max_signatures={limit}), so calls with "
-                    "further values run without graphs. Pass a value that changes from call to call as a tensor",
-                    ("signature_limit",))
+            return Fallback(
+                Reason.SIGNATURE_LIMIT, f"{self._new_values(spec)}; graphs are captured per non-tensor argument value "
+                f"and {limit} were captured at call time (cudagraph_max_signatures={limit}), so calls with "
+                "further values run without graphs. Pass a value that changes from call to call as a tensor",
+                ("signature_limit",))
         return None
 
     def _new_values(self, spec) -> str:

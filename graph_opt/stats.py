@@ -42,8 +42,7 @@ class Stats:
     host_copies_in_graph: int = 0  # replays whose graph copied the host_outputs into pinned memory itself
     host_copies_streamed: int = 0  # calls whose host_outputs were copied on the copy stream afterwards
     replays_by_kind: Dict[str, int] = field(default_factory=dict)  # cudagraph_mode full_and_piecewise
-    # why calls ran without graphs, by kind: "training", "ambient", "attribute", "guard", "outputs",
-    # "new_signature", "signature_limit", "grad", "mismatch", "peer", ...
+    # why calls ran without graphs: graph_opt.fallbacks.Reason's values (docs/fallbacks.md: cause, fix)
     fallback_reasons: Dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -132,7 +131,7 @@ class TrainingStats:
     replays: int  # forward replays
     backward_replays: int
     fallbacks: int
-    fallback_reasons: Dict[str, int]  # max_graphs, backward_pending, capture_failed, no_graphs
+    fallback_reasons: Dict[str, int]  # Reason's values (docs/fallbacks.md): max_graphs, backward_pending, ...
     capture_failures: int
     recaptures: int
     capture_seconds: float

@@ -28,6 +28,9 @@ from . import env
 
 _simulating = False
 
+# Set on a tensor by as_host_tensor(): under the stand-in, a host tensor whose value a real graph bakes.
+HOST_MARK = "_graph_opt_host_tensor"
+
 
 @contextlib.contextmanager
 def simulate_cuda_graphs():
@@ -58,6 +61,14 @@ def slow_host_copies(polls: int = 3):
         yield
     finally:
         host_outputs._slow_polls = old
+
+
+def as_host_tensor(t):
+    """Marks `t` as host memory for the stand-in, which has no device (every tensor of a CPU build is on
+    the host): graph_opt then treats it as a real graph run treats a CPU tensor argument of a model on
+    the device, whose value the capture bakes in. Returns `t`."""
+    setattr(t, HOST_MARK, True)
+    return t
 
 
 def simulation_enabled() -> bool:

@@ -12,8 +12,10 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import backends, env, guards
+from .arguments import TooLarge, host_positions, tensors_by_value, too_large_message
 from .capture_phase import paused_gc
 from .errors import CaptureError, GraphOptError, GraphOptInputError
+from .fallbacks import Reason, reason_counts
 from .failures import describe
 from .held_state import HeldState
 from .host_outputs import _pending as _pending_host_copies, land_pending_copies
@@ -137,18 +139,22 @@ class GraphedBlock(ModuleWatch):
             self._bind(args, kwargs)
         bridge = self.bridge
         if bridge.saved_tensor_hooks_active():
-            return self._fallback("saved_tensor_hooks", args, kwargs,
+            return self._fallback(Reason.SAVED_TENSOR_HOOKS, args, kwargs,
                                   f"{self.name}: called with saved-tensor hooks on (torch.utils.checkpoint, "
                                   "activation offloading): they keep the activations themselves, so these calls "
                                   "run eagerly")
         if self.module is not None and self.lazy and bridge.uninitialized(self.module):
-            return self._fallback("lazy_parameters", args, kwargs, None)  # LazyLinear: shapes known after a call
+            return self._fallback(Reason.LAZY_PARAMETERS, args, kwargs, None)  # LazyLinear: shapes known after a call
         leaves, spec = flatten((args, kwargs), bridge.is_tensor)
-        key = self._key(spec, leaves, args, kwargs)
+        hosts = host_positions(self.adapter, leaves)
+        by_value = tensors_by_value(self.adapter, leaves, hosts) if hosts else ()
+        if by_value.__class__ is TooLarge:
+            return self._fallback(Reason.HOST_ARGUMENT, args, kwargs, too_large_message(self.name, spec, by_value))
+        key = self._key(spec, leaves, args, kwargs, by_value)
         state = self.keys.get(key)
         if state is None:
             if len(self.keys) >= self.max_graphs:
-                return self._fallback("max_graphs", args, kwargs,
+                return self._fallback(Reason.MAX_GRAPHS, args, kwargs,
                                       f"{self.name}: more than max_graphs={self.max_graphs} dispatch keys; "
                                       "calls with new keys run eagerly (raise max_graphs to graph them)")
             state = self.keys[key] = KeyState()
@@ -158,15 +164,15 @@ class GraphedBlock(ModuleWatch):
                 self._recapture()
                 graphs = None
             elif self.pending:
-                return self._fallback("backward_pending", args, kwargs, _PENDING_WARNING.format(name=self.name))
+                return self._fallback(Reason.BACKWARD_PENDING, args, kwargs, _PENDING_WARNING.format(name=self.name))
             elif self.own_at and not self._own_as_captured(state):
                 return self._own_changed_call(state, args, kwargs)
             else:
                 return self._replay(graphs, leaves, key[1])
         if state.failed is not None:
-            return self._fallback("capture_failed", args, kwargs, None)
+            return self._fallback(Reason.CAPTURE_FAILED, args, kwargs, None)
         if not self._graphs_available():
-            return self._fallback("no_graphs", args, kwargs,
+            return self._fallback(Reason.NO_GRAPHS, args, kwargs,
                                   f"{self.name}: CUDA graphs are unavailable here ({self.adapter.name} without "
                                   "a CUDA device); autocudagraph runs eagerly")
         if state.run is None:
@@ -179,7 +185,7 @@ class GraphedBlock(ModuleWatch):
             self.counters.warmups += 1
             return self._eager(state.run, args, kwargs)
         if self.pending:
-            return self._fallback("backward_pending", args, kwargs, _PENDING_WARNING.format(name=self.name))
+            return self._fallback(Reason.BACKWARD_PENDING, args, kwargs, _PENDING_WARNING.format(name=self.name))
         graphs = self._capture(state, leaves, spec, args, kwargs, needs_grad=key[1])
         if graphs is None:
             return self._eager(self.call, args, kwargs)
@@ -206,7 +212,7 @@ class GraphedBlock(ModuleWatch):
         bookkeeping, a cache grown elsewhere), the key's graphs are captured again from them at its next
         call; where it sets them (`self.rows = x.shape[0]` after another key's call), such calls stay eager."""
         before = [self._own_now(e) for e in self.own_at]
-        out = self._fallback("forward_state", args, kwargs, _OWN_WARNING.format(
+        out = self._fallback(Reason.FORWARD_STATE, args, kwargs, _OWN_WARNING.format(
             name=self.name, what=", ".join(self._own_changed(state)[:3])))
         if state.graphs is not None and [self._own_now(e) for e in self.own_at] == before:
             state.graphs.release()
@@ -339,7 +345,8 @@ class GraphedBlock(ModuleWatch):
         self.lent.clear()
 
     # -- keys --------------------------------------------------------------------------------------
-    def _key(self, spec, leaves, args, kwargs):
+    def _key(self, spec, leaves, args, kwargs, by_value=()):
+        """`by_value`: the values of the host tensor arguments (arguments.py), which a graph bakes in."""
         bridge = self.bridge
         if self.dispatch_key_fn is not None:
             user = self.dispatch_key_fn(*args, **kwargs)
@@ -354,6 +361,8 @@ class GraphedBlock(ModuleWatch):
             base = (user, spec, tuple(bridge.leaf_key(t) for t in leaves))
         else:
             base = (spec, tuple(bridge.leaf_key(t) for t in leaves))
+        if by_value:
+            base = base + (by_value,)
         if len(leaves) > 1:  # the same tensor passed twice (attention's x, x, x): its own graph
             ids = list(map(id, leaves))
             if len(set(ids)) < len(ids):
@@ -374,7 +383,7 @@ class GraphedBlock(ModuleWatch):
         return self.mode_flags
 
     # -- fallbacks and warnings --------------------------------------------------------------------
-    def _fallback(self, reason: str, args, kwargs, warning: Optional[str]):
+    def _fallback(self, reason: Reason, args, kwargs, warning: Optional[str]):
         c = self.counters
         c.fallbacks += 1
         c.fallback_reasons[reason] = c.fallback_reasons.get(reason, 0) + 1
@@ -479,7 +488,7 @@ class GraphedBlock(ModuleWatch):
         self.counters.capture_failures += 1
         self.counters.fallbacks += 1
         reasons = self.counters.fallback_reasons
-        reasons["capture_failed"] = reasons.get("capture_failed", 0) + 1
+        reasons[Reason.CAPTURE_FAILED] = reasons.get(Reason.CAPTURE_FAILED, 0) + 1
         kind = ("capture_failed", why.split(" (")[0])  # once per kind: each key of a forward that counts fails so
         log = logger.info if kind in self._warned else logger.warning
         self._warned.add(kind)
@@ -517,7 +526,7 @@ class GraphedBlock(ModuleWatch):
         return TrainingStats(
             mode=mode, keys=len(held), graphs=graphs,
             warmups=c.warmups, captures=c.captures, replays=c.replays, backward_replays=c.backward_replays,
-            fallbacks=c.fallbacks, fallback_reasons=dict(c.fallback_reasons), capture_failures=c.capture_failures,
+            fallbacks=c.fallbacks, fallback_reasons=reason_counts(c.fallback_reasons), capture_failures=c.capture_failures,
             recaptures=c.recaptures, capture_seconds=c.capture_seconds, graph_memory_bytes=self.memory_bytes,
             static_buffer_bytes=sum(g.buffer_bytes for g in held), disabled_reason=self.disabled_reason)
 

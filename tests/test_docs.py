@@ -60,3 +60,16 @@ def test_every_relative_link_resolves(page):
         elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
             broken.append(f"{target}: no heading with that anchor")
     assert not broken, broken
+
+
+def test_every_fallback_reason_has_its_cause_and_fix_in_docs():
+    """docs/fallbacks.md, the page a user opens when a call did not replay, has a section per reason of
+    graph_opt.fallbacks.Reason (the keys of stats().fallback_reasons), each with a cause and a fix."""
+    from graph_opt.fallbacks import Reason
+
+    text = open(os.path.join(ROOT, "docs", "fallbacks.md"), encoding="utf-8").read()
+    sections = re.split(r"^### ", text, flags=re.M)[1:]
+    documented = {re.match(r"`([a-z_]+)`", s).group(1) for s in sections}
+    assert documented == {r.value for r in Reason}
+    for s in sections:
+        assert "**Cause:**" in s and "**Fix:**" in s, s.splitlines()[0]

@@ -149,6 +149,9 @@ class FakeAdapter:
     def data_ptr(self, t):
         return t.a.__array_interface__["data"][0]
 
+    def on_host(self, t):
+        return False  # the fake graphs' tensors stand for device memory
+
     def nbytes(self, t):
         return t.a.nbytes
 

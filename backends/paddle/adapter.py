@@ -220,6 +220,12 @@ class PaddleAdapter:
     def nbytes(self, t) -> int:
         return math.prod(t.shape) * t.element_size()
 
+    def numel(self, t) -> int:
+        return math.prod(t.shape)
+
+    def host_bytes(self, t) -> bytes:
+        return t.numpy().tobytes()  # bf16 comes back as uint16: its bits
+
     def extent(self, t):
         start = t.data_ptr()
         if t.is_contiguous():

@@ -42,6 +42,7 @@ from .. import frame_locals as frame_of, private_copy
 from ...captured_size import Captured
 from ...errors import CaptureError, GraphOptError, GuardFailed, ReplayDivergence
 from ...failures import describe
+from ...fallbacks import Fallback, Reason
 from ...guards import as_captured
 from ...pytree import flatten
 from ...testing import simulation_enabled
@@ -306,7 +307,8 @@ class SotStrategy:
         """Before a replay: SOT's guards of the forward's own frame, on the arguments the capture ran
         with (the static buffers; their values are the runner's to check), with graph_opt's state as
         when SOT translated (the capture flags, the splitting hook). None when they hold, else
-        ("guard", the failing guard). Frames after a graph break are checked as the replay reaches them."""
+        a GUARD Fallback naming the failing guard. Frames after a graph break are checked as the replay
+        reaches them."""
         if not record.frames or record.frames[0][3] is None or record.frames[0][0] is not self.forward_fn.__code__:
             return None
         guard = record.frames[0][3]
@@ -325,9 +327,10 @@ class SotStrategy:
                     if as_captured(guard, frame):
                         return None
                 except Exception as exc:  # a guard that cannot read the frame: this call runs eagerly
-                    return ("guard", f"SOT's guard of the forward could not be evaluated ({type(exc).__name__}: "
-                                     f"{exc})")
-                return ("guard", _failed_guard(guard, frame))
+                    return Fallback(
+                        Reason.GUARD, f"SOT's guard of the forward could not be evaluated ({type(exc).__name__}: "
+                        f"{exc})")
+                return Fallback(Reason.GUARD, _failed_guard(guard, frame))
 
         return check
 

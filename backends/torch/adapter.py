@@ -217,6 +217,13 @@ class TorchAdapter:
     def nbytes(self, t) -> int:
         return t.numel() * t.element_size()
 
+    def numel(self, t) -> int:
+        return t.numel()
+
+    def host_bytes(self, t) -> bytes:
+        # Its bytes as a kernel reads them: a NaN equal to itself, bf16 without a numpy dtype
+        return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
     def extent(self, t):
         start = t.data_ptr()
         if t.is_contiguous():

@@ -41,6 +41,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from ... import split
+from ...fallbacks import Fallback, Reason
 from ...guards import as_captured
 from .. import frame_locals as frame_of, private_copy
 from ...captured_size import Captured
@@ -322,7 +323,7 @@ def _guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook)
     """Dynamo's guards of the cache entry whose transformed code the replays call, evaluated as a call
     with the capture's own arguments would, with graph_opt's own state as it was when Dynamo traced:
     the capture flags (guards.as_captured) and the hook that routes splitting ops to one FX node.
-    None when the guards hold; else ("guard", the failing guard)."""
+    None when the guards hold; else a GUARD Fallback naming the failing guard."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     entry = next((e for e in _debug_get_cache_entry_list(original_code) if e.code is code), None)
@@ -362,7 +363,7 @@ def _guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook)
             ok = as_captured(holds, frame_locals)
         if ok:
             return None
-        return ("guard", _failed_guard(manager, frame_locals, trace_hook, graph_fn.__globals__))
+        return Fallback(Reason.GUARD, _failed_guard(manager, frame_locals, trace_hook, graph_fn.__globals__))
 
     return check
 

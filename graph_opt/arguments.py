@@ -1,0 +1,74 @@
+"""What a graph makes of each tensor argument, for every path that replays one (inference and training,
+every level): device memory it reads where the copy put it, or host memory whose value the capture
+bakes in (a 0-dim CPU tensor torch reads as a kernel argument; pack_padded_sequence's CPU lengths,
+read on the host to size the kernels). One classification, so that no path checks less than another:
+inference at level 0 replays a host argument only with the value it had at capture; a training block
+keys its graphs by such values (tensors_by_value). Levels >= 1 of inference keep host ops out of
+their graphs (fx_split.py), and those ops read the arguments as they are."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+from .pytree import tensor_leaf_owners
+from .testing import HOST_MARK, simulation_enabled
+
+# A host tensor argument of at most this many elements is a key by its value (a scale, a temperature,
+# a batch's lengths); a larger one, whose value a graph cannot be keyed by, runs its calls eagerly.
+HOST_KEY_ELEMENTS = 4096
+
+
+def host_tensor(adapter, t) -> bool:
+    """On the host while graphs run on a device. The host stand-in has no device and re-runs Python at
+    a replay, so nothing is baked there: only tensors marked with testing.as_host_tensor() count, so
+    that the CPU suite exercises what a real graph would bake."""
+    if simulation_enabled():
+        return getattr(t, HOST_MARK, False)
+    return adapter.on_host(t)
+
+
+def host_positions(adapter, leaves: Sequence) -> Tuple[int, ...]:
+    return tuple(i for i, t in enumerate(leaves) if host_tensor(adapter, t))
+
+
+class TooLarge:
+    """A host argument too large to be a key: position `index`, `elements` elements."""
+
+    __slots__ = ("index", "elements")
+
+    def __init__(self, index: int, elements: int):
+        self.index, self.elements = index, elements
+
+
+def tensors_by_value(adapter, leaves: Sequence, positions: Tuple[int, ...]):
+    """The part of a call's key that its host arguments make: their values, as bytes (a NaN equal to
+    itself, -0.0 not equal to 0.0, as a kernel sees them), or TooLarge for the first that is."""
+    key = []
+    for i in positions:
+        t = leaves[i]
+        n = adapter.numel(t)
+        if n > HOST_KEY_ELEMENTS:
+            return TooLarge(i, n)
+        key.append(adapter.host_bytes(t))
+    return tuple(key)
+
+
+def argument_names(spec) -> List[str]:
+    """A readable name per tensor leaf of a spec of (args, kwargs): the argument it belongs to."""
+    names = []
+    for owner in tensor_leaf_owners(spec):
+        names.append(f"positional argument {owner}" if isinstance(owner, int) else f"argument {owner!r}")
+    return names
+
+
+def too_large_message(name: str, spec, big: TooLarge) -> str:
+    which = argument_names(spec)[big.index]
+    return (f"{name}: {which} is a host (CPU) tensor of {big.elements} elements; a CUDA graph bakes in what it "
+            f"reads of host memory, and a key by value takes at most {HOST_KEY_ELEMENTS} elements, so calls "
+            "with it run eagerly. Move it to the device, or pass a smaller one")
+
+
+def entry_host_values(adapter, leaves: Sequence, static: Sequence, dims: Sequence[Optional[int]]):
+    """Inference at level 0: the host arguments of a captured size (`leaves`, the call's) and their
+    values in the buffers the capture read (`static`), which a replay must find again. One with a batch
+    dimension is not among them: its padded copy is the graph's input."""
+    return [(i, adapter.clone(static[i])) for i in host_positions(adapter, leaves) if dims[i] is None]

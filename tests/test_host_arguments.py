@@ -1,0 +1,214 @@
+"""A host (CPU) tensor argument of a model on the device: a real graph bakes in what it reads of one (a
+0-dim scale torch passes to its kernels, pack_padded_sequence's lengths). One classification
+(graph_opt/arguments.py) decides for inference and training alike: inference at level 0 replays such
+an argument only with its captured value; a training block keys its graphs by the value.
+
+On CPU every tensor is on the host and the stand-in bakes nothing, so testing.as_host_tensor() marks
+the tensors the stand-in treats as host memory: these tests show the classification and its keys;
+tests/gpu/test_gpu_host_arguments.py shows on real graphs that no baked value is replayed."""
+import importlib.util
+
+import pytest
+
+import graph_opt
+from graph_opt import arguments
+from graph_opt.testing import as_host_tensor, simulate_cuda_graphs
+
+FRAMEWORKS = [f for f in ("torch", "paddle") if importlib.util.find_spec(f) is not None]
+if not FRAMEWORKS:
+    pytest.skip("needs torch or paddle", allow_module_level=True)
+
+
+class TorchFW:
+    name = "torch"
+
+    def __init__(self):
+        import torch
+        self.torch = torch
+        torch._dynamo.reset()
+
+    def scaled_block(self, seed=0):
+        torch = self.torch
+
+        class Scaled(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(8, 8)
+
+            def forward(self, x, scale):
+                return torch.tanh(self.lin(x)) * scale
+
+        torch.manual_seed(seed)
+        return Scaled()
+
+    def tensor(self, value):
+        return self.torch.tensor(value)
+
+    def randn(self, *shape, seed=0, grad=False):
+        g = self.torch.Generator().manual_seed(seed)
+        return self.torch.randn(*shape, generator=g).requires_grad_(grad)
+
+    def grads(self, model):
+        return [p.grad.clone() for p in model.parameters()]
+
+    def zero_grad(self, model):
+        for p in model.parameters():
+            p.grad = None
+
+    def equal(self, a, b):
+        return self.torch.equal(a, b)
+
+    def no_grad(self):
+        return self.torch.no_grad()
+
+    def backward(self, y):
+        y.sum().backward()
+
+
+class PaddleFW:
+    name = "paddle"
+
+    def __init__(self):
+        import paddle
+        self.paddle = paddle
+        paddle.set_device("cpu")
+
+    def scaled_block(self, seed=0):
+        paddle = self.paddle
+
+        class Scaled(paddle.nn.Layer):
+            def __init__(self):
+                super().__init__()
+                self.lin = paddle.nn.Linear(8, 8)
+
+            def forward(self, x, scale):
+                return paddle.tanh(self.lin(x)) * scale
+
+        paddle.seed(seed)
+        return Scaled()
+
+    def tensor(self, value):
+        return self.paddle.to_tensor(value)
+
+    def randn(self, *shape, seed=0, grad=False):
+        import numpy as np
+        t = self.paddle.to_tensor(np.random.default_rng(seed).standard_normal(shape).astype("float32"))
+        t.stop_gradient = not grad
+        return t
+
+    def grads(self, model):
+        return [p.grad.clone() for p in model.parameters()]
+
+    def zero_grad(self, model):
+        for p in model.parameters():
+            p.clear_gradient(set_to_zero=False)
+
+    def equal(self, a, b):
+        return bool(self.paddle.equal_all(a, b))
+
+    def no_grad(self):
+        return self.paddle.no_grad()
+
+    def backward(self, y):
+        y.sum().backward()
+
+
+@pytest.fixture(params=FRAMEWORKS)
+def fw(request):
+    return TorchFW() if request.param == "torch" else PaddleFW()
+
+
+def _twins(fw):
+    """A block for autocudagraph and its undecorated twin with the same weights (the eager reference)."""
+    return fw.scaled_block(seed=0), fw.scaled_block(seed=0)
+
+
+def test_the_classifier_names_host_tensors_and_keys_them_by_their_bytes(fw):
+    with simulate_cuda_graphs():
+        adapter = graph_opt.backends.load(fw.name).ADAPTER
+        x, s = fw.randn(2, 8), as_host_tensor(fw.tensor(2.0))
+        assert arguments.host_positions(adapter, [x, s]) == (1,)
+        nan = [as_host_tensor(fw.tensor(float("nan"))) for _ in range(2)]
+        assert arguments.tensors_by_value(adapter, nan, (0, 1))[0] == arguments.tensors_by_value(adapter, nan, (1,))[0]
+        zeros = [fw.tensor(0.0), fw.tensor(-0.0)]  # equal as numbers, not as what a kernel reads
+        assert arguments.tensors_by_value(adapter, zeros, (0,)) != arguments.tensors_by_value(adapter, zeros, (1,))
+        big = as_host_tensor(fw.randn(arguments.HOST_KEY_ELEMENTS + 1))
+        found = arguments.tensors_by_value(adapter, [x, big], (1,))
+        assert isinstance(found, arguments.TooLarge) and (found.index, found.elements) == (1, 4097)
+
+
+@pytest.fixture(params=[(f, level) for f in FRAMEWORKS for level in (0, 1) if (f, level) != ("paddle", 1)],
+                ids=lambda p: f"{p[0]}-level{p[1]}")
+def fw_level(request):  # Paddle's training graphs capture level 0 only
+    name, level = request.param
+    return (TorchFW() if name == "torch" else PaddleFW()), level
+
+
+def test_training_keys_a_host_scalar_argument_by_its_value(fw_level):
+    """block(x, scale) with a CPU 0-dim scale: a graph per value, never the captured value for another.
+    Without the classification this is one key, and on a device every replay multiplies by 2.0."""
+    fw, level = fw_level
+    ref, m = _twins(fw)
+    m = graph_opt.autocudagraph(m, warmup_steps=1, level=level)
+    scales = [2.0, 2.0, 3.0, 2.0, 3.0, 3.0, 2.0, 0.5, 0.5, 0.5]
+    with simulate_cuda_graphs():
+        for step, value in enumerate(scales):
+            got = []
+            for model in (ref, m):
+                fw.zero_grad(model)
+                x = fw.randn(4, 8, seed=step, grad=True)
+                y = model(x, as_host_tensor(fw.tensor(value)))
+                fw.backward(y)
+                got.append((y, x.grad, fw.grads(model)))
+            (y_ref, gx_ref, gp_ref), (y, gx, gp) = got
+            assert fw.equal(y, y_ref) and fw.equal(gx, gx_ref), f"step {step} (scale {value})"
+            assert all(fw.equal(a, b) for a, b in zip(gp, gp_ref)), f"step {step}: parameter gradients"
+    s = graph_opt.stats(m)
+    assert s.keys == 3, s  # 2.0, 3.0 and 0.5: each its own graphs
+    assert s.replays >= 4 and s.fallbacks == 0, s
+
+
+def test_training_runs_a_host_argument_too_large_to_key_eagerly_and_says_which(fw, graph_opt_warnings):
+    ref, m = _twins(fw)
+    m = graph_opt.autocudagraph(m, warmup_steps=0)
+    n = arguments.HOST_KEY_ELEMENTS + 1
+    with simulate_cuda_graphs():
+        x = fw.randn(n, 8, seed=4)
+        scale = fw.randn(n, 1, seed=3)
+        for _ in range(2):
+            assert fw.equal(m(x, as_host_tensor(scale.clone())), ref(x, scale))
+        # a small one still keys, and replays
+        for _ in range(3):
+            assert fw.equal(m(x[:4], as_host_tensor(scale[:4].clone())), ref(x[:4], scale[:4]))
+    s = graph_opt.stats(m)
+    assert s.fallback_reasons == {"host_argument": 2} and s.captures == 1 and s.replays == 3, s
+    said = [w for w in graph_opt_warnings() if "host (CPU) tensor" in w]
+    assert len(said) == 1 and "positional argument 1" in said[0] and f"{n} elements" in said[0], said
+
+
+def _graphed_twin(fw, config):
+    """A decorated subclass of the scaled block with the twin's weights, in eval mode, and the twin."""
+    twin = fw.scaled_block(seed=0)
+    base = type(twin)
+    cls = graph_opt.support_graph_optimization(type("Graphed", (base,), {
+        "__init__": lambda self, graph_opt_config=None: base.__init__(self)}))
+    m = cls(graph_opt_config=config)
+    m.set_state_dict(twin.state_dict()) if fw.name == "paddle" else m.load_state_dict(twin.state_dict())
+    m.eval()
+    twin.eval()
+    return m, twin
+
+
+def test_inference_at_level_0_replays_a_host_argument_only_with_its_captured_value(fw):
+    """The other path of the same classification: a size captured with scale 2.0 replays calls that
+    pass 2.0 and runs the others without graphs, saying why."""
+    config = graph_opt.GraphOptConfig(graph_opt_level=0, cudagraph_capture_sizes=[4])
+    m, twin = _graphed_twin(fw, config)
+    with simulate_cuda_graphs(), fw.no_grad():
+        assert graph_opt.capture_model(m, lambda n: (fw.randn(n, 8), as_host_tensor(fw.tensor(2.0))),
+                                       progress=False).failed is None
+        for step, value in enumerate([2.0, 3.0, 2.0, -0.0]):
+            x = fw.randn(4, 8, seed=step)
+            assert fw.equal(m(x, as_host_tensor(fw.tensor(value))), twin(x, fw.tensor(value))), step
+    s = graph_opt.stats(m)
+    assert s.replays == 2 and s.fallback_reasons == {"host_argument": 2}, s
