@@ -151,8 +151,8 @@ def _validate(runner, sig, entry, leaves: List, expected) -> None:
             if read_later and not differing:
                 _padded_calls_differ(
                     runner, sig, f"a replay of size {padded} for a call of {rows} rows: its padding rows write "
-                                 f"{', '.join(read_later)} where a later call reads (a state per row, `h[:n] = ...`, "
-                                 "or a count per token id that padding rows would advance)",
+                                 f"{', '.join(read_later)} where a later call reads or writes (a state per row, "
+                                 "`h[:n] = ...`, or a count per token id that padding rows would advance)",
                     "Give the padding rows a slot or id that no call reads (pad_values), or capture every batch "
                     "size the model is called with")
                 return
@@ -276,7 +276,8 @@ def _read_later(runner, sig, entry, inputs, rows: int, state, saved, later, put_
     set pad_values: reserved values no call holds), and `later` again: state read only at the padding
     rows' own ids (the count of token id 0), or only calls later, shows too. What they compare: their outputs,
     and the state they leave (an element they update from its old value, an EMA, shows). A later call
-    that raises with those writes counts as computing otherwise."""
+    that raises with those writes counts as computing otherwise; so does one that writes an element the
+    padding rows wrote: it holds a call's data, which the caller may read before then."""
     adapter = runner.adapter
     padding = sig.padding
     padded = entry.padded_size
@@ -322,6 +323,11 @@ def _read_later(runner, sig, entry, inputs, rows: int, state, saved, later, put_
             continue
         base_outs, base_state = later_calls(after)
         for i in written:
+            # An element that only padding rows wrote and a later call writes holds a call's data (a
+            # row of a state the caller reads, `state[:n] = x`): eager leaves it as it was until then
+            if not adapter.same_values(adapter.keep_changes(after[i], replayed[i], base_state[i]), after[i]):
+                found.append(state[i][0])
+                continue
             values = list(after)
             values[i] = replayed[i]
             try:

@@ -815,16 +815,19 @@ def test_a_buffer_written_only_at_small_sizes_keeps_captured_sizes_and_counts_as
     assert s.replays == 3 and s.fallback_reasons == {"outputs": 2}  # 4, 8 and 2 replay; 3 and 5 do not
 
 
-def _state_as_eager(F, m, twin, call, state_of_pair, sizes):
+def _state_as_eager(F, m, twin, call, state_of_pair, sizes, level=0):
     """Calls of these sizes, each against the twin run on the real rows alone: the outputs (within
     rounding: a padded batch may round otherwise) and the state after each call (bitwise: a padded call
-    that runs without graphs, or a replay of a captured size, leaves exactly what eager leaves)."""
+    that runs without graphs, or a replay of a captured size, leaves exactly what eager leaves; at level
+    2 within rounding, as Inductor's fused kernels round otherwise, with or without graphs). A padding
+    row's write into another sequence's row is far outside that rounding."""
+    same = F.equal if level < 2 else F.close
     with F.no_grad():
         for step, real in enumerate(sizes):
             got, want = call(m, real, step), call(twin, real, step)
             assert F.close(got, want), f"call {step} of {real} rows"
             mine, theirs = state_of_pair()
-            assert F.equal(mine, theirs), f"the state after call {step} of {real} rows differs from eager's"
+            assert same(mine, theirs), f"the state after call {step} of {real} rows differs from eager's"
 
 
 def _written_by_padding(F, logs, report, level, name, failure):
@@ -888,12 +891,14 @@ def test_a_count_per_token_id_is_never_advanced_by_padding_rows(F, M, level, ful
 
 
 @pytest.mark.parametrize("at_calls", [False, True], ids=["capture_model", "at_calls"])
-@pytest.mark.parametrize("kind, name", [("DecayRowState", "h"), ("RowAverage", "avg")])
+@pytest.mark.parametrize("kind, name", [("DecayRowState", "h"), ("RowAverage", "avg"), ("LastRows", "last")])
 def test_padding_rows_writing_state_as_it_was_or_state_only_the_caller_reads_are_seen(F, M, level, kind, name,
                                                                                        at_calls, logs):
     """A state of zeros that padding rows of zeros write as zeros (the check also starts from a shifted
-    state), and a running average the caller reads but the output does not (the check compares the state
-    later calls leave): padded calls would change rows of other sequences, so they run without graphs."""
+    state), a running average the caller reads but the output does not (the check compares the state
+    later calls leave), and rows the forward only writes, for the caller (a later call writes them too:
+    they hold a call's data): padded calls would change rows of other sequences, so they run without
+    graphs."""
     m, twin = pair(F, getattr(M, kind), level)
     report = None
     if not at_calls:
@@ -903,7 +908,7 @@ def test_padding_rows_writing_state_as_it_was_or_state_only_the_caller_reads_are
     F.copy_weights(twin, m)
     with F.graphs():
         _state_as_eager(F, m, twin, lambda model, n, step: model(F.randn(n, HIDDEN, seed=10 + step)),
-                        lambda: (getattr(m, name), getattr(twin, name)), (3, 4, 3, 8, 5, 8, 3, 4))
+                        lambda: (getattr(m, name), getattr(twin, name)), (3, 4, 3, 8, 5, 8, 3, 4), level)
     if (report is None or report.failed is None) and (level == 0 or F.static_writes_inputs):
         assert graph_opt.stats(m).fallback_reasons.get("outputs", 0) >= 3, graph_opt.stats(m)
 

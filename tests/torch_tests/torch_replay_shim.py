@@ -562,6 +562,21 @@ class RowAverage(Scaled):
         return self.lin(x)
 
 
+class LastRows(Scaled):
+    """The last hidden row of each slot, kept for the caller (m.last) and never read by the forward: a
+    later call overwrites its rows, so only the caller sees what padding rows wrote there meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("last", torch.zeros(8, HIDDEN))
+
+    def forward(self, x):
+        n = x.shape[0]
+        y = self.lin(x)
+        self.last[:n] = y
+        return y * 2.0
+
+
 class PenaltyAtIds(Embeds):
     """Counts per token id, read only at the call's own ids (a frequency penalty)."""
 
@@ -592,7 +607,7 @@ class ReturnsRowsOfMarked(Scaled):
         return cache[:n]
 
 
-MODELS = types.SimpleNamespace(ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=ReturnsRowsOfMarked, DecayRowState=DecayRowState, RowAverage=RowAverage, PenaltyAtIds=PenaltyAtIds, BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+MODELS = types.SimpleNamespace(ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=ReturnsRowsOfMarked, DecayRowState=DecayRowState, RowAverage=RowAverage, LastRows=LastRows, PenaltyAtIds=PenaltyAtIds, BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
