@@ -93,7 +93,7 @@ def validate(runner, sig, entry, leaves: List, expected) -> None:
         return
     if expected is None or not sig.layout.known or sig.layout.exact_only:
         return
-    branches = getattr(runner.strategy, "value_branches", None)
+    branches = runner.strategy.value_branches
     if branches:
         why = (f"the forward reads a tensor's value on the host ({', '.join(branches)}: an `if` or `while` on a "
                "tensor, `.item()`, `bool(t)`), so its Python depends on the values, and a padded call would decide "
@@ -158,10 +158,10 @@ def _validate(runner, sig, entry, leaves: List, expected) -> None:
                 return
             differing = differing + read_later
     if differing:
-        wrong = _captured_path_differs(runner, sig, entry) if getattr(runner.strategy, "verify_path", False) else []
+        wrong = _captured_path_differs(runner, sig, entry) if runner.strategy.traits.verify_path else []
         if wrong:
             why = (f"a replay of size {padded} gave other values than the plain forward on the same {padded} rows "
-                   f"in {', '.join(wrong)}: the captured path computes otherwise ({runner.strategy.verify_path}), "
+                   f"in {', '.join(wrong)}: the captured path computes otherwise ({runner.strategy.traits.verify_path}), "
                    "so the model runs its plain forward. Use graph_opt_level=0 for it")
             runner.capture_failed(CaptureError(why), padded)
             return

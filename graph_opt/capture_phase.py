@@ -219,7 +219,7 @@ class CapturePhase:
     def _replays_graphs_alone(self) -> bool:
         """Level 0: a replay is the graphs alone, so a binding the forward makes is not made again. At
         level >= 1 the translated code around the graphs makes it (Dynamo's, SOT's stores)."""
-        return getattr(self.strategy, "records_the_plain_forward", False)
+        return self.strategy.traits.records_the_plain_forward
 
     def _arguments_in_outputs(self, sig: Signature, leaves) -> List[Tuple[Any, Any]]:
         """(argument, a copy of it) for each tensor argument whose memory overlaps an output of the
@@ -352,7 +352,7 @@ class CapturePhase:
                 # make again, nor a level-1 replay through Paddle's SOT (found so: its capture's check
                 # then failed, blaming the numbers)
                 bindings = self.model_state.held_state() if checks_state else None
-                folds = getattr(self.strategy, "folds_tail", False)
+                folds = self.strategy.traits.folds_tail
                 if folds:
                     # The output copies into a larger size's storage and the host copies become the last
                     # nodes of the forward's own graph: one launch per step.
@@ -470,7 +470,7 @@ class CapturePhase:
             return
         what = [f"its argument {self._leaf_names(sig.spec)[i]}" for i in sorted(dropped)]
         what += [f"the model's buffer {name!r}" for name in sorted(dropped_buffers)]
-        path = getattr(self.strategy, "describe", "the captured path")
+        path = self.strategy.traits.describe
         # A write the version counters do not show (Paddle's copy_ and set_value, torch's .data) is found in
         # the captured path by the values a warmup changed: without warmups only the plain forward's is seen.
         unseen = ("; with cudagraph_num_of_warmups=0 a write its version counter does not show (Paddle's copy_ "

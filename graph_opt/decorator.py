@@ -100,7 +100,7 @@ class GraphOptState:
                 # Level >= 1 without graphs: the strategy's plain static path (SOT / torch.compile).
                 strategy = self.backend.static_strategy(self.model, self.forward_fn, self.config, None)
 
-                eager_with_grad = not getattr(strategy, "runs_autograd", True)
+                eager_with_grad = not strategy.traits.runs_autograd
 
                 def static_call(*args, **kwargs):
                     if eager_with_grad and self.adapter.grad_enabled():

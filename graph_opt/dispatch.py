@@ -43,13 +43,13 @@ class _Strategies:
 
     @property
     def translations(self) -> int:
-        return sum(getattr(r.strategy, "translations", 0) for r in self._runners)
+        return sum(r.strategy.translations for r in self._runners)
 
     @property
     def pass_counts(self) -> dict:
         counts: Dict[str, int] = {}
         for r in self._runners:
-            for k, v in (getattr(r.strategy, "pass_counts", None) or {}).items():
+            for k, v in r.strategy.pass_counts.items():
                 counts[k] = counts.get(k, 0) + v
         return counts
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import guards, output_sharing, split
 from .captured_size import Captured
+from .contracts import StrategyTraits
 from .errors import ReplayDivergence
 from .pytree import TENSOR, flatten, unflatten
 from .testing import HostGraph, simulation_enabled
@@ -176,14 +177,16 @@ class _PieceRecorder:
 class EagerStrategy:
     """Level 0: capture the eager forward, whole (full_cuda_graph) or split at splitting ops."""
 
-    folds_tail = True  # capture(tail=, share=) records those copies at the end of the last graph
-    records_the_plain_forward = True  # its graphs are the eager forward's own kernels, writes included
+    traits = StrategyTraits(folds_tail=True, records_the_plain_forward=True)
 
     def __init__(self, call: Callable, adapter, selection: Optional[split.SplitSelection]):
         self.call = call
         self.adapter = adapter
         self.selection = selection  # None: one graph for the whole forward
         self.landing = LandingBuffers(adapter)
+        self.translations = 0
+        self.pass_counts: Dict[str, int] = {}
+        self.value_branches: List[str] = []  # the eager forward's host reads fail its capture instead
 
     def run(self, args, kwargs):
         return self.call(*args, **kwargs)

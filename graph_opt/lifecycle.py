@@ -163,7 +163,7 @@ def _check_sizes(sizes, runner) -> list:
 
 def _translations(state) -> int:
     strategy = state.runner.strategy if state.runner is not None else getattr(state.plain, "strategy", None)
-    return getattr(strategy, "translations", 0)
+    return 0 if strategy is None else strategy.translations
 
 
 def clear_graphs(model) -> None:
@@ -195,7 +195,7 @@ def _guarded(runner: GraphRunner):
 
 def _pass_counts(strategy) -> dict:
     """What the program passes did to the strategy's programs (zeros where none ran)."""
-    counts = getattr(strategy, "pass_counts", None) or {}
+    counts = {} if strategy is None else strategy.pass_counts
     return {name: counts.get(name, 0) for name in ("copies_inserted", "reads_rewired", "copies_removed")}
 
 
@@ -216,7 +216,7 @@ def stats(model):
     strategy = runner.strategy if runner is not None else getattr(state.plain, "strategy", None)
     if runner is None:
         return Stats(mode=state.mode, captures=0, replays=0, fallbacks=0, lazy_captures=0, capture_failures=0,
-                     translations=getattr(strategy, "translations", 0), **_pass_counts(strategy),
+                     translations=0 if strategy is None else strategy.translations, **_pass_counts(strategy),
                      captured_sizes=[], pieces={}, graphs={},
                      capture_seconds=0.0, graph_memory_bytes=None, static_buffer_bytes=0, disabled_reason=None,
                      **_host_copy_counts(state))
@@ -224,7 +224,7 @@ def stats(model):
     return Stats(
         mode=state.mode, captures=c.captures, replays=c.replays, fallbacks=c.fallbacks,
         lazy_captures=c.lazy_captures, capture_failures=c.capture_failures,
-        translations=getattr(strategy, "translations", 0), **_pass_counts(strategy),
+        translations=0 if strategy is None else strategy.translations, **_pass_counts(strategy),
         captured_sizes=runner.captured_sizes(), pieces=runner.pieces(), graphs=runner.graphs(),
         capture_seconds=runner.capture_seconds, graph_memory_bytes=runner.memory_bytes,
         static_buffer_bytes=runner.buffer_bytes(), disabled_reason=runner.disabled_reason,

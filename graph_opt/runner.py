@@ -49,7 +49,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         self.config = config
         self.strategy = strategy
         # A strategy whose path without graphs cannot be trusted with autograd: such calls run the plain forward.
-        self._eager_with_grad = not getattr(strategy, "runs_autograd", True)
+        self._eager_with_grad = strategy is not None and not strategy.traits.runs_autograd
         # The plain forward, without the module's hooks (the decorated call runs those around the
         # runner): what runs once a capture has failed, and what capture_checks probes.
         self.eager = eager

@@ -42,6 +42,7 @@ from .. import frame_locals as frame_of, private_copy
 from ...captured_size import Captured
 from ...errors import CaptureError, GraphOptError, GuardFailed, ReplayDivergence
 from ...failures import describe
+from ...contracts import StrategyTraits
 from ...fallbacks import Fallback, Reason
 from ...guards import as_captured
 from ...pytree import flatten
@@ -95,13 +96,15 @@ def _undo_static_forwards(model, before: Dict[int, Any]) -> int:
 class SotStrategy:
     """Warm up, capture and replay a Paddle model's forward through SOT, per padded size."""
 
-    describe = "Paddle's SOT (its programs do not support writing their inputs: \"not support input out tensor\")"
-    # Autograd through SOT's programs gave PaddleFormers' Llama wrong gradients (most None; bare
-    # paddle.jit.to_static(full_graph=False) too, Paddle 3.3.1): calls with autograd on run the plain forward.
-    runs_autograd = False
-    # Where padded calls differ from eager, capture_checks also compares a replay of the padded size itself
-    # with the plain forward: SOT dropped in-place ops on intermediate tensors (Paddle 3.3.1), and this says why.
-    verify_path = "Paddle's SOT can drop an in-place op on an intermediate tensor: write y = y + 1 for y.add_(1)"
+    traits = StrategyTraits(
+        describe="Paddle's SOT (its programs do not support writing their inputs: \"not support input out tensor\")",
+        # Autograd through SOT's programs gave PaddleFormers' Llama wrong gradients (most None; bare
+        # paddle.jit.to_static(full_graph=False) too, Paddle 3.3.1): calls with autograd on run the plain forward.
+        runs_autograd=False,
+        # SOT dropped in-place ops on intermediate tensors (Paddle 3.3.1): where padded calls differ from
+        # eager, the check also compares a replay of the padded size itself with the plain forward.
+        verify_path="Paddle's SOT can drop an in-place op on an intermediate tensor: write y = y + 1 for y.add_(1)",
+    )
 
     def __init__(self, model, forward_fn, config, adapter, selection: Optional[split.SplitSelection]):
         self.model = model

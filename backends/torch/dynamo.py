@@ -45,6 +45,7 @@ from ...fallbacks import Fallback, Reason
 from ...guards import as_captured
 from .. import frame_locals as frame_of, private_copy
 from ...captured_size import Captured
+from ...contracts import StrategyTraits
 from ...errors import CaptureError
 from ...pytree import flatten
 from ...signature import as_made, forward_params
@@ -110,6 +111,8 @@ class _ReleaseSize:
 class DynamoStrategy:
     """Warm up, capture and replay a torch model's forward through Dynamo, per padded size."""
 
+    traits = StrategyTraits()
+
     def __init__(self, model, forward_fn, config, adapter, selection: Optional[split.SplitSelection]):
         self.model = model
         self.forward_fn = forward_fn
@@ -121,6 +124,7 @@ class DynamoStrategy:
         self.direct_replays = 0  # sizes whose replay is the graph's replay() alone (pure_replay_code)
         self.planned_replays = 0  # of those, piecewise sizes replayed by a pieces.ReplayPlan
         self.pass_counts = {}  # no program passes on torch
+        self.value_branches: List[str] = []  # Dynamo guards its specializations: nothing to note
         self.state = GraphState(adapter=adapter)
         self.params = forward_params(self.forward_fn, for_call=True)  # as_made's
         self._tensors = _ModuleTensors(model)
