@@ -7,6 +7,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
+from .arguments import argument_names
 from .errors import CaptureError
 from .pytree import flatten, holding_tensors_message, objects_holding_tensors, unflatten
 
@@ -155,11 +156,20 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
 
     mark = bridge.graph_mark() if needs_grad else None
     fwd = _SimulatedForward(bridge, forward) if simulated else adapter.new_graph(block.pool)
+    versions = [adapter.version(t) for t in static_inputs]
     fwd.capture_begin()
     try:
         outs = forward()
     finally:
         fwd.capture_end()
+    written = [i for i, (t, v) in enumerate(zip(static_inputs, versions)) if adapter.version(t) != v]
+    if written:
+        # A replay would write the static copy, never the caller's tensor (inference copies it back;
+        # here eager's autograd of the write on a tensor that needs grad is not the graph's)
+        names = argument_names(spec)
+        raise CaptureError(f"{block.name}: the forward writes its {', '.join(names[i] for i in written)} in place; a "
+                           "replay would write the graph's copy, not the tensor passed, so this key runs eagerly. "
+                           "Return the new value instead of writing the argument")
     out_leaves, out_spec = flatten(outs, bridge.is_tensor)
     held = objects_holding_tensors(outs, bridge.is_tensor)
     if held:

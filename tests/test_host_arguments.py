@@ -212,3 +212,29 @@ def test_inference_at_level_0_replays_a_host_argument_only_with_its_captured_val
             assert fw.equal(m(x, as_host_tensor(fw.tensor(value))), twin(x, fw.tensor(value))), step
     s = graph_opt.stats(m)
     assert s.replays == 2 and s.fallback_reasons == {"host_argument": 2}, s
+
+
+def test_training_refuses_a_forward_that_writes_its_argument_in_place(fw, graph_opt_warnings):
+    """A replay writes the graph's copy of an argument, never the caller's tensor: a forward that writes
+    one (`state.mul_(0.5)`) runs eagerly, writing the caller's tensor as eager does (the key's capture
+    fails with one warning naming it), like inference, which copies it back."""
+    base = type(fw.scaled_block())
+
+    class WritesState(base):
+        def forward(self, x, state):
+            state.scale_(0.5) if fw.name == "paddle" else state.mul_(0.5)
+            return self.lin(x) + state
+
+    m, ref = WritesState(), WritesState()
+    m.set_state_dict(ref.state_dict()) if fw.name == "paddle" else m.load_state_dict(ref.state_dict())
+    m = graph_opt.autocudagraph(m, warmup_steps=1)
+    mine, theirs = fw.randn(4, 8, seed=1), fw.randn(4, 8, seed=1)
+    with simulate_cuda_graphs():
+        for step in range(4):
+            x = fw.randn(4, 8, seed=step)
+            assert fw.equal(m(x, mine), ref(x, theirs)), step
+            assert fw.equal(mine, theirs), f"step {step}: the caller's state"
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.capture_failures == 1, s
+    said = [w for w in graph_opt_warnings() if "in place" in w]
+    assert len(said) == 1 and "positional argument 1" in said[0], said
