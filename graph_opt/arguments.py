@@ -7,9 +7,11 @@ keys its graphs by such values (tensors_by_value). Levels >= 1 of inference keep
 their graphs (fx_split.py), and those ops read the arguments as they are."""
 from __future__ import annotations
 
+import inspect
+import re
 from typing import List, Optional, Sequence, Tuple
 
-from .pytree import tensor_leaf_owners
+from .pytree import TENSOR, leaf_paths
 from .testing import HOST_MARK, simulation_enabled
 
 # A host tensor argument of at most this many elements is a key by its value (a scale, a temperature,
@@ -52,23 +54,42 @@ def tensors_by_value(adapter, leaves: Sequence, positions: Tuple[int, ...]):
     return tuple(key)
 
 
-def argument_names(spec) -> List[str]:
-    """A readable name per tensor leaf of a spec of (args, kwargs): the argument it belongs to."""
+def argument_names(spec, fn=None) -> List[str]:
+    """A readable name per tensor leaf of a spec of (args, kwargs): the argument it belongs to, and where
+    in it for a container (`argument 'opts'['table']`); a positional one by its parameter's name in
+    `fn`'s signature where it has one."""
+    params = _positional_parameters(fn) if fn is not None else ()
     names = []
-    for owner in tensor_leaf_owners(spec):
-        names.append(f"positional argument {owner}" if isinstance(owner, int) else f"argument {owner!r}")
+    for path, leaf in leaf_paths(spec, root=""):
+        if leaf is TENSOR:
+            top, key, rest = re.match(r"\[([01])\]\[([^\]]+)\](.*)", path).groups()
+            if top == "0":
+                head = f"argument {params[int(key)]!r}" if int(key) < len(params) else f"positional argument {key}"
+            else:
+                head = f"argument {key}"
+            names.append(head + rest)
     return names
 
 
-def too_large_message(name: str, spec, big: TooLarge) -> str:
-    which = argument_names(spec)[big.index]
+def _positional_parameters(fn) -> List[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin, a callable without a signature
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def too_large_message(name: str, spec, big: TooLarge, fn=None) -> str:
+    which = argument_names(spec, fn)[big.index]
     return (f"{name}: {which} is a host (CPU) tensor of {big.elements} elements; a CUDA graph bakes in what it "
             f"reads of host memory, and a key by value takes at most {HOST_KEY_ELEMENTS} elements, so calls "
             "with it run eagerly. Move it to the device, or pass a smaller one")
 
 
-def entry_host_values(adapter, leaves: Sequence, static: Sequence, dims: Sequence[Optional[int]]):
-    """Inference at level 0: the host arguments of a captured size (`leaves`, the call's) and their
-    values in the buffers the capture read (`static`), which a replay must find again. One with a batch
-    dimension is not among them: its padded copy is the graph's input."""
-    return [(i, adapter.clone(static[i])) for i in host_positions(adapter, leaves) if dims[i] is None]
+def entry_host_values(adapter, leaves: Sequence, static: Sequence):
+    """Inference at level 0: the host arguments of a captured size (`leaves`, the call's) and the bytes
+    of the buffers the capture read (`static`), which a replay must find again, as a training key does
+    (-0.0 is not 0.0 to a kernel). One with a batch dimension too (pack_padded_sequence's lengths): the
+    capture read its padded rows on the host, so only a call of the padded size with those values may
+    replay."""
+    return [(i, adapter.host_bytes(static[i])) for i in host_positions(adapter, leaves)]

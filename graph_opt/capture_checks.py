@@ -203,15 +203,22 @@ _PADDING_STATE = (", or its padding rows change state the real rows do not, such
                   "seen: padded calls would change it otherwise than eager")
 
 
+def _held_arguments(sig) -> set:
+    """Arguments whose own memory ends up holding what the forward writes: those read in place
+    (mark_static_address), and those without a batch dimension it writes, whose static copy a replay
+    writes back whole, padding rows' writes included."""
+    return sig.in_place | {i for i in sig.mutated if sig.dims[i] is None}
+
+
 def _state(runner, sig, leaves) -> Optional[List[Tuple[str, Any]]]:
     """(name, tensor) of what a run of the forward may advance: the model's buffers, the tensors its
-    modules hold in other attributes, and the arguments read in place (mark_static_address). None where
-    they hold more than STATE_BYTES."""
+    modules hold in other attributes, and the arguments that hold its writes (_held_arguments). None
+    where they hold more than STATE_BYTES."""
     adapter = runner.adapter
     names = runner._leaf_names(sig.spec)
     found, seen = [], set()
     for name, t in runner.model_state.held_state().tensors + [(f"argument {names[i]}", leaves[i])
-                                                              for i in sorted(sig.in_place)]:
+                                                              for i in sorted(_held_arguments(sig))]:
         if id(t) not in seen:
             seen.add(id(t))
             found.append((name, t))
@@ -236,7 +243,8 @@ def _from_one_state(runner, sig, entry, inputs, rows: int, state, later=None) ->
         values.put_back_values()
         values.rebound()
 
-    copies = [t if i in sig.in_place else adapter.clone(t) for i, t in enumerate(inputs)]
+    held = _held_arguments(sig)
+    copies = [t if i in held else adapter.clone(t) for i, t in enumerate(inputs)]
     try:
         with adapter.no_grad():
             want = _clone(adapter, _run(runner, sig, copies))
@@ -272,8 +280,8 @@ def _read_later(runner, sig, entry, inputs, rows: int, state, saved, later, put_
     what eager left, compute otherwise with those writes in it. Done from the state as it is (`saved`) and
     from it shifted by a ramp (adapter.shifted): a write of the value an element already held (a state of
     zeros, written zero by padding rows of zeros) shows there. The later calls are chained calls of the
-    padded size: the capture inputs (`later`), a call whose rows all hold the pad values (unless the user
-    set pad_values: reserved values no call holds), and `later` again: state read only at the padding
+    padded size: the capture inputs (`later`), a call whose rows hold the pad values (but those given with
+    pad_values: reserved values no call holds), and `later` again: state read only at the padding
     rows' own ids (the count of token id 0), or only calls later, shows too. What they compare: their outputs,
     and the state they leave (an element they update from its old value, an EMA, shows). A later call
     that raises with those writes counts as computing otherwise; so does one that writes an element the
@@ -284,14 +292,18 @@ def _read_later(runner, sig, entry, inputs, rows: int, state, saved, later, put_
     pad_of = [padding.values[i] if padding else 0 for i in range(len(later))]
     # At the padded size, every row a real one: a size captured at a call checks on that call's rows, fewer
     # than it holds, and its later calls repeat them (a padding row there would read what padding wrote)
-    later = [t if d is None or i in sig.in_place else _with_rows(adapter, t, d, padded)
+    held = _held_arguments(sig)
+    later = [t if d is None or i in held else _with_rows(adapter, t, d, padded)
              for i, (t, d) in enumerate(zip(later, sig.dims))]
-    # A call of padding rows only where they hold what a real row may hold (0: token id 0, slot 0). Values
-    # set with pad_values are the user's reserved ones (vLLM's slot -1, a trash slot): no call holds them.
-    if runner.pad_values:
+    # A call whose rows hold the pad values where those are what a real row may hold (0: token id 0, slot
+    # 0). Values set with pad_values are the user's reserved ones (vLLM's slot -1, a trash slot): no call
+    # holds them, so those arguments keep real rows there (and with every one reserved, no such call).
+    reserved = runner.reserved_pad_leaves(sig.spec)
+    batch = [i for i, d in enumerate(sig.dims) if d is not None and i not in held]
+    if all(i in reserved for i in batch):
         laters = (later, later)
     else:
-        pads = [t if d is None or i in sig.in_place else _filled(adapter, t, pad_of[i])
+        pads = [t if d is None or i in held or i in reserved else _filled(adapter, t, pad_of[i])
                 for i, (t, d) in enumerate(zip(later, sig.dims))]
         laters = (later, pads, later)
 
@@ -301,7 +313,7 @@ def _read_later(runner, sig, entry, inputs, rows: int, state, saved, later, put_
             adapter.copy_(t, v)
 
     def run(leaves):
-        return _run(runner, sig, [t if i in sig.in_place else adapter.clone(t) for i, t in enumerate(leaves)])
+        return _run(runner, sig, [t if i in held else adapter.clone(t) for i, t in enumerate(leaves)])
 
     def later_calls(values):
         set_state(values)

@@ -61,7 +61,8 @@ class CapturedSize:
     pending_check: Optional[tuple] = None  # (capture inputs, eager's outputs) until finish_captures()
     # Level 0 on a device: (index, value at capture) of each host tensor argument. A kernel takes a host
     # scalar (x / t, t a CPU tensor) by value when it is launched, so the graph holds the capture's.
-    host_values: List[tuple] = field(default_factory=list)
+    host_values: List[tuple] = field(default_factory=list)  # (leaf, its bytes at capture): arguments.py
+    host_changed: int = -1  # the leaf whose host value a replay last found changed
     restore: List[tuple] = field(default_factory=list)  # (marked argument, its contents before the capture)
     output_spans: Optional[List[Tuple[int, int]]] = None  # the memory its replay writes outputs to, once asked
     # (output leaf, input leaf) where the forward returned that input itself: a replay returns the caller's
@@ -106,7 +107,8 @@ class CapturedSize:
             return _ALIASED
         if self.host_values:
             for i, value in self.host_values:
-                if not adapter.same_values(leaves[i], value):
+                if adapter.host_bytes(leaves[i]) != value:
+                    self.host_changed = i
                     return _HOST_VALUE
         handed = self.handed
         if handed is not None:

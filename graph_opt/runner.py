@@ -208,7 +208,9 @@ class GraphRunner(SignatureChecks, CapturePhase):
                 "graph reads and writes separate buffers, so this call runs "
                 "without graphs"))
         if out is _HOST_VALUE:
-            return self._fallback(args, kwargs, _HOST_ARGUMENT)
+            name = self._leaf_names(sig.spec)[entry.host_changed]
+            return self._fallback(args, kwargs, Fallback(
+                Reason.HOST_ARGUMENT, f"argument {name} {_HOST_ARGUMENT}", (Reason.HOST_ARGUMENT, name)))
         if out is _MOVED:
             return self._fallback(args, kwargs, Fallback(Reason.MOVED, self._moved(sig, leaves)))
         if out is _MISMATCH:
@@ -403,11 +405,9 @@ _GRAD = Fallback(Reason.GRAD, "autograd is enabled: graphs replay only under no_
 _MISMATCH_CALL = Fallback(
     Reason.MISMATCH, "an input does not match the captured buffers (shape, or address and strides "
     "with cudagraph_copy_inputs=false); this call runs without graphs")
-_HOST_ARGUMENT = Fallback(
-    Reason.HOST_ARGUMENT, "a host (CPU) tensor argument holds another value than at capture, and a "
-    "level-0 graph keeps the value its kernels were launched with; this call runs without graphs. "
-    "Pass it as a device tensor, or use graph_opt_level=1, which runs host operations outside "
-    "the graphs")
+_HOST_ARGUMENT = ("is a host (CPU) tensor holding other values than at capture, and a level-0 graph keeps what "
+                  "its capture read of it on the host; this call runs without graphs. Pass it as a device tensor, or "
+                  "use graph_opt_level=1, which runs host operations outside the graphs")
 
 
 @functools.lru_cache(maxsize=None)

@@ -307,6 +307,14 @@ class SignatureChecks:
         self.signatures[spec] = sig
         return sig
 
+    def reserved_pad_leaves(self, spec) -> set:
+        """The leaves whose padding rows hold a value the user gave (pad_values): a reserved slot or id."""
+        if not self.pad_values:
+            return set()
+        names = [self.arg_names[o] if isinstance(o, int) and o < len(self.arg_names) else o
+                 for o in tensor_leaf_owners(spec)]
+        return {i for i, name in enumerate(names) if name in self.pad_values}
+
     def _check_pad_values(self, spec, leaves, dims) -> None:
         """GraphOptConfigError where a pad value does not fit its argument's dtype (1e20 in int64, -1.5)."""
         if not self.pad_values:

@@ -80,7 +80,8 @@ def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Option
     dispatch_key_fn(*args, **kwargs) -> hashable: picks the graph; the default key is the tensor
     leaves' shapes, dtypes and requires-grad flags plus the non-tensor values. No padding: shapes are
     replayed exactly.
-    max_graphs: dispatch keys captured at most; calls with further keys run eagerly (one warning).
+    max_graphs: dispatch keys at most (a key counts from its first call); calls with further keys run
+    eagerly (one warning).
     level: what is captured (torch; Paddle captures level 0). 0: the eager forward and its autograd
     backward, bitwise eager. 1: the forward traced by Dynamo and AOTAutograd into forward and backward
     graphs of eager kernels (constants a forward makes from Python numbers are folded in, so a forward

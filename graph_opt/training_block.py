@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import backends, env, guards
-from .arguments import TooLarge, host_positions, tensors_by_value, too_large_message
+from .arguments import TooLarge, argument_names, host_positions, tensors_by_value, too_large_message
 from .capture_phase import paused_gc
 from .errors import CaptureError, GraphOptError, GraphOptInputError
 from .fallbacks import Reason, reason_counts
@@ -149,14 +149,12 @@ class GraphedBlock(ModuleWatch):
         hosts = host_positions(self.adapter, leaves)
         by_value = tensors_by_value(self.adapter, leaves, hosts) if hosts else ()
         if by_value.__class__ is TooLarge:
-            return self._fallback(Reason.HOST_ARGUMENT, args, kwargs, too_large_message(self.name, spec, by_value))
+            return self._fallback(Reason.HOST_ARGUMENT, args, kwargs, too_large_message(self.name, spec, by_value, self.call))
         key = self._key(spec, leaves, args, kwargs, by_value)
         state = self.keys.get(key)
         if state is None:
             if len(self.keys) >= self.max_graphs:
-                return self._fallback(Reason.MAX_GRAPHS, args, kwargs,
-                                      f"{self.name}: more than max_graphs={self.max_graphs} dispatch keys; "
-                                      "calls with new keys run eagerly (raise max_graphs to graph them)")
+                return self._fallback(Reason.MAX_GRAPHS, args, kwargs, self._max_graphs_message(spec, hosts))
             state = self.keys[key] = KeyState()
         graphs = state.graphs
         if graphs is not None:
@@ -383,6 +381,15 @@ class GraphedBlock(ModuleWatch):
         return self.mode_flags
 
     # -- fallbacks and warnings --------------------------------------------------------------------
+    def _max_graphs_message(self, spec, hosts) -> str:
+        why = (f"{self.name}: more than max_graphs={self.max_graphs} dispatch keys (a key counts from its first "
+               "call); calls with new keys run eagerly (raise max_graphs to graph them)")
+        if hosts:  # a value that changes every step (an annealed temperature) makes a key per step
+            names = argument_names(spec, self.call)
+            why += (f". The keys differ by the value of {', '.join(names[i] for i in hosts)}, a host (CPU) tensor "
+                    "whose value a graph bakes in: move it to the device to share one graph")
+        return why
+
     def _fallback(self, reason: Reason, args, kwargs, warning: Optional[str]):
         c = self.counters
         c.fallbacks += 1

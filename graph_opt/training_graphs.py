@@ -166,7 +166,7 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
     if written:
         # A replay would write the static copy, never the caller's tensor (inference copies it back;
         # here eager's autograd of the write on a tensor that needs grad is not the graph's)
-        names = argument_names(spec)
+        names = argument_names(spec, block.call)
         raise CaptureError(f"{block.name}: the forward writes its {', '.join(names[i] for i in written)} in place; a "
                            "replay would write the graph's copy, not the tensor passed, so this key runs eagerly. "
                            "Return the new value instead of writing the argument")

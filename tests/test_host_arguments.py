@@ -183,7 +183,7 @@ def test_training_runs_a_host_argument_too_large_to_key_eagerly_and_says_which(f
     s = graph_opt.stats(m)
     assert s.fallback_reasons == {"host_argument": 2} and s.captures == 1 and s.replays == 3, s
     said = [w for w in graph_opt_warnings() if "host (CPU) tensor" in w]
-    assert len(said) == 1 and "positional argument 1" in said[0] and f"{n} elements" in said[0], said
+    assert len(said) == 1 and "argument 'scale'" in said[0] and f"{n} elements" in said[0], said
 
 
 def _graphed_twin(fw, config):
@@ -237,4 +237,56 @@ def test_training_refuses_a_forward_that_writes_its_argument_in_place(fw, graph_
     s = graph_opt.stats(m)
     assert s.replays == 0 and s.capture_failures == 1, s
     said = [w for w in graph_opt_warnings() if "in place" in w]
-    assert len(said) == 1 and "positional argument 1" in said[0], said
+    assert len(said) == 1 and "argument 'state'" in said[0], said
+
+
+def test_inference_compares_host_values_as_a_kernel_reads_them_and_names_the_argument(fw, graph_opt_warnings):
+    """Captured with scale 0.0, a call with -0.0 does not replay (1 / (x * scale) is -inf, not inf); the
+    warning names the argument."""
+    config = graph_opt.GraphOptConfig(graph_opt_level=0, cudagraph_capture_sizes=[4])
+    m, twin = _graphed_twin(fw, config)
+    with simulate_cuda_graphs(), fw.no_grad():
+        graph_opt.capture_model(m, lambda n: (fw.randn(n, 8), as_host_tensor(fw.tensor(0.0))), progress=False)
+        for value in (0.0, -0.0, 0.0):
+            x = fw.randn(4, 8)
+            assert fw.equal(m(x, scale=as_host_tensor(fw.tensor(value))), twin(x, fw.tensor(value)))
+    s = graph_opt.stats(m)
+    assert s.replays == 2 and s.fallback_reasons == {"host_argument": 1}, s
+    said = [w for w in graph_opt_warnings() if "host (CPU) tensor" in w]
+    assert len(said) == 1 and said[0].startswith("Graphed: argument 'scale' is a host"), said
+
+
+def test_inference_replays_a_batched_host_argument_only_with_the_captured_rows(fw):
+    """A host argument with a batch dimension (pack_padded_sequence's lengths): the capture read its
+    padded rows on the host, so only a call of the captured size with the same values replays."""
+    config = graph_opt.GraphOptConfig(graph_opt_level=0, cudagraph_capture_sizes=[2, 4])
+    m, twin = _graphed_twin(fw, config)
+    lengths = [[6.0, 5.0, 3.0, 1.0], [6.0, 5.0, 3.0, 1.0], [6.0, 6.0, 6.0, 6.0], [6.0, 5.0, 3.0]]
+    with simulate_cuda_graphs(), fw.no_grad():
+        graph_opt.capture_model(
+            m, lambda n: (fw.randn(n, 8), as_host_tensor(fw.tensor(lengths[0][:n]).reshape([n, 1]))), progress=False)
+        for step, rows in enumerate(lengths):
+            x = fw.randn(len(rows), 8, seed=step)
+            scale = fw.tensor(rows).reshape([len(rows), 1])
+            assert fw.equal(m(x, as_host_tensor(scale.clone())), twin(x, scale)), step
+    s = graph_opt.stats(m)
+    assert s.replays == 2 and s.fallback_reasons == {"host_argument": 2}, s
+
+
+def test_training_names_a_host_argument_inside_a_container_and_its_keys_in_the_max_graphs_warning(
+        fw, graph_opt_warnings):
+    base = type(fw.scaled_block())
+
+    class TakesOptions(base):
+        def forward(self, x, opts):
+            return base.forward(self, x, opts["scale"])
+
+    m = graph_opt.autocudagraph(TakesOptions(), warmup_steps=1, max_graphs=2)
+    n = arguments.HOST_KEY_ELEMENTS + 1
+    with simulate_cuda_graphs():
+        m(fw.randn(n, 8), {"scale": as_host_tensor(fw.randn(n, 1))})
+        for step in range(4):  # an annealed temperature: a key per value
+            m(fw.randn(4, 8), {"scale": as_host_tensor(fw.tensor(1.0 - 0.1 * step))})
+    said = [w for w in graph_opt_warnings()]
+    assert any(f"argument 'opts'['scale'] is a host (CPU) tensor of {n} elements" in w for w in said), said
+    assert any("max_graphs=2" in w and "differ by the value of argument 'opts'['scale']" in w for w in said), said

@@ -570,6 +570,29 @@ class LastRows(Scaled):
         return y * 2.0
 
 
+class ArgLastRows(Scaled):
+    """LastRows' rows passed as an argument the forward writes, not marked: copied back whole."""
+
+    def forward(self, x, last):
+        n = x.shape[0]
+        y = self.lin(x)
+        last[:n] = y
+        return y * 2.0
+
+
+class SlotCache(Scaled):
+    """A cache of 16 slots written at each row's slot (a KV cache and its slot mapping); padding rows hold
+    slot 0 unless pad_values reserves another."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", paddle.zeros([16, HIDDEN]))
+
+    def forward(self, x, slots):
+        self.cache.scatter_(slots, self.lin(x))
+        return paddle.index_select(self.cache, slots) * 2.0
+
+
 class PenaltyAtIds(Embeds):
     """Counts per token id, read only at the call's own ids (a frequency penalty)."""
 
@@ -600,7 +623,7 @@ class ReturnsRowsOfMarked(Scaled):
         return cache[:n]
 
 
-MODELS = types.SimpleNamespace(ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=ReturnsRowsOfMarked, DecayRowState=DecayRowState, RowAverage=RowAverage, LastRows=LastRows, PenaltyAtIds=PenaltyAtIds, BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+MODELS = types.SimpleNamespace(ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=ReturnsRowsOfMarked, DecayRowState=DecayRowState, RowAverage=RowAverage, LastRows=LastRows, ArgLastRows=ArgLastRows, SlotCache=SlotCache, PenaltyAtIds=PenaltyAtIds, BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
@@ -654,6 +677,10 @@ class PaddleF:
     @staticmethod
     def arange(n, start=0):
         return paddle.arange(start, start + n, dtype="int64")
+
+    @staticmethod
+    def ids(values):
+        return paddle.to_tensor(values, dtype="int64")
 
     @staticmethod
     def parameter(shape, value):

@@ -577,6 +577,29 @@ class LastRows(Scaled):
         return y * 2.0
 
 
+class ArgLastRows(Scaled):
+    """LastRows' rows passed as an argument the forward writes, not marked: copied back whole."""
+
+    def forward(self, x, last):
+        n = x.shape[0]
+        y = self.lin(x)
+        last[:n] = y
+        return y * 2.0
+
+
+class SlotCache(Scaled):
+    """A cache of 16 slots written at each row's slot (a KV cache and its slot mapping); padding rows hold
+    slot 0 unless pad_values reserves another."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(16, HIDDEN))
+
+    def forward(self, x, slots):
+        self.cache.index_copy_(0, slots, self.lin(x))
+        return self.cache.index_select(0, slots) * 2.0
+
+
 class PenaltyAtIds(Embeds):
     """Counts per token id, read only at the call's own ids (a frequency penalty)."""
 
@@ -607,7 +630,7 @@ class ReturnsRowsOfMarked(Scaled):
         return cache[:n]
 
 
-MODELS = types.SimpleNamespace(ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=ReturnsRowsOfMarked, DecayRowState=DecayRowState, RowAverage=RowAverage, LastRows=LastRows, PenaltyAtIds=PenaltyAtIds, BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+MODELS = types.SimpleNamespace(ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=ReturnsRowsOfMarked, DecayRowState=DecayRowState, RowAverage=RowAverage, LastRows=LastRows, ArgLastRows=ArgLastRows, SlotCache=SlotCache, PenaltyAtIds=PenaltyAtIds, BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
@@ -661,6 +684,9 @@ class TorchF:
 
     def arange(self, n, start=0):
         return torch.arange(start, start + n, device=self.device)
+
+    def ids(self, values):
+        return torch.tensor(values, device=self.device)
 
     def parameter(self, shape, value):
         return torch.nn.Parameter(torch.full(shape, value, device=self.device))
