@@ -86,10 +86,12 @@ def too_large_message(name: str, spec, big: TooLarge, fn=None) -> str:
             "with it run eagerly. Move it to the device, or pass a smaller one")
 
 
-def entry_host_values(adapter, leaves: Sequence, static: Sequence):
+def entry_host_values(adapter, leaves: Sequence, static: Sequence, split_reads=frozenset()):
     """Inference at level 0: the host arguments of a captured size (`leaves`, the call's) and the bytes
     of the buffers the capture read (`static`), which a replay must find again, as a training key does
     (-0.0 is not 0.0 to a kernel). One with a batch dimension too (pack_padded_sequence's lengths): the
     capture read its padded rows on the host, so only a call of the padded size with those values may
-    replay."""
-    return [(i, adapter.host_bytes(static[i])) for i in host_positions(adapter, leaves)]
+    replay. Not those given to a splitting op (`split_reads`, their addresses): it runs at every replay
+    and reads them as they are (attention's sequence lengths); one the pieces read too is not seen."""
+    return [(i, adapter.host_bytes(static[i])) for i in host_positions(adapter, leaves)
+            if adapter.data_ptr(static[i]) not in split_reads]

@@ -416,7 +416,7 @@ class CapturePhase:
         if entry.copy_inputs and copies is None:
             entry.returned_inputs = returned_inputs(adapter, captured.outputs, static)
         if self.config.graph_opt_level == 0:
-            entry.host_values = entry_host_values(adapter, leaves, static)
+            entry.host_values = entry_host_values(adapter, leaves, static, captured.split_reads)
         sig.entries[padded] = entry
         sig.plans.clear()  # a new size may have changed what the plans resolved (mutated inputs)
         # Checked by finish_captures(), once the ranks agreed that every one captured this size: the

@@ -41,6 +41,9 @@ class Captured:
     # capture did not (Paddle's SOT runs a frame it did not record as plain Python, a branch or loop on a
     # tensor value), and what it returned is the call's result, not the stable outputs.
     diverged: Optional[Callable[[Any], bool]] = None
+    # Level 0, piecewise: the addresses of the host tensors the splitting ops were given. Those ops run at
+    # every replay and read them as they are (attention's CPU sequence lengths), so they are not baked.
+    split_reads: frozenset = frozenset()
 
 
 @dataclass

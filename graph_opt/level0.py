@@ -123,6 +123,7 @@ class _PieceRecorder:
         self.steps: List[Any] = []
         self.graphs: List[Any] = []
         self.splits: List[_SplitStep] = []
+        self.host_reads: set = set()  # addresses of host tensors given to splitting ops (Captured.split_reads)
         self._open = None
         self.thread = threading.get_ident()  # the split hook is process-wide; other threads run plain
 
@@ -155,6 +156,7 @@ class _PieceRecorder:
             return op.fn(*args, **kwargs)
         self.selection.mark_seen(op.name)
         self.end()
+        self.host_reads.update(_host_addresses(self.adapter, args, kwargs))
         result = op.fn(*args, **kwargs)
         leaves, spec = flatten(result, self.adapter.is_tensor)
         site = len(self.splits)
@@ -216,10 +218,12 @@ class EagerStrategy:
         steps = tuple(recorder.steps)
         replay = steps[0] if len(steps) == 1 else _run_all(steps)
         pieces = len(recorder.graphs)
-        return Captured(outputs, replay, True, pieces, pieces, keepalive=list(recorder.graphs) + recorder.splits)
+        return Captured(outputs, replay, True, pieces, pieces, keepalive=list(recorder.graphs) + recorder.splits,
+                        split_reads=frozenset(recorder.host_reads))
 
     def _capture_simulated(self, args, kwargs, tail=None, share=None) -> Captured:
         splits = [0]
+        host_reads: set = set()
         selection = self.selection
         # The split hook is process-wide: a splitting op another thread calls meanwhile runs plain.
         owner = [threading.get_ident()]
@@ -228,6 +232,7 @@ class EagerStrategy:
             if selection is not None and selection.matches_function(op) and threading.get_ident() == owner[0]:
                 selection.mark_seen(op.name)
                 splits[0] += 1
+                host_reads.update(_host_addresses(self.adapter, a, k))
             return op.fn(*a, **k)
 
         with split.active_hook(count_split):
@@ -260,10 +265,15 @@ class EagerStrategy:
 
         graph = HostGraph(self.adapter, rerun, out_leaves)
         pieces = splits[0] + 1
-        return Captured(outputs if kept is None else kept, graph.replay, True, pieces, pieces, keepalive=[graph])
+        return Captured(outputs if kept is None else kept, graph.replay, True, pieces, pieces, keepalive=[graph],
+                        split_reads=frozenset(host_reads))
 
     def release(self) -> None:
         self.landing.clear()
+
+
+def _host_addresses(adapter, args, kwargs) -> List[int]:
+    return [adapter.data_ptr(t) for t in flatten((args, kwargs), adapter.is_tensor)[0] if adapter.on_host(t)]
 
 
 def _run_all(steps):

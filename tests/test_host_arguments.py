@@ -290,3 +290,40 @@ def test_training_names_a_host_argument_inside_a_container_and_its_keys_in_the_m
     said = [w for w in graph_opt_warnings()]
     assert any(f"argument 'opts'['scale'] is a host (CPU) tensor of {n} elements" in w for w in said), said
     assert any("max_graphs=2" in w and "differ by the value of argument 'opts'['scale']" in w for w in said), said
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "piecewise"])
+def test_a_host_argument_a_splitting_op_reads_replays_at_every_size(fw, full):
+    """Attention's CPU sequence lengths, read by a splitting op: it runs eagerly at every replay, so the
+    lengths are read as they are and every size replays (piecewise). Captured inside a full graph, the
+    same read is baked, and only the captured values replay."""
+    def scale_rows(x, lens):  # reads the lengths on the host
+        return x * fw.tensor([float(v) for v in lens.tolist()]).reshape([-1, 1])
+
+    split = graph_opt.splitting_op(name=f"host_rows_{fw.name}_{full}")(scale_rows)
+    base = type(fw.scaled_block())
+
+    class Lengths(base):
+        def __init__(self, graph_opt_config=None):
+            base.__init__(self)
+
+        def forward(self, x, lens):
+            return self.lin(split(self.lin(x), lens))
+
+    twin = Lengths()
+    cls = graph_opt.support_graph_optimization(type("Graphed", (Lengths,), {}), dynamic_arg_dims={"x": 0, "lens": 0})
+    m = cls(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=0, full_cuda_graph=full,
+                                                     cudagraph_capture_sizes=[2, 4]))
+    m.set_state_dict(twin.state_dict()) if fw.name == "paddle" else m.load_state_dict(twin.state_dict())
+    m.eval(), twin.eval()
+    lens = lambda n, seed: as_host_tensor(fw.tensor([float(seed + i) for i in range(n)]))  # noqa: E731
+    with simulate_cuda_graphs(), fw.no_grad():
+        assert graph_opt.capture_model(m, lambda n: (fw.randn(n, 8), lens(n, 1)), progress=False).failed is None
+        for step, n in enumerate([4, 2, 4, 2]):
+            x, ls = fw.randn(n, 8, seed=step), lens(n, 5 + step)
+            assert fw.equal(m(x, ls), twin(x, ls)), step
+    s = graph_opt.stats(m)
+    if full:
+        assert s.replays == 0 and s.fallback_reasons == {"host_argument": 4}, s
+    else:
+        assert s.replays == 4 and not s.fallback_reasons, s
