@@ -1,13 +1,16 @@
 """Process-wide change counters, for both frameworks: a class's methods (or a module's functions)
 wrapped so that every call bumps a one-element list first. A replay compares the count with the one it saw and looks at the model
-again only after a bump (graph_opt.replay_guards)."""
+again only after a bump (graph_opt.replay_guards). Installed through the patch registry (patches.py)."""
 from __future__ import annotations
 
 import functools
 from typing import Callable, Iterable, List, Optional
 
+from . import patches
 
-def count_calls(owner, names: Iterable[str], counter: List[int], unless: Optional[Callable[[], bool]] = None) -> None:
+
+def count_calls(owner, names: Iterable[str], counter: List[int], why: str,
+                unless: Optional[Callable[[], bool]] = None) -> None:
     """Wrap owner.<name> for each name (a class's methods, or a module's functions looked up at call time):
     every call adds one to counter[0], except while unless() is true, then runs the original."""
     for name in names:
@@ -18,4 +21,4 @@ def count_calls(owner, names: Iterable[str], counter: List[int], unless: Optiona
                 counter[0] += 1
             return _method(*args, **kwargs)
 
-        setattr(owner, name, functools.wraps(method)(counted))
+        patches.replace(owner, name, functools.wraps(method)(counted), why)

@@ -14,6 +14,7 @@ import paddle
 from paddle.device.cuda import graphs as _graphs
 
 from ...static_address import MARK
+from .. import patches
 from ..call_counters import count_calls
 
 
@@ -448,14 +449,15 @@ class PaddleAdapter:
 
 _registrations = [0]  # tensors or layers set on a Layer, in this process
 _conversions = [0]  # calls of Layer._apply in this process
-_registration_counter_installed = False
 _NEVER = b""
+_REPLACED = "a replay looks at the model's tensors again only after a registration (Paddle has no registration hooks)"
 
 
 def _install_registration_counter() -> None:
-    global _registration_counter_installed
-    if _registration_counter_installed:
-        return
+    patches.once("paddle.registrations", _registration_counter)
+
+
+def _registration_counter() -> None:
     layer = paddle.nn.Layer
     setattr_ = layer.__setattr__
 
@@ -466,10 +468,10 @@ def _install_registration_counter() -> None:
         if isinstance(value, (paddle.Tensor, layer)) or value is None and _registered(self, name):
             _registrations[0] += 1
 
-    layer.__setattr__ = counted_setattr
-    count_calls(layer, ("add_parameter", "register_buffer", "add_sublayer", "__delattr__"), _registrations)
-    count_calls(layer, ("_apply",), _conversions)
-    _registration_counter_installed = True
+    patches.replace(layer, "__setattr__", counted_setattr, _REPLACED + ": a tensor or layer set as an attribute")
+    count_calls(layer, ("add_parameter", "register_buffer", "add_sublayer", "__delattr__"), _registrations, _REPLACED)
+    count_calls(layer, ("_apply",), _conversions, "a replay compares the tensors' addresses, dtypes and places with "
+                "those at capture only after a conversion (to(), astype())")
 
 
 def _registered(layer, name: str) -> bool:
@@ -478,29 +480,26 @@ def _registered(layer, name: str) -> bool:
 
 
 _hook_changes = [0]  # Layer hooks registered or removed in this process
-_hook_counter_installed = False
 
 
 def _install_hook_counter() -> None:
-    global _hook_counter_installed
-    if _hook_counter_installed:
-        return
-    from paddle.nn.layer.layers import HookRemoveHelper
+    def install():
+        from paddle.nn.layer.layers import HookRemoveHelper
 
-    count_calls(HookRemoveHelper, ("__init__", "remove"), _hook_changes)
-    _hook_counter_installed = True
+        count_calls(HookRemoveHelper, ("__init__", "remove"), _hook_changes,
+                    "a replay compares the model's hooks with those at capture only after a hook was registered or "
+                    "removed")
+
+    patches.once("paddle.hooks", install)
 
 
 _mode_changes = [0]  # calls of Layer.train / eval in this process
-_mode_counter_installed = False
 
 
 def _install_mode_counter() -> None:
-    global _mode_counter_installed
-    if _mode_counter_installed:
-        return
-    count_calls(paddle.nn.Layer, ("train", "eval"), _mode_changes)
-    _mode_counter_installed = True
+    patches.once("paddle.modes", lambda: count_calls(
+        paddle.nn.Layer, ("train", "eval"), _mode_changes,
+        "a replay reads the training flags of every sublayer again only after a train() or eval()"))
 
 
 def _equal_elements(a, b):

@@ -13,6 +13,7 @@ import threading
 import paddle
 
 from ...errors import GraphOptError, GraphOptInputError
+from .. import patches
 from .adapter import address
 
 
@@ -79,12 +80,14 @@ def _only_requested(inputs, grads, requested):
 
 
 def _install_partial_grad_watch() -> None:
+    patches.once("paddle.grad", _partial_grad_watch)
+
+
+def _partial_grad_watch() -> None:
     """paddle.grad sets _partial.requested for the length of the call (see _only_requested)."""
     import paddle.base.dygraph.base as dygraph
 
     grad = dygraph.grad
-    if getattr(grad, "_graph_opt_watch", False):
-        return
 
     @functools.wraps(grad)
     def watched(outputs, inputs, *args, **kwargs):
@@ -95,10 +98,11 @@ def _install_partial_grad_watch() -> None:
         finally:
             _partial.requested = before
 
-    watched._graph_opt_watch = True
     for module in (dygraph, paddle, paddle.autograd):
         if getattr(module, "grad", None) is grad:
-            module.grad = watched
+            patches.replace(module, "grad", watched, "inside paddle.grad(outputs, inputs=...), a graphed block's "
+                            "backward must give None for inputs that reach none of the requested tensors, and Paddle "
+                            "does not tell a PyLayer which those are", where=f"{module.__name__}.grad")
 
 
 class PaddleAutogradBridge:
@@ -330,5 +334,4 @@ class PaddleAutogradBridge:
         paddle.set_rng_state(state)
 
 
-_install_partial_grad_watch()
 BRIDGE = PaddleAutogradBridge()

@@ -38,8 +38,9 @@ def rank_group():
 
 
 def autograd_bridge():
-    from .autograd_bridge import BRIDGE
+    from .autograd_bridge import BRIDGE, _install_partial_grad_watch
 
+    _install_partial_grad_watch()  # again after patches.remove_all()
     return BRIDGE
 
 

@@ -18,6 +18,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from .. import patches
+
 _SETTERS = ("_set_cublas_allow_tf32", "_set_cudnn_allow_tf32", "_set_float32_matmul_precision",
             "_set_fp32_precision_setter", "_set_cublas_allow_fp16_reduced_precision_reduction",
             "_set_cublas_allow_bf16_reduced_precision_reduction", "_set_cublas_allow_fp16_accumulation",
@@ -37,16 +39,14 @@ _reads: List[Tuple[str, Callable]] = []
 
 def counter() -> bytearray:
     """What every setter of a math-mode flag appends to, process-wide: its len() is the count."""
-    if not _reads:
-        _install()
+    patches.once("torch.math_mode", _install)
     return _log
 
 
 def now() -> Tuple:
     """The flags as they are: one value per read (an unreadable one, such as a legacy getter after the new
     API was used, reads as its error's type)."""
-    if not _reads:
-        _install()
+    patches.once("torch.math_mode", _install)
     values = []
     for _, read in _reads:
         try:
@@ -97,19 +97,25 @@ def _counted(fn: Callable) -> Callable:
     return counted
 
 
+_WHY = "a replay reads the math-mode flags again only after one of torch's setters ran"
+
+
 def _install() -> None:
     C = torch._C
     for name in _SETTERS:
         fn = getattr(C, name, None)
         if fn is not None and not getattr(fn, "__graph_opt_counted__", False):
-            setattr(C, name, _counted(fn))
+            patches.replace(C, name, _counted(fn), _WHY)
     for module_name, names in _PROPS.items():
         module = getattr(torch.backends, module_name, None)
         for name in names:
             prop = type(module).__dict__.get(name) if module is not None else None
             setter: Optional[Callable] = getattr(prop, "setter", None)
             if setter is not None and not getattr(setter, "__graph_opt_counted__", False):
-                prop.setter = _counted(setter)
+                patches.replace(prop, "setter", _counted(setter), _WHY,
+                                where=f"torch.backends.{module_name}.{name} (its setter)")
+    if _reads:
+        return  # installed again after patches.remove_all(): the reads stand
     _reads.append(("TF32 in cuBLAS matmuls", functools.partial(_tf32, "_get_cublas_allow_tf32", "matmul", False)))
     _reads.append(("TF32 in cuDNN convolutions", functools.partial(_tf32, "_get_cudnn_allow_tf32", "conv", True)))
     if hasattr(C, "_get_fp32_precision_getter"):  # RNNs have their own, in the newer API only

@@ -8,17 +8,18 @@ from __future__ import annotations
 import torch
 from torch.nn.modules import module as _module_mod
 
+from .. import patches
 from ..call_counters import count_calls
 
 _registrations = [0]  # parameter, buffer or submodule registrations in this process
-_hooks_installed = False
+_REPLACED = "a replay looks at the model's tensors again only after a registration (replaced, added or removed)"
 
 
 def _install_registration_hooks() -> None:
-    global _hooks_installed
-    if _hooks_installed:
-        return
+    patches.once("torch.registrations", _registration_hooks)
 
+
+def _registration_hooks() -> None:
     compiling = torch.compiler.is_compiling
 
     # Not counted while Dynamo traces: a forward that registers a module (Hugging Face Llama slices
@@ -28,20 +29,21 @@ def _install_registration_hooks() -> None:
         if not compiling():
             _registrations[0] += 1
 
-    _module_mod.register_module_parameter_registration_hook(bump)
-    _module_mod.register_module_buffer_registration_hook(bump)
-    _module_mod.register_module_module_registration_hook(bump)
+    for kind in ("parameter", "buffer", "module"):
+        register = getattr(_module_mod, f"register_module_{kind}_registration_hook")
+        patches.on_removal(register(bump).remove, f"torch.nn.modules.module.register_module_{kind}_registration_hook",
+                           _REPLACED)
     # torch calls those hooks for tensors and modules only: `lin.bias = None` (register_parameter(name,
     # None)), register_buffer(name, None) and `del m.attr` change what a forward reads without them.
     count_calls(torch.nn.Module, ("register_parameter", "register_buffer", "__delattr__"), _registrations,
-                unless=compiling)
+                _REPLACED + ": `lin.bias = None` and `del m.attr` reach no registration hook", unless=compiling)
     # torch.func.functional_call (and stateless, make_functional) swaps tensors and submodules by writing
     # module._parameters / _buffers / _modules directly, bypassing those hooks: a replay would run the
     # captured tensors instead of the ones passed. NamedMemberAccessor looks these helpers up at call time.
     from torch.nn.utils import _named_member_accessor as accessor
 
-    count_calls(accessor, ("set_tensor", "swap_tensor", "swap_submodule"), _registrations, unless=compiling)
-    _hooks_installed = True
+    count_calls(accessor, ("set_tensor", "swap_tensor", "swap_submodule"), _registrations,
+                _REPLACED + ": torch.func.functional_call swaps tensors in and out through these", unless=compiling)
 
 
 def module_fingerprint(model) -> tuple:
@@ -71,41 +73,38 @@ def module_state(model, layouts: bool = True) -> tuple:
 
 
 _mode_changes = [0]  # calls of nn.Module.train / eval in this process
-_mode_counter_installed = False
 
 
 def _install_mode_counter() -> None:
-    global _mode_counter_installed
-    if _mode_counter_installed:
-        return
-    count_calls(torch.nn.Module, ("train",), _mode_changes)  # eval() calls train(False)
-    _mode_counter_installed = True
+    patches.once("torch.modes", lambda: count_calls(  # eval() calls train(False)
+        torch.nn.Module, ("train",), _mode_changes,
+        "a replay reads the training flags of every submodule again only after a train() or eval()"))
 
 
 _hook_changes = [0]  # hook handles made or removed in this process
-_hook_counter_installed = False
 
 
 def _install_hook_counter() -> None:
-    global _hook_counter_installed
-    if _hook_counter_installed:
-        return
-    from torch.utils.hooks import RemovableHandle
+    def install():
+        from torch.utils.hooks import RemovableHandle
 
-    count_calls(RemovableHandle, ("__init__", "remove"), _hook_changes)
-    _hook_counter_installed = True
+        count_calls(RemovableHandle, ("__init__", "remove"), _hook_changes,
+                    "a replay compares the model's hooks with those at capture only after a hook handle was made "
+                    "or removed")
+
+    patches.once("torch.hooks", install)
 
 
 _conversions = [0]  # calls of nn.Module._apply in this process
-_conversion_counter_installed = False
+_CONVERTED = "a replay compares the tensors' addresses, dtypes and devices with those at capture only after a conversion"
 
 
 def _install_conversion_counter() -> None:
-    global _conversion_counter_installed
-    if _conversion_counter_installed:
-        return
-    count_calls(torch.nn.Module, ("_apply",), _conversions)
-    # swap_tensors keeps both objects and exchanges their data: load_state_dict does it outside _apply
-    # under torch.__future__.set_swap_module_params_on_conversion(True). Looked up at call time.
-    count_calls(torch.utils, ("swap_tensors",), _conversions)
-    _conversion_counter_installed = True
+    def install():
+        count_calls(torch.nn.Module, ("_apply",), _conversions, _CONVERTED + " (to(), half(), cuda())")
+        # swap_tensors keeps both objects and exchanges their data: load_state_dict does it outside _apply
+        # under torch.__future__.set_swap_module_params_on_conversion(True). Looked up at call time.
+        count_calls(torch.utils, ("swap_tensors",), _conversions,
+                    _CONVERTED + ": load_state_dict swaps tensors through it under swap_module_params_on_conversion")
+
+    patches.once("torch.conversions", install)
