@@ -388,8 +388,6 @@ class CapturePhase:
                 sig.watch_feedback(adapter, captured.outputs)
         finally:
             self.model_state.paused = False
-        if first:
-            self.model_state.settle_attributes()
         # no graph was captured without them
         if first and self.model_state.hook_count() != hooks_before and self.model_state.settle_hooks():
             logger.info("%s: the forward registered or removed hooks while size %d was captured; the graphs ran "

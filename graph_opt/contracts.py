@@ -211,8 +211,6 @@ class Modules(Protocol):
 
     def hook_counter(self) -> list: ...  # a hook handle made or removed
 
-    def attribute_counter(self) -> list: ...  # an attribute set on any module
-
 
 class Adapter(Tensors, Values, Context, Graphs, HostCopies, Modules, Protocol):
     """Everything the core asks of a framework, besides training's autograd bridge and the static

@@ -19,9 +19,7 @@ while the Python state the forward read at capture is unchanged. What is checked
   a hook handle bumps; after a bump the hooks are compared with those at capture). The model's own
   hooks run around the plugin at every call;
 - level 0 only: every attribute of the decorated model set after capture, compared with its value at
-  capture (type and value for plain values, identity for objects), and the public plain attributes of
-  its submodules (`model.head.scale`), compared again after an attribute was set on any module (the
-  adapter counts those sets). At level >= 1 the framework's own
+  capture (type and value for plain values, identity for objects). At level >= 1 the framework's own
   guards (Dynamo's guard manager, SOT's guard functions) check what the forward read, anywhere.
 Not seen: a parameter's `.data` assigned (the same object, no _apply): assign values in place
 (copy_, load_state_dict) or replace the Parameter.
@@ -37,7 +35,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .fallbacks import Fallback, Reason
 from .held_state import NOTHING_HELD, HeldState, state_key
-from .module_watch import plain_attributes
 from .pytree import value_key
 
 STATE_ATTR = "_graph_opt_state"  # the instance attribute where the decorator keeps a model's state
@@ -86,11 +83,6 @@ class ModelState:
         # level 0, attributes of the decorated model set since capture: name -> (key at capture, value then)
         self.original: Dict[str, Tuple[Any, Any]] = {}
         self.changed: Dict[str, Any] = {}
-        # level 0, the submodules' plain attributes at capture (module_watch.plain_attributes), compared
-        # again only after an attribute was set on any module (the adapter counts them)
-        self.attribute_sets: List[int] = [0]
-        self.attributes_seen = 0
-        self.sub_attributes: Dict[Tuple[int, str], Any] = {}
 
     def snapshot(self) -> None:
         """Record the state the graphs are captured in (at the first capture after a release)."""
@@ -120,17 +112,7 @@ class ModelState:
         self.remade = (None, None)
         self.original.clear()
         self.changed.clear()
-        self.sub_attributes = {}
-        self.attribute_sets, self.attributes_seen = [0], 0
         self.captured = True
-
-    def settle_attributes(self) -> None:
-        """After the first capture: the submodules' plain attributes as the graphs baked them (a flag the
-        forward sets at its first call included)."""
-        if self.watch_attributes:
-            self.attribute_sets = self.adapter.attribute_counter()
-            self.attributes_seen = self.attribute_sets[0]
-            self.sub_attributes = plain_attributes(self.adapter, self.dicts[1:], None)
 
     def release(self) -> None:
         self.captured = False
@@ -198,10 +180,6 @@ class ModelState:
             return self.stale
         if self.changed:
             return self._changed_attributes()
-        if self.attribute_sets[0] != self.attributes_seen:
-            changed = self._submodule_attributes_changed()
-            if changed is not None:
-                return changed
         if self.modes[0] != self.mode_changes or self.root["training"] is not self.flags[0]:
             if list(map(_training, self.dicts)) != self.flags:  # one C-level pass: ~30 ns a module
                 return self._training_changed()
@@ -240,21 +218,6 @@ class ModelState:
             Reason.ATTRIBUTE, "attribute changed since capture: " + "; ".join(parts) + ". Level-0 graphs bake the "
             "Python values forward read; set it back, or clear_graphs() and capture_model() to capture with the "
             "new value", ("attribute", tuple(self.changed)))
-
-    def _submodule_attributes_changed(self) -> Optional[Fallback]:
-        """An attribute was set on some module: is it a plain attribute of one of the model's submodules,
-        now another value than the graphs baked (`model.head.scale = 2.0`)?"""
-        now = plain_attributes(self.adapter, self.dicts[1:], None)
-        if now == self.sub_attributes:
-            self.attributes_seen = self.attribute_sets[0]
-            return None
-        paths = {id(d): path for path, d in self.modules}
-        keys = [k for k in now.keys() | self.sub_attributes.keys() if now.get(k) != self.sub_attributes.get(k)]
-        parts = [f"{self.name}.{paths.get(where, '?')}.{k}" for where, k in sorted(keys, key=str)[:3]]
-        return Fallback(
-            Reason.ATTRIBUTE, "attribute of a submodule changed since capture: " + ", ".join(parts) + ". Level-0 "
-            "graphs bake the Python values the forward read; set it back, or clear_graphs() and capture_model() "
-            "to capture with the new value", (Reason.ATTRIBUTE, tuple(parts)))
 
     def _training_changed(self) -> Fallback:
         for (path, d), was in zip(self.modules, self.flags):
@@ -356,9 +319,6 @@ class Unwatched:
     watching = False
 
     def snapshot(self) -> None:
-        pass
-
-    def settle_attributes(self) -> None:
         pass
 
     def release(self) -> None:

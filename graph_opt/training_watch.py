@@ -19,7 +19,6 @@ from . import backends
 from .errors import GraphOptInputError
 from .pytree import flatten
 from .held_state import state_key
-from .module_watch import plain_attributes
 
 logger = logging.getLogger("graph_opt")
 
@@ -72,8 +71,24 @@ class ModuleWatch:
         self._arm_attributes()
 
     def _plain_attributes(self, private: bool = False) -> Dict[Tuple[int, str], Any]:
-        """The module's plain attributes and its submodules' public ones (module_watch.plain_attributes)."""
-        return plain_attributes(self.adapter, self.mode_dicts, self.mode_root, private)
+        """(id of a module's __dict__, name) -> key of each plain value (number, string, bool, None) the
+        module holds (`self.temperature`) and of the public ones its submodules hold (a dropout's `p`;
+        not the framework's own, nor private bookkeeping such as transformers' `_is_hf_initialized`,
+        unless `private`: what a run writes is looked for there too); and of the other objects the
+        module holds itself (an enum, a list), by identity."""
+        out = {}
+        framework = self.adapter.framework_attributes
+        is_tensor = self.adapter.is_tensor
+        root = self.mode_root
+        for d in self.mode_dicts:
+            where, own = id(d), d is root
+            for k, v in d.items():
+                if k != "training" and (own or (private or k[:1] != "_") and k not in framework):
+                    key = state_key(v)
+                    if key[0] != "id" or own and k not in framework and k != "forward" \
+                            and not k.startswith("_graph_opt") and not is_tensor(v):
+                        out[(where, k)] = key
+        return out
 
     def _class_defaults(self) -> list:
         """(id of a submodule's __dict__, name) of the public plain class attributes of submodules' own

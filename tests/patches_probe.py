@@ -37,7 +37,7 @@ def install_all():
     for fw in frameworks:
         backend = graph_opt.backends.load(fw)
         a = backend.ADAPTER
-        a.registration_counter(), a.hook_counter(), a.mode_counter(), a.conversion_counter(), a.attribute_counter()
+        a.registration_counter(), a.hook_counter(), a.mode_counter(), a.conversion_counter()
         if fw == "torch":
             a.math_mode_counter()
         backend.autograd_bridge()

@@ -890,23 +890,6 @@ def test_a_count_per_token_id_is_never_advanced_by_padding_rows(F, M, level, ful
         assert s.replays == 2 and s.fallback_reasons == {"outputs": 4}, s
 
 
-def test_a_plain_attribute_of_a_submodule_set_after_capture_is_never_replayed_stale(F, M, level, logs):
-    """`m.inner.scale = 2.0` after capture: level 0 baked 1.0, so calls run without graphs (`attribute`,
-    naming it) until it is set back; level >= 1 has the translator's guards (`guard`)."""
-    m, twin = pair(F, M.SubmoduleScale, level)
-    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
-    with F.no_grad():
-        for step, value in enumerate([1.0, 2.0, 2.0, 1.0]):
-            m.inner.scale = twin.inner.scale = value
-            x = F.randn(4, HIDDEN, seed=step)
-            assert F.close(m(x), twin(x)), step
-    s = graph_opt.stats(m)
-    assert s.replays == 2 and s.fallbacks == 2, s
-    if level == 0:
-        assert s.fallback_reasons == {"attribute": 2}, s
-        assert warned(logs, "inner.scale"), [r.getMessage() for r in logs.records]
-
-
 def test_an_unmarked_argument_the_forward_writes_keeps_what_eager_leaves_in_its_other_rows(F, M, level, logs):
     """`last[:n] = y` into an argument without a batch dimension that is not marked: its static copy is
     written back whole after a replay, so padding rows' writes would reach the caller's rows of other

@@ -302,11 +302,6 @@ class PaddleAdapter:
         _install_registration_counter()
         return _registrations
 
-    def attribute_counter(self) -> list:
-        """[count] that setting an attribute on any Layer bumps, process-wide."""
-        _install_registration_counter()
-        return _attribute_sets
-
     def hook_counter(self) -> list:
         """[count] that registering or removing a Layer hook bumps (HookRemoveHelper)."""
         _install_hook_counter()
@@ -454,7 +449,6 @@ class PaddleAdapter:
 
 _registrations = [0]  # tensors or layers set on a Layer, in this process
 _conversions = [0]  # calls of Layer._apply in this process
-_attribute_sets = [0]  # attributes set on any Layer in this process (Layer.__setattr__)
 _NEVER = b""
 _REPLACED = "a replay looks at the model's tensors again only after a registration (Paddle has no registration hooks)"
 
@@ -470,14 +464,11 @@ def _registration_counter() -> None:
     @functools.wraps(setattr_)
     def counted_setattr(self, name, value):
         setattr_(self, name, value)
-        _attribute_sets[0] += 1
         # A registered parameter, buffer or sublayer set to None (`lin.bias = None`) keeps its name there
         if isinstance(value, (paddle.Tensor, layer)) or value is None and _registered(self, name):
             _registrations[0] += 1
 
-    patches.replace(layer, "__setattr__", counted_setattr, _REPLACED + ": a tensor or layer set as an attribute; and a "
-                    "level-0 replay compares the plain attributes of the model's sublayers with those at capture "
-                    "only after an attribute was set on a Layer")
+    patches.replace(layer, "__setattr__", counted_setattr, _REPLACED + ": a tensor or layer set as an attribute")
     count_calls(layer, ("add_parameter", "register_buffer", "add_sublayer", "__delattr__"), _registrations, _REPLACED)
     count_calls(layer, ("_apply",), _conversions, "a replay compares the tensors' addresses, dtypes and places with "
                 "those at capture only after a conversion (to(), astype())")

@@ -26,9 +26,8 @@ from torch.nn.modules import module as _module_mod
 from ...static_address import MARK
 from . import math_mode
 from .module_counters import (
-    _attribute_sets, _conversions, _hook_changes, _install_attribute_counter, _install_conversion_counter,
-    _install_hook_counter, _install_mode_counter, _install_registration_hooks, _mode_changes, _registrations,
-    module_fingerprint, tensor_layout,
+    _conversions, _hook_changes, _install_conversion_counter, _install_hook_counter, _install_mode_counter,
+    _install_registration_hooks, _mode_changes, _registrations, module_fingerprint, tensor_layout,
 )
 logger = logging.getLogger("graph_opt")
 
@@ -325,11 +324,6 @@ class TorchAdapter:
         """(id, address, dtype, device, shape, strides) of every parameter and buffer: where and how the
         graphs read each (ModelState compares them by object, so that a replaced one is not a conversion)."""
         return tuple(map(tensor_layout, itertools.chain(model.parameters(), model.buffers())))
-
-    def attribute_counter(self) -> list:
-        """[count] that setting an attribute on any module bumps, process-wide (not while Dynamo traces)."""
-        _install_attribute_counter()
-        return _attribute_sets
 
     def mode_counter(self) -> list:
         """[count] that Module.train() (and so eval()) bumps, process-wide: a replay compares one integer

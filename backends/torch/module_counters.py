@@ -81,17 +81,6 @@ def _install_mode_counter() -> None:
         "a replay reads the training flags of every submodule again only after a train() or eval()"))
 
 
-_attribute_sets = [0]  # attributes set on any module in this process
-
-
-def _install_attribute_counter() -> None:
-    # Not counted while Dynamo traces a forward that sets one: its own, not a change of the model
-    patches.once("torch.attributes", lambda: count_calls(
-        torch.nn.Module, ("__setattr__",), _attribute_sets,
-        "a level-0 replay compares the plain attributes of the model's submodules with those at capture only "
-        "after an attribute was set on a module", unless=torch.compiler.is_compiling))
-
-
 _hook_changes = [0]  # hook handles made or removed in this process
 
 

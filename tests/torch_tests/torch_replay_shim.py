@@ -600,26 +600,6 @@ class SlotCache(Scaled):
         return self.cache.index_select(0, slots) * 2.0
 
 
-class _Scaler(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.scale = 1.0
-
-    def forward(self, x):
-        return x * self.scale
-
-
-class SubmoduleScale(Scaled):
-    """Reads a plain attribute of a submodule (`self.inner.scale`), which a user may set after capture."""
-
-    def __init__(self):
-        super().__init__()
-        self.inner = _Scaler()
-
-    def forward(self, x):
-        return self.inner(self.lin(x))
-
-
 class PenaltyAtIds(Embeds):
     """Counts per token id, read only at the call's own ids (a frequency penalty)."""
 
@@ -650,7 +630,7 @@ class ReturnsRowsOfMarked(Scaled):
         return cache[:n]
 
 
-MODELS = types.SimpleNamespace(ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=ReturnsRowsOfMarked, DecayRowState=DecayRowState, RowAverage=RowAverage, LastRows=LastRows, SubmoduleScale=SubmoduleScale, ArgLastRows=ArgLastRows, SlotCache=SlotCache, PenaltyAtIds=PenaltyAtIds, BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+MODELS = types.SimpleNamespace(ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=ReturnsRowsOfMarked, DecayRowState=DecayRowState, RowAverage=RowAverage, LastRows=LastRows, ArgLastRows=ArgLastRows, SlotCache=SlotCache, PenaltyAtIds=PenaltyAtIds, BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
