@@ -12,13 +12,20 @@ from . import patches
 def count_calls(owner, names: Iterable[str], counter: List[int], why: str,
                 unless: Optional[Callable[[], bool]] = None) -> None:
     """Wrap owner.<name> for each name (a class's methods, or a module's functions looked up at call time):
-    every call adds one to counter[0], except while unless() is true, then runs the original."""
+    every call adds one to counter[0] before the original runs and one after, except while unless() is
+    true. After as well: a replay in another thread that looked between the two (and found the model as
+    it was) sees the second."""
     for name in names:
         method = getattr(owner, name)
 
         def counted(*args, _method=method, **kwargs):
-            if unless is None or not unless():
+            counting = unless is None or not unless()
+            if counting:
                 counter[0] += 1
-            return _method(*args, **kwargs)
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                if counting:
+                    counter[0] += 1
 
         patches.replace(owner, name, functools.wraps(method)(counted), why)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Dict, List, Optional, Tuple
 
+from .backends import patches
 from .fallbacks import Fallback, Reason
 from .held_state import NOTHING_HELD, HeldState, state_key
 from .pytree import value_key
@@ -113,9 +114,11 @@ class ModelState:
         self.original.clear()
         self.changed.clear()
         self.captured = True
+        patches.depend(self)
 
     def release(self) -> None:
         self.captured = False
+        patches.release(self)
         self.modules, self.dicts, self.flags = [], [], []
         self.original.clear()
         self.changed.clear()

@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import backends, env, guards
+from .backends import patches
 from .arguments import TooLarge, argument_names, host_positions, tensors_by_value, too_large_message
 from .capture_phase import paused_gc
 from .errors import CaptureError, GraphOptError, GraphOptInputError
@@ -479,6 +480,7 @@ class GraphedBlock(ModuleWatch):
             self._note_rebinding(bound_before)
             state.attrs = self._plain_attributes(private=True)
         state.graphs = graphs
+        patches.depend(self)  # its replays rely on the change counters (backends/patches.py)
         self.counters.captures += 1
         self.counters.capture_seconds += time.perf_counter() - start
         return graphs
@@ -519,6 +521,7 @@ class GraphedBlock(ModuleWatch):
         self.disabled_reason = None
         self.pool = None  # a pool whose graphs are all gone is not captured into again
         self.memory_bytes = None
+        patches.release(self)
         if self.adapter is not None and not simulation_enabled():
             self.adapter.release_memory()
 

@@ -62,7 +62,46 @@ def bumps():
     return out
 
 
+def refused_while_graphs_are_held():
+    """remove_all() with a captured model, then a graphed block, holding graphs: refused, until
+    clear_graphs(); a replay would no longer see what the counters count."""
+    from graph_opt.errors import GraphOptError
+
+    fw = frameworks[0]
+    if fw == "torch":
+        base, lin, zeros, no_grad = torch.nn.Module, torch.nn.Linear, lambda n: torch.zeros(n, 4), torch.no_grad
+    else:
+        base, lin, zeros, no_grad = paddle.nn.Layer, paddle.nn.Linear, lambda n: paddle.zeros([n, 4]), paddle.no_grad
+
+    class Tiny(base):
+        def __init__(self, graph_opt_config=None):
+            super().__init__()
+            self.lin = lin(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    refusals = []
+    with graph_opt.testing.simulate_cuda_graphs():
+        m = graph_opt.support_graph_optimization(type("Graphed", (Tiny,), {}))(
+            graph_opt_config=graph_opt.GraphOptConfig(cudagraph_capture_sizes=[2]))
+        m.eval()
+        with no_grad():
+            graph_opt.capture_model(m, zeros, progress=False)
+        block = graph_opt.autocudagraph(Tiny(), warmup_steps=0)
+        block(zeros(2))
+        for holder in (m, block):
+            try:
+                patches.remove_all()
+                refusals.append(False)
+            except GraphOptError as exc:
+                refusals.append("clear_graphs" in str(exc))
+            graph_opt.clear_graphs(holder)
+    return refusals
+
+
 install_all()
+report["refused_while_held"] = refused_while_graphs_are_held()
 report["installed"] = [(p.group, p.where, p.why) for p in patches.installed()]
 for key, (owner, name, original) in originals.items():
     if getattr(owner, name) is original:

@@ -327,3 +327,29 @@ def test_a_host_argument_a_splitting_op_reads_replays_at_every_size(fw, full):
         assert s.replays == 0 and s.fallback_reasons == {"host_argument": 4}, s
     else:
         assert s.replays == 4 and not s.fallback_reasons, s
+
+
+def test_training_refuses_a_write_to_an_argument_that_its_version_counter_does_not_show(fw):
+    """`state.data.mul_(0.5)` (torch) / `paddle.assign(...)` into the argument: no version counter moves,
+    the values do."""
+    base = type(fw.scaled_block())
+
+    class WritesData(base):
+        def forward(self, x, state):
+            if fw.name == "torch":
+                state.data.mul_(0.5)
+            else:
+                state.set_value(state * 0.5)
+            return self.lin(x) + state
+
+    m, ref = WritesData(), WritesData()
+    m.set_state_dict(ref.state_dict()) if fw.name == "paddle" else m.load_state_dict(ref.state_dict())
+    m = graph_opt.autocudagraph(m, warmup_steps=1)
+    mine, theirs = fw.randn(4, 8, seed=1), fw.randn(4, 8, seed=1)
+    with simulate_cuda_graphs():
+        for step in range(4):
+            x = fw.randn(4, 8, seed=step)
+            assert fw.equal(m(x, mine), ref(x, theirs)), step
+            assert fw.equal(mine, theirs), f"step {step}: the caller's state"
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.capture_failures == 1, s

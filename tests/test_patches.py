@@ -27,6 +27,7 @@ def report():
 
 
 def test_removal_restores_every_original_and_the_next_use_installs_them_again(report):
+    assert report["refused_while_held"] == [True, True]  # a captured model, then a graphed block
     assert report["problems"] == []
     assert report["removed"] == len(report["installed"]) > 0 and report["left"] == 0
     assert report["reinstalled"] == report["removed"]
