@@ -19,27 +19,37 @@ if not FRAMEWORKS:
     pytest.skip("needs torch or paddle", allow_module_level=True)
 
 
-class TorchFW:
+class _Framework:
+    """What these tests need of a framework; the subclasses name its calls."""
+
+    def scaled_block(self, seed=0):
+        nn, tanh = self.nn, self.tanh
+
+        class Scaled(nn.Module if self.name == "torch" else nn.Layer):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+
+            def forward(self, x, scale):
+                return tanh(self.lin(x)) * scale
+
+        self.seed(seed)
+        return Scaled()
+
+    def grads(self, model):
+        return [p.grad.clone() for p in model.parameters()]
+
+    def backward(self, y):
+        y.sum().backward()
+
+
+class TorchFW(_Framework):
     name = "torch"
 
     def __init__(self):
         import torch
-        self.torch = torch
+        self.torch, self.nn, self.tanh, self.seed = torch, torch.nn, torch.tanh, torch.manual_seed
         torch._dynamo.reset()
-
-    def scaled_block(self, seed=0):
-        torch = self.torch
-
-        class Scaled(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.lin = torch.nn.Linear(8, 8)
-
-            def forward(self, x, scale):
-                return torch.tanh(self.lin(x)) * scale
-
-        torch.manual_seed(seed)
-        return Scaled()
 
     def tensor(self, value):
         return self.torch.tensor(value)
@@ -47,9 +57,6 @@ class TorchFW:
     def randn(self, *shape, seed=0, grad=False):
         g = self.torch.Generator().manual_seed(seed)
         return self.torch.randn(*shape, generator=g).requires_grad_(grad)
-
-    def grads(self, model):
-        return [p.grad.clone() for p in model.parameters()]
 
     def zero_grad(self, model):
         for p in model.parameters():
@@ -61,31 +68,14 @@ class TorchFW:
     def no_grad(self):
         return self.torch.no_grad()
 
-    def backward(self, y):
-        y.sum().backward()
 
-
-class PaddleFW:
+class PaddleFW(_Framework):
     name = "paddle"
 
     def __init__(self):
         import paddle
-        self.paddle = paddle
+        self.paddle, self.nn, self.tanh, self.seed = paddle, paddle.nn, paddle.tanh, paddle.seed
         paddle.set_device("cpu")
-
-    def scaled_block(self, seed=0):
-        paddle = self.paddle
-
-        class Scaled(paddle.nn.Layer):
-            def __init__(self):
-                super().__init__()
-                self.lin = paddle.nn.Linear(8, 8)
-
-            def forward(self, x, scale):
-                return paddle.tanh(self.lin(x)) * scale
-
-        paddle.seed(seed)
-        return Scaled()
 
     def tensor(self, value):
         return self.paddle.to_tensor(value)
@@ -96,9 +86,6 @@ class PaddleFW:
         t.stop_gradient = not grad
         return t
 
-    def grads(self, model):
-        return [p.grad.clone() for p in model.parameters()]
-
     def zero_grad(self, model):
         for p in model.parameters():
             p.clear_gradient(set_to_zero=False)
@@ -108,9 +95,6 @@ class PaddleFW:
 
     def no_grad(self):
         return self.paddle.no_grad()
-
-    def backward(self, y):
-        y.sum().backward()
 
 
 @pytest.fixture(params=FRAMEWORKS)
