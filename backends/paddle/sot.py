@@ -33,6 +33,7 @@ from paddle.jit.dy2static.utils import CUDAGraphState
 from paddle.jit.sot import symbolic_translate
 from paddle.jit.sot.opcode_translator import eval_frame_callback
 from paddle.jit.sot.opcode_translator.custom_code import CustomCode
+from paddle.jit.marker import DYNAMIC_DIMS_ATTR_NAME
 from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
 from paddle.jit.sot.utils import StepInfoManager
 from paddle.jit.sot.utils.exceptions import InnerError
@@ -126,6 +127,7 @@ class SotStrategy:
         # "file:line" of each place the forward read a tensor's value on the host while captured (`if x.min()
         # > 0`, `while h.abs().max() > 1`, `.item()`): a padded call decides it over the padding rows too
         self.value_branches: List[str] = []
+        self._static_batch = False  # the forward makes its batch dim a constant: translated per size (warmup)
         self.blacklist = self._blacklist_names()
         self.split_names = frozenset(
             w.__graph_opt_split__.name for w in selection.selected_functions()
@@ -170,7 +172,17 @@ class SotStrategy:
     def warmup(self, args, kwargs, padded, sig):
         record = SizeRecord(sig.key(padded))
         self._mark_dynamic(args, kwargs, sig)
-        return self._translating_call(args, kwargs, CUDAGraphState.WARMUP, record, frames=None)
+        try:
+            return self._translating_call(args, kwargs, CUDAGraphState.WARMUP, record, frames=None)
+        except AssertionError as exc:
+            # Paddle 3.3.1: a forward's first translation that makes its dynamic batch dim a constant
+            # (`int(x.shape[0])`) caches nothing and fails SOT's `assert guard_fn is not None`. Such a forward
+            # is translated per size, with static shapes, as SOT does for a frame first seen with them.
+            if str(exc) or self._static_batch:
+                raise
+            self._static_batch = True
+            self._unmark_dynamic(args, kwargs, sig)
+            return self._translating_call(args, kwargs, CUDAGraphState.WARMUP, record, frames=None)
 
     def capture(self, args, kwargs, padded, sig, pool) -> Captured:
         record = SizeRecord(sig.key(padded))
@@ -212,9 +224,16 @@ class SotStrategy:
 
     # -- internals ---------------------------------------------------------------------------------
     def _mark_dynamic(self, args, kwargs, sig) -> None:
+        if self._static_batch:
+            return
         for leaf, dim in sig.dynamic_leaves(args, kwargs, self.adapter.is_tensor):
             # One symbolic program serves every batch size; without this, size 1 gets its own.
             paddle.jit.marker.dynamic_dims(leaf, [dim])
+
+    def _unmark_dynamic(self, args, kwargs, sig) -> None:
+        for leaf, _ in sig.dynamic_leaves(args, kwargs, self.adapter.is_tensor):
+            if hasattr(leaf, DYNAMIC_DIMS_ATTR_NAME):
+                delattr(leaf, DYNAMIC_DIMS_ATTR_NAME)
 
     def _translating_call(self, args, kwargs, state, record, frames, simulate=False):
         sot_kwargs = self.sot_kwargs

@@ -101,3 +101,34 @@ def test_a_call_without_graphs_sot_cannot_translate_is_a_clear_error_and_the_mod
         padded = paddle.concat([x, paddle.zeros([1, 16])])  # the 3 rows as the replay of size 4 runs them
         np.testing.assert_array_equal(m(x).numpy(), twin(padded)[:3].numpy())
         assert graph_opt.stats(m).replays == 1
+
+
+class ReadsBatchSize(paddle.nn.Layer):
+    """`int(x.shape[0])`: SOT makes the dynamic batch dim a constant, and Paddle 3.3.1's first translation
+    of such a frame failed `assert guard_fn is not None` (an empty AssertionError) in graph_opt's capture."""
+
+    def __init__(self, graph_opt_config=None):
+        super().__init__()
+        self.lin = paddle.nn.Linear(8, 8)
+
+    def forward(self, x):
+        n = int(x.shape[0])
+        return self.lin(x.reshape([n, 2, 4]).reshape([n, 8]))
+
+
+def test_a_forward_that_reads_its_batch_size_as_an_int_is_translated_per_size():
+    paddle.seed(0)
+    twin = ReadsBatchSize()
+    cls = graph_opt.support_graph_optimization(type("Graphed", (ReadsBatchSize,), {}))
+    m = cls(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=1, cudagraph_capture_sizes=[2, 4]))
+    m.set_state_dict(twin.state_dict())
+    m.eval(), twin.eval()
+    rows = np.random.default_rng(0).standard_normal((4, 8)).astype("float32")
+    with graph_opt.testing.simulate_cuda_graphs(), paddle.no_grad():
+        report = graph_opt.capture_model(m, lambda n: paddle.to_tensor(rows[:n]), progress=False)
+        assert report.failed is None
+        for n in (4, 2, 4):
+            x = paddle.to_tensor(rows[:n] * 2)
+            assert bool(paddle.equal_all(m(x), twin(x))), n
+    s = graph_opt.stats(m)
+    assert s.replays == 3 and s.fallbacks == 0, s
