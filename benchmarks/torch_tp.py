@@ -3,7 +3,7 @@
     python -m graph_opt.benchmarks.torch_tp [--quick] [--out results]
     python -m graph_opt bench tp [--quick] [--out results]
 
-Model: backends/torch/tp_model.py's TPDecoder, TP=2 (one process per GPU, NCCL), hidden 4096, 32 heads,
+Model: benchmarks/tp_model.py's TPDecoder, TP=2 (one process per GPU, NCCL), hidden 4096, 32 heads,
 MLP 16384, 16 layers, bf16, one token per sequence attending over a 256-token KV cache (--quick: 4
 layers). Per layer two all-reduces (after the row-parallel out and down projections). Batches 1, 8, 64;
 the capture sizes are those batches. Variants, each its own model with the same weights:
@@ -77,7 +77,7 @@ def _measure(rank: int, port: int, quick: bool, result_path: str) -> None:
     import torch.distributed as dist
 
     import graph_opt
-    from graph_opt.backends.torch import tp_model
+    from graph_opt.benchmarks import tp_model
     from graph_opt.backends.torch.symm_mem_allreduce import SymmMemAllReduce
 
     torch.cuda.set_device(rank)

@@ -34,7 +34,7 @@ TOL = dict(rtol=1e-4, atol=1e-4)  # fp32; the sharded sums add in another order 
 
 
 def dims():
-    from graph_opt.backends.torch.tp_model import TPDims
+    from graph_opt.benchmarks.tp_model import TPDims
 
     return TPDims(hidden=32, heads=4, mlp=64, layers=2, cache_len=4, max_batch=8)
 
@@ -80,12 +80,12 @@ class Rank:
     warnings: List[str] = field(default_factory=list)
 
     def tokens(self, n: int, seed: int = 0):
-        from graph_opt.backends.torch.tp_model import make_tokens
+        from graph_opt.benchmarks.tp_model import make_tokens
 
         return make_tokens(n, dims(), seed=seed, device=self.device)
 
     def reference(self):
-        from graph_opt.backends.torch.tp_model import build_reference
+        from graph_opt.benchmarks.tp_model import build_reference
 
         return build_reference(dims(), device=self.device)
 
@@ -98,7 +98,7 @@ class Rank:
 
     def model(self, mode: Mode, sizes=SIZES, comm=None):
         import graph_opt
-        from graph_opt.backends.torch.tp_model import build_tp_decoder
+        from graph_opt.benchmarks.tp_model import build_tp_decoder
 
         cfg = graph_opt.GraphOptConfig(graph_opt_level=mode.level, full_cuda_graph=mode.full,
                                        cudagraph_splitting_ops=list(mode.splitting_ops) if mode.splitting_ops else None,
@@ -348,7 +348,7 @@ def _rank_main(rank: int, device: str, names: List[str], folder: str, timeout: f
     results: Dict[str, dict] = {}
     try:
         import graph_opt
-        from graph_opt.backends.torch.tp_model import DistAllReduce
+        from graph_opt.benchmarks.tp_model import DistAllReduce
 
         cuda = device == "cuda"
         if cuda:

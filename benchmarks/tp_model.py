@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...decorator import support_graph_optimization
-from ...split import splitting_op
+from graph_opt import support_graph_optimization
+from graph_opt.split import splitting_op
 
 
 @dataclass(frozen=True)
