@@ -30,10 +30,10 @@ from typing import Any, Dict, List, Optional
 import paddle
 from paddle.jit.dy2static.program_translator import ProgramTranslator, StaticFunction
 from paddle.jit.dy2static.utils import CUDAGraphState
+from paddle.jit.marker import DYNAMIC_DIMS_ATTR_NAME
 from paddle.jit.sot import symbolic_translate
 from paddle.jit.sot.opcode_translator import eval_frame_callback
 from paddle.jit.sot.opcode_translator.custom_code import CustomCode
-from paddle.jit.marker import DYNAMIC_DIMS_ATTR_NAME
 from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecutorCache
 from paddle.jit.sot.utils import StepInfoManager
 from paddle.jit.sot.utils.exceptions import InnerError
@@ -41,9 +41,9 @@ from paddle.jit.sot.utils.exceptions import InnerError
 from ... import split
 from .. import frame_locals as frame_of, private_copy
 from ...captured_size import Captured
+from ...contracts import StrategyTraits
 from ...errors import CaptureError, GraphOptError, GuardFailed, ReplayDivergence
 from ...failures import describe
-from ...contracts import StrategyTraits
 from ...fallbacks import Fallback, Reason
 from ...guards import as_captured
 from ...pytree import flatten

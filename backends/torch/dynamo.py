@@ -41,12 +41,12 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from ... import split
-from ...fallbacks import Fallback, Reason
 from ...guards import as_captured
 from .. import frame_locals as frame_of, private_copy
 from ...captured_size import Captured
 from ...contracts import StrategyTraits
 from ...errors import CaptureError
+from ...fallbacks import Fallback, Reason
 from ...pytree import flatten
 from ...signature import as_made, forward_params
 from ...testing import simulation_enabled
