@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import ReplayDivergence
-from .host_outputs import SizeCopies, _pending as _pending_host_copies, land_pending_copies
+from .host_outputs import SizeCopies, pending_copies as _pending_host_copies, land_pending_copies
 from .pytree import flatten, shallow_copier, unflatten
 from .static_address import same_memory
 

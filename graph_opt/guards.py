@@ -10,7 +10,7 @@ import contextlib
 import threading
 from typing import Any, Callable, ContextManager, List, Tuple
 
-# The flags below, the split hook (split._split_hook) and SOT's run_program hook are process-wide, and
+# The flags below, the split hook (split.set_hook) and SOT's run_program hook are process-wide, and
 # each guard restores the value it found: two threads setting them at once would restore each other's
 # values and could leave is_capturing() true for good. graph_opt holds this lock wherever it sets them
 # for a call: the capture phase of a size, Paddle's SOT scope, a simulated level-0 replay. Re-entrant,

@@ -390,7 +390,7 @@ class _DeferredCopy:
 
     def __init__(self, adapter, buffers, sources, polls):
         self.adapter, self.buffers, self.sources, self.polls = adapter, buffers, sources, polls
-        _pending.append(self)
+        pending_copies.append(self)
 
     def poll(self) -> bool:
         self.polls -= 1
@@ -403,11 +403,13 @@ class _DeferredCopy:
         if self.sources is not None:
             self.adapter.copy_to_host_async(self.buffers, self.sources)
             self.sources = None
-            if self in _pending:
-                _pending.remove(self)
+            if self in pending_copies:
+                pending_copies.remove(self)
 
 
-_pending: List[_DeferredCopy] = []
+# Simulated slow copies (testing.slow_host_copies) still reading outputs: whoever writes outputs
+# lands them first (land_pending_copies), and the hot paths test this list's truthiness
+pending_copies: List[_DeferredCopy] = []
 _slow_polls = 0
 
 
@@ -417,5 +419,5 @@ def _slow_copy(adapter, buffers, sources):
 
 def land_pending_copies() -> None:
     """Before graph_opt writes a replay's outputs: the copies still reading them land first."""
-    while _pending:
-        _pending[0].finish()
+    while pending_copies:
+        pending_copies[0].finish()

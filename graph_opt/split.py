@@ -156,6 +156,14 @@ def names_in(op_names: Iterable[str], wanted: Iterable[str]) -> set:
     return {w for w in wanted if w in present}
 
 
+def set_hook(hook: Optional[Callable]) -> Optional[Callable]:
+    """Install `hook` as the split hook until the caller puts back the one returned (a scope that
+    cannot be a with block: backends/paddle/sot_scope.py)."""
+    global _split_hook
+    old, _split_hook = _split_hook, hook
+    return old
+
+
 def active_hook(hook: Optional[Callable]):
     """Install the level-0 split hook for the duration of a with block."""
     import contextlib

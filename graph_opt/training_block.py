@@ -19,7 +19,7 @@ from .errors import CaptureError, GraphOptError, GraphOptInputError
 from .fallbacks import Reason, reason_counts
 from .failures import describe
 from .held_state import HeldState
-from .host_outputs import _pending as _pending_host_copies, land_pending_copies
+from .host_outputs import pending_copies as _pending_host_copies, land_pending_copies
 from .pytree import flatten, unflatten
 from .stats import TrainingCounters, TrainingStats
 from .testing import simulation_enabled

@@ -33,10 +33,10 @@ class _Scope:
         global _sot_split_names
         _STATE_LOCK.acquire()
         try:
-            self.saved = (PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names, split._split_hook)
+            self.saved = (PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names,
+                          split.set_hook(_sot_split_hook if self.names else None))
             PartialProgramLayer.HOOKED_RUN_IMPL = self.hook
             _sot_split_names = self.names
-            split._split_hook = _sot_split_hook if self.names else None
             if self.min_graph_size:
                 self.saved_env = ENV_MIN_GRAPH_SIZE.get()
                 ENV_MIN_GRAPH_SIZE.set(0)
@@ -47,7 +47,8 @@ class _Scope:
     def __exit__(self, *exc):
         global _sot_split_names
         try:
-            PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names, split._split_hook = self.saved
+            PartialProgramLayer.HOOKED_RUN_IMPL, _sot_split_names, hook = self.saved
+            split.set_hook(hook)
             if self.min_graph_size:
                 ENV_MIN_GRAPH_SIZE.set(self.saved_env)  # as Paddle's own EnvironmentVariableGuard restores
         finally:

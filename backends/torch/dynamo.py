@@ -343,16 +343,16 @@ def _guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook)
     is_inference = torch.is_inference_mode_enabled
     inference_mode_off = functools.partial(torch._C._InferenceMode, False)
     set_grad_enabled = torch._C._set_grad_enabled
+    set_hook = split.set_hook
 
     def holds(f_locals):
         if refresh is not None:
             refresh()
-        saved = split._split_hook
-        split._split_hook = trace_hook
+        saved = set_hook(trace_hook)
         try:
             return manager.check(f_locals)
         finally:
-            split._split_hook = saved
+            set_hook(saved)
 
     def check():
         if is_inference():
@@ -375,12 +375,8 @@ def _guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook)
 def _failed_guard(manager, frame_locals, trace_hook, f_globals) -> str:
     """The first failing guard, as Dynamo words it, with the model code it came from."""
     def verbose():
-        saved = split._split_hook
-        split._split_hook = trace_hook
-        try:
+        with split.active_hook(trace_hook):
             return manager.check_verbose(frame_locals).verbose_code_parts
-        finally:
-            split._split_hook = saved
 
     with torch.inference_mode(False), torch.no_grad():  # as the guards ran
         parts = as_captured(verbose)
