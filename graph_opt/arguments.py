@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from .pytree import TENSOR, leaf_paths
 from .testing import HOST_MARK, simulation_enabled
@@ -19,17 +19,14 @@ from .testing import HOST_MARK, simulation_enabled
 HOST_KEY_ELEMENTS = 4096
 
 
-def host_tensor(adapter, t) -> bool:
-    """On the host while graphs run on a device. The host stand-in has no device and re-runs Python at
-    a replay, so nothing is baked there: only tensors marked with testing.as_host_tensor() count, so
-    that the CPU suite exercises what a real graph would bake."""
-    if simulation_enabled():
-        return getattr(t, HOST_MARK, False)
-    return adapter.on_host(t)
-
-
 def host_positions(adapter, leaves: Sequence) -> Tuple[int, ...]:
-    return tuple(i for i, t in enumerate(leaves) if host_tensor(adapter, t))
+    """The leaves on the host while graphs run on a device. The host stand-in has no device and re-runs
+    Python at a replay, so nothing is baked there: only tensors marked with testing.as_host_tensor()
+    count, so that the CPU suite exercises what a real graph would bake."""
+    if simulation_enabled():  # read once: a training block asks at every call
+        return tuple(i for i, t in enumerate(leaves) if getattr(t, HOST_MARK, False))
+    on_host = adapter.on_host
+    return tuple(i for i, t in enumerate(leaves) if on_host(t))
 
 
 class TooLarge:

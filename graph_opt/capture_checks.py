@@ -243,8 +243,7 @@ def _from_one_state(runner, sig, entry, inputs, rows: int, state, later=None) ->
         values.put_back_values()
         values.rebound()
 
-    held = _held_arguments(sig)
-    copies = [t if i in held else adapter.clone(t) for i, t in enumerate(inputs)]
+    copies = _own_copies(adapter, _held_arguments(sig), inputs)
     try:
         with adapter.no_grad():
             want = _clone(adapter, _run(runner, sig, copies))
@@ -313,7 +312,7 @@ def _read_later(runner, sig, entry, inputs, rows: int, state, saved, later, put_
             adapter.copy_(t, v)
 
     def run(leaves):
-        return _run(runner, sig, [t if i in held else adapter.clone(t) for i, t in enumerate(leaves)])
+        return _run(runner, sig, _own_copies(adapter, held, leaves))
 
     def later_calls(values):
         set_state(values)
@@ -355,6 +354,12 @@ def _read_later(runner, sig, entry, inputs, rows: int, state, saved, later, put_
                     for a, v, x, y in zip(after, values, left, base_state)):
                 found.append(state[i][0])
     return found
+
+
+def _own_copies(adapter, held, leaves) -> list:
+    """The inputs of a check's run: a copy of each, but the arguments that hold the forward's writes
+    (_held_arguments), whose own memory is the state compared."""
+    return [t if i in held else adapter.clone(t) for i, t in enumerate(leaves)]
 
 
 def _with_rows(adapter, t, dim: int, rows: int):

@@ -21,7 +21,7 @@ from .failures import describe
 from .fallbacks import Fallback, Reason
 from .host_outputs import SizeCopies
 from .padding import Padding
-from .pytree import flatten, holding_tensors_message, objects_holding_tensors, tensor_leaf_owners, unflatten
+from .pytree import flatten, holding_tensors_message, objects_holding_tensors, unflatten
 from .signature import Signature, _opaque_message, mapping_note
 from .static_address import same_memory
 from .testing import simulation_enabled
@@ -249,9 +249,7 @@ class CapturePhase:
                 adapter.zeros_like(t, d, self.max_size) if d is not None else adapter.zeros_like(t, None, 0)
                 for i, (t, d) in enumerate(zip(leaves, sig.dims))
             ]
-            owners = tensor_leaf_owners(sig.spec)
-            values = [self.pad_values.get(self.arg_names[o] if isinstance(o, int) and o < len(self.arg_names) else o, 0)
-                      for o in owners]
+            values = [self.pad_values.get(name, 0) for name in self.owner_names(sig.spec)]
             sig.padding = Padding(adapter, sig.buffers, sig.dims, values)
         for i in sig.in_place:
             if leaves[i] is not sig.buffers[i] and not same_memory(adapter, leaves[i], sig.buffers[i]):

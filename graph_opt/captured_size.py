@@ -62,9 +62,9 @@ class CapturedSize:
     copies: Optional[SizeCopies] = None  # host_outputs copied by the graph itself
     views: Dict[int, tuple] = field(default_factory=dict)
     pending_check: Optional[tuple] = None  # (capture inputs, eager's outputs) until finish_captures()
-    # Level 0 on a device: (index, value at capture) of each host tensor argument. A kernel takes a host
-    # scalar (x / t, t a CPU tensor) by value when it is launched, so the graph holds the capture's.
-    host_values: List[tuple] = field(default_factory=list)  # (leaf, its bytes at capture): arguments.py
+    # Level 0: (leaf, its bytes at capture) of each host tensor argument (arguments.py). A kernel takes a
+    # host scalar (x / t, t a CPU tensor) by value when it is launched, so the graph holds the capture's.
+    host_values: List[tuple] = field(default_factory=list)
     host_changed: int = -1  # the leaf whose host value a replay last found changed
     restore: List[tuple] = field(default_factory=list)  # (marked argument, its contents before the capture)
     output_spans: Optional[List[Tuple[int, int]]] = None  # the memory its replay writes outputs to, once asked

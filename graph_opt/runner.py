@@ -201,12 +201,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         except Exception as exc:
             return self.replay_raised(exc, padded, args, kwargs, sig)
         if out is _ALIASED:
-            return self._fallback(args, kwargs, Fallback(
-                Reason.ALIASED, "the forward writes a tensor argument in place that "
-                "shares memory with another argument, with itself (an expanded "
-                "tensor) or with the outputs of the last replay (fed back): the "
-                "graph reads and writes separate buffers, so this call runs "
-                "without graphs"))
+            return self._fallback(args, kwargs, _ALIASED_CALL)
         if out is _HOST_VALUE:
             name = self._leaf_names(sig.spec)[entry.host_changed]
             return self._fallback(args, kwargs, Fallback(
@@ -402,6 +397,10 @@ _WARNINGS_PER_KIND = 3
 _NO_BATCH = Fallback(Reason.NO_BATCH, "a call whose tensors have no batch dimension (dim 0, or dynamic_arg_dims) "
                                        "runs without graphs")
 _GRAD = Fallback(Reason.GRAD, "autograd is enabled: graphs replay only under no_grad, so this call runs without graphs")
+_ALIASED_CALL = Fallback(
+    Reason.ALIASED, "the forward writes a tensor argument in place that shares memory with another argument, with "
+    "itself (an expanded tensor) or with the outputs of the last replay (fed back): the graph reads and writes "
+    "separate buffers, so this call runs without graphs")
 _MISMATCH_CALL = Fallback(
     Reason.MISMATCH, "an input does not match the captured buffers (shape, or address and strides "
     "with cudagraph_copy_inputs=false); this call runs without graphs")

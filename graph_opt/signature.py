@@ -307,20 +307,23 @@ class SignatureChecks:
         self.signatures[spec] = sig
         return sig
 
+    def owner_names(self, spec) -> list:
+        """Per tensor leaf of a spec of (args, kwargs): the name of the forward argument it belongs to (a
+        position past the named parameters stays its int), as pad_values and dynamic_arg_dims name them."""
+        names = self.arg_names
+        return [names[o] if isinstance(o, int) and o < len(names) else o for o in tensor_leaf_owners(spec)]
+
     def reserved_pad_leaves(self, spec) -> set:
         """The leaves whose padding rows hold a value the user gave (pad_values): a reserved slot or id."""
         if not self.pad_values:
             return set()
-        names = [self.arg_names[o] if isinstance(o, int) and o < len(self.arg_names) else o
-                 for o in tensor_leaf_owners(spec)]
-        return {i for i, name in enumerate(names) if name in self.pad_values}
+        return {i for i, name in enumerate(self.owner_names(spec)) if name in self.pad_values}
 
     def _check_pad_values(self, spec, leaves, dims) -> None:
         """GraphOptConfigError where a pad value does not fit its argument's dtype (1e20 in int64, -1.5)."""
         if not self.pad_values:
             return
-        for owner, leaf, dim in zip(tensor_leaf_owners(spec), leaves, dims):
-            name = self.arg_names[owner] if isinstance(owner, int) and owner < len(self.arg_names) else owner
+        for name, leaf, dim in zip(self.owner_names(spec), leaves, dims):
             value = self.pad_values.get(name)
             if dim is not None and value is not None and not self.adapter.fits(value, self.adapter.dtype(leaf)):
                 raise GraphOptConfigError(
@@ -328,10 +331,8 @@ class SignatureChecks:
                     f"{self.adapter.dtype(leaf)}; give a value that dtype holds exactly (e.g. -1 for an index)")
 
     def _dynamic_dims(self, spec, leaves) -> List[Optional[int]]:
-        owners = tensor_leaf_owners(spec)
         dims: List[Optional[int]] = []
-        for owner, leaf in zip(owners, leaves):
-            name = self.arg_names[owner] if isinstance(owner, int) and owner < len(self.arg_names) else owner
+        for name, leaf in zip(self.owner_names(spec), leaves):
             ndim = len(self.adapter.shape(leaf))
             marked = self.adapter.static_address(leaf)
             if self.dynamic_arg_dims is None:

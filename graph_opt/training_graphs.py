@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .arguments import argument_names
+from .capture_checks import changed, snapshot
 from .errors import CaptureError
 from .pytree import flatten, holding_tensors_message, objects_holding_tensors, unflatten
 
@@ -103,11 +104,6 @@ class PendingBackward:
         self.release()
 
 
-def _changed_values(adapter, tensors, before) -> List[int]:
-    with adapter.no_grad():
-        return [i for i, (t, b) in enumerate(zip(tensors, before)) if not adapter.same_values(t, b)]
-
-
 def _capture_key(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, simulated: bool,
                  rng, template=None) -> StepGraphs:
     """Record one key's graphs. On a device: one private warmup of forward and backward on the capture
@@ -148,12 +144,13 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
     # The inputs' values before the first run of the forward: a write its version counter does not show
     # (through .data, a kernel of an extension) shows in them after it
     with adapter.no_grad():
-        values_before = [adapter.clone(t) for t in static_inputs]
-    written_values: List[int] = []
+        values_before = snapshot(adapter, static_inputs)
+    written_values: set = set()
     if not simulated:
         mark = bridge.graph_mark() if needs_grad else None
         outs = forward()
-        written_values = _changed_values(adapter, static_inputs, values_before)
+        with adapter.no_grad():
+            written_values = changed(adapter, static_inputs, values_before)
         if needs_grad:
             diff = [o for o in flatten(outs, bridge.is_tensor)[0] if bridge.requires_grad(o)]
             if diff:
@@ -174,9 +171,10 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
     finally:
         fwd.capture_end()
     if simulated:  # the capture's forward was the first run
-        written_values = _changed_values(adapter, static_inputs, values_before)
+        with adapter.no_grad():
+            written_values = changed(adapter, static_inputs, values_before)
     written = sorted({i for i, (t, v) in enumerate(zip(static_inputs, versions)) if adapter.version(t) != v}
-                     | set(written_values))
+                     | written_values)
     if written:
         # A replay would write the static copy, never the caller's tensor (inference copies it back;
         # here eager's autograd of the write on a tensor that needs grad is not the graph's)
