@@ -3,7 +3,7 @@
 A captured size p answers every call of q..p rows (q: one more than the next smaller captured size),
 by running the forward on p rows and cutting the outputs. That equals eager on q rows only where the
 forward is row-independent and does not branch on the batch size. So right after capturing p, the
-runner runs the plain forward on q rows of the capture inputs, replays p for the same q rows as a call
+capturer runs the plain forward on q rows of the capture inputs, replays p for the same q rows as a call
 would (copied in, padding rows holding the pad values, cut), and compares. Where they differ (a batch
 statistic, attention across the batch, `if x.shape[0] > 4`), calls of a size that is not captured run
 without graphs from then on, with one warning naming the output: never a replay that differs from eager.
@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from . import output_layout
+from . import output_layout, static_inputs
 from .captured_size import _MISMATCH, _MOVED
 from .errors import CaptureError
 from .host_outputs import HostRingFull
@@ -38,38 +38,38 @@ _ULPS = 8  # real rows may differ by this many units in the last place of the la
 _FUSED = 10  # level 2's fused kernels round otherwise again
 
 
-def smallest_call(runner, padded: int) -> int:
+def smallest_call(capturer, padded: int) -> int:
     """The fewest rows a call replaying `padded` has: one more than the next smaller captured size."""
-    return max((s for s in runner.table.sizes if s < padded), default=0) + 1
+    return max((s for s in capturer.table.sizes if s < padded), default=0) + 1
 
 
-def expect(runner, sig, static: List, leaves: List, padded: int, warm=None):
+def expect(capturer, sig, static: List, leaves: List, padded: int, warm=None):
     """Inside the capture phase, before the capture (on the branch the graph records): the plain
     forward on the smallest call's rows of the capture inputs, cloned; None where there is nothing to
     compare. Also teaches the output layout its two sizes: `padded` from `warm`, the warmup's outputs
     (or an eager run where the strategy's warmup returns none)."""
-    adapter = runner.adapter
-    rows = smallest_call(runner, padded)
+    adapter = capturer.adapter
+    rows = smallest_call(capturer, padded)
     try:
         if not sig.layout.known:
-            at_padded = warm if warm is not None else _run(runner, sig, static)
+            at_padded = warm if warm is not None else _run(capturer, sig, static)
             sig.observe(output_layout.observe(adapter, at_padded, padded))
         if rows >= padded:  # only calls of exactly `padded` rows replay it
             if not sig.layout.known:
-                _observe_other_size(runner, sig, static, padded)
+                _observe_other_size(capturer, sig, static, padded)
             return None
         small = _probe_rows(adapter, leaves, sig.dims, rows)
-        runner._copy_in(sig, static, small, padded)
+        static_inputs.copy_in(capturer.adapter, sig, static, small, padded)
         own = [t if d is None else adapter.narrow(t, d, rows) for t, d in zip(static, sig.dims)]
-        values = runner.model_state.held_state()
-        expected = _clone(adapter, _run(runner, sig, own))
+        values = capturer.model_state.held_state()
+        expected = _clone(adapter, _run(capturer, sig, own))
         if values.advanced():  # a Python value this run set otherwise than the padded runs: validate compares
-            runner.python_stores_seen = True
+            capturer.python_stores_seen = True
         values.rebound()  # tensors it bound for its own rows (a mask cached per shape) are the check's, not a call's
     except Exception as exc:  # the forward cannot run these rows: nothing checks the padded calls
         if rows >= padded:  # the layout's probe at another size only: learn it from the next size instead
             logger.info("%s: the forward could not run the capture inputs at another size (%s: %s); only calls of "
-                        "a captured size replay until another size is captured", runner.name, type(exc).__name__, exc)
+                        "a captured size replay until another size is captured", capturer.name, type(exc).__name__, exc)
             return None
         return Unchecked(f"the plain forward could not run a call of {rows} rows of the capture inputs "
                          f"({type(exc).__name__}: {exc})")
@@ -84,49 +84,49 @@ class Unchecked:
     why: str
 
 
-def validate(runner, sig, entry, leaves: List, expected) -> None:
+def validate(capturer, sig, entry, leaves: List, expected) -> None:
     """After the capture phase: the replay of `entry` for the smallest call it serves, compared with
     `expected` (see expect). Blocks calls of sizes that are not captured where they differ, or where
     the check itself fails: a padded call nothing checked must not replay."""
     if isinstance(expected, Unchecked):
-        _block(runner, sig, f"padded calls of size {entry.padded_size} could not be checked: {expected.why}")
+        _block(capturer, sig, f"padded calls of size {entry.padded_size} could not be checked: {expected.why}")
         return
     if expected is None or not sig.layout.known or sig.layout.exact_only:
         return
-    branches = runner.strategy.value_branches
+    branches = capturer.strategy.value_branches
     if branches:
         why = (f"the forward reads a tensor's value on the host ({', '.join(branches)}: an `if` or `while` on a "
                "tensor, `.item()`, `bool(t)`), so its Python depends on the values, and a padded call would decide "
                "it over the padding rows too (`if x.min() > 0` sees the pad value). Capture every batch size the "
                "model is called with, or keep the branch out of forward")
         if why not in sig.layout.blocked:  # once per signature, not per size
-            _block(runner, sig, why)
+            _block(capturer, sig, why)
         return
     try:
-        _validate(runner, sig, entry, leaves, expected)
+        _validate(capturer, sig, entry, leaves, expected)
     except Exception as exc:
-        _block(runner, sig, f"the check of padded calls for size {entry.padded_size} failed: {type(exc).__name__}: "
+        _block(capturer, sig, f"the check of padded calls for size {entry.padded_size} failed: {type(exc).__name__}: "
                             f"{exc} (a bug of graph_opt's: please report it)")
 
 
-def _block(runner, sig, why: str) -> None:
+def _block(capturer, sig, why: str) -> None:
     """Padded calls of this signature run without graphs from now on: one warning, and a capture note."""
     sig.block(why)
-    logger.warning("%s: %s; calls of a size that is not captured run without graphs", runner.name, why)
-    runner.capture_notes.append(why)
+    logger.warning("%s: %s; calls of a size that is not captured run without graphs", capturer.name, why)
+    capturer.capture_notes.append(why)
 
 
-def _validate(runner, sig, entry, leaves: List, expected) -> None:
-    adapter = runner.adapter
+def _validate(capturer, sig, entry, leaves: List, expected) -> None:
+    adapter = capturer.adapter
     padded = entry.padded_size
-    rows = smallest_call(runner, padded)
+    rows = smallest_call(capturer, padded)
     small = _probe_rows(adapter, leaves, sig.dims, rows)
     if _rows_alike(adapter, sig, small):
-        _block(runner, sig, f"padded calls of size {padded} could not be checked: every row of the capture inputs "
+        _block(capturer, sig, f"padded calls of size {padded} could not be checked: every row of the capture inputs "
                             "holds the pad value (all-zero token ids, say), so a forward that mixes rows would look "
                             "row-independent. Give make_inputs rows that differ (random ids in range)")
         return
-    state = _state(runner, sig, leaves)
+    state = _state(capturer, sig, leaves)
     try:
         got = _check_replay(adapter, entry, small, rows)  # as a call of `rows` rows: copied in, padded, replayed, cut
     except HostRingFull:  # the caller holds every slot unread: its next call would say the same
@@ -134,23 +134,23 @@ def _validate(runner, sig, entry, leaves: List, expected) -> None:
     except Exception as exc:  # the calls will meet it too (GraphRunner._replay_failed); padded ones need not
         why = f"the replay of size {padded} for a call of {rows} rows raised {type(exc).__name__}: {exc}"
         sig.block(why)
-        logger.warning("%s: %s; calls of a size that is not captured run without graphs", runner.name, why)
+        logger.warning("%s: %s; calls of a size that is not captured run without graphs", capturer.name, why)
         return
     if got is None:
         return
     with adapter.no_grad():  # an output may be a view of a parameter, made under no_grad by the replay
-        differing = _differing(adapter, got, expected, runner.config.graph_opt_level)
-    if state or state is not None and runner.python_stores_seen:
+        differing = _differing(adapter, got, expected, capturer.config.graph_opt_level)
+    if state or state is not None and capturer.python_stores_seen:
         # The runs may advance state the forward writes (a step counter, a cache, a Python value such as
         # `self.rows = x.shape[0]`), or write it at one size and not the other: compared again from one
         # copy of it, what they leave there included. (Whether the first eager run wrote it is not known:
         # a write through Paddle's set_value moves no counter.)
-        fair = _from_one_state(runner, sig, entry, small, rows, state, later=leaves)
+        fair = _from_one_state(capturer, sig, entry, small, rows, state, later=leaves)
         if fair is not None:
             differing, read_later = fair
             if read_later and not differing:
                 _padded_calls_differ(
-                    runner, sig, f"a replay of size {padded} for a call of {rows} rows: its padding rows write "
+                    capturer, sig, f"a replay of size {padded} for a call of {rows} rows: its padding rows write "
                                  f"{', '.join(read_later)} where a later call reads or writes (a state per row, "
                                  "`h[:n] = ...`, or a count per token id that padding rows would advance)",
                     "Give the padding rows a slot or id that no call reads (pad_values), or capture every batch "
@@ -158,42 +158,42 @@ def _validate(runner, sig, entry, leaves: List, expected) -> None:
                 return
             differing = differing + read_later
     if differing:
-        wrong = _captured_path_differs(runner, sig, entry) if runner.strategy.traits.verify_path else []
+        wrong = _captured_path_differs(capturer, sig, entry) if capturer.strategy.traits.verify_path else []
         if wrong:
             why = (f"a replay of size {padded} gave other values than the plain forward on the same {padded} rows "
-                   f"in {', '.join(wrong)}: the captured path computes otherwise ({runner.strategy.traits.verify_path}), "
+                   f"in {', '.join(wrong)}: the captured path computes otherwise ({capturer.strategy.traits.verify_path}), "
                    "so the model runs its plain forward. Use graph_opt_level=0 for it")
-            runner.capture_failed(CaptureError(why), padded)
+            capturer.capture_failed(CaptureError(why), padded)
             return
         _padded_calls_differ(
-            runner, sig, f"a replay of size {padded} for a call of {rows} rows gave other values than eager in "
+            capturer, sig, f"a replay of size {padded} for a call of {rows} rows gave other values than eager in "
                          f"{', '.join(differing)} (the forward reads other rows or branches on the batch size"
                          f"{_PADDING_STATE if any(d.startswith(_STATE_NAMES) for d in differing) else ''})",
             "Keep the forward row-independent (no batch statistics, no attention across the batch, no branch on "
             "the batch size), or capture every batch size it is called with")
 
 
-def _padded_calls_differ(runner, sig, why: str, remedy: str) -> None:
+def _padded_calls_differ(capturer, sig, why: str, remedy: str) -> None:
     """Padded calls of this signature run without graphs from now on: one warning with the remedy, and a
     capture note."""
     sig.block(why)
     message = f"{why}: calls of a size that is not captured run without graphs. {remedy}"
-    logger.warning("%s: %s", runner.name, message)
-    runner.capture_notes.append(message)
+    logger.warning("%s: %s", capturer.name, message)
+    capturer.capture_notes.append(message)
 
 
-def _captured_path_differs(runner, sig, entry) -> List[str]:
+def _captured_path_differs(capturer, sig, entry) -> List[str]:
     """Where padded calls differ from eager: is it the batch (row dependence), or the captured path itself?
     The replay of a call of exactly the padded size, on the static buffers as they are, against the plain
     forward on copies of them, each from the same state: what differs (none where only the batch is to
     blame)."""
-    adapter = runner.adapter
+    adapter = capturer.adapter
     padded = entry.padded_size
     static = [t if d is None else adapter.narrow(t, d, padded) for t, d in zip(entry.inputs, sig.dims)]
-    state = _state(runner, sig, static)
+    state = _state(capturer, sig, static)
     if state is None:  # too large to copy aside: the padded check's verdict stands
         return []
-    found = _from_one_state(runner, sig, entry, static, padded, state)
+    found = _from_one_state(capturer, sig, entry, static, padded, state)
     return [] if found is None else found[0]
 
 
@@ -210,14 +210,14 @@ def _held_arguments(sig) -> set:
     return sig.in_place | {i for i in sig.mutated if sig.dims[i] is None}
 
 
-def _state(runner, sig, leaves) -> Optional[List[Tuple[str, Any]]]:
+def _state(capturer, sig, leaves) -> Optional[List[Tuple[str, Any]]]:
     """(name, tensor) of what a run of the forward may advance: the model's buffers, the tensors its
     modules hold in other attributes, and the arguments that hold its writes (_held_arguments). None
     where they hold more than STATE_BYTES."""
-    adapter = runner.adapter
-    names = runner._leaf_names(sig.spec)
+    adapter = capturer.adapter
+    names = capturer.signatures.leaf_names(sig.spec)
     found, seen = [], set()
-    for name, t in runner.model_state.held_state().tensors + [(f"argument {names[i]}", leaves[i])
+    for name, t in capturer.model_state.held_state().tensors + [(f"argument {names[i]}", leaves[i])
                                                               for i in sorted(_held_arguments(sig))]:
         if id(t) not in seen:
             seen.add(id(t))
@@ -227,15 +227,15 @@ def _state(runner, sig, leaves) -> Optional[List[Tuple[str, Any]]]:
     return found
 
 
-def _from_one_state(runner, sig, entry, inputs, rows: int, state, later=None) -> Optional[Tuple[List[str], List[str]]]:
+def _from_one_state(capturer, sig, entry, inputs, rows: int, state, later=None) -> Optional[Tuple[List[str], List[str]]]:
     """The plain forward on `inputs` (copies of those not read in place) and the replay of `entry` for a
     call of `rows` rows of them, each started from `state` (_state: the model's state, the arguments
     read in place) as it is now, put back after: the output paths and the state that end otherwise, and
     (with `later`, the inputs of a call of the padded size) the state that only the replay's padding rows
     wrote where that later call reads it (_read_later). None where the runs cannot take these inputs."""
-    adapter = runner.adapter
+    adapter = capturer.adapter
     saved = [adapter.clone(t) for _, t in state]
-    values = runner.model_state.held_state()  # the Python values, put back as the tensors are
+    values = capturer.model_state.held_state()  # the Python values, put back as the tensors are
 
     def put_back():
         for (_, t), s in zip(state, saved):
@@ -246,14 +246,14 @@ def _from_one_state(runner, sig, entry, inputs, rows: int, state, later=None) ->
     copies = _own_copies(adapter, _held_arguments(sig), inputs)
     try:
         with adapter.no_grad():
-            want = _clone(adapter, _run(runner, sig, copies))
+            want = _clone(adapter, _run(capturer, sig, copies))
             after = [adapter.clone(t) for _, t in state]
-            eager_values = runner.model_state.held_state()
+            eager_values = capturer.model_state.held_state()
             put_back()
             got = _check_replay(adapter, entry, inputs, rows)
             if got is None:
                 return None
-            level = runner.config.graph_opt_level
+            level = capturer.config.graph_opt_level
             differing = _differing(adapter, got, want, level)
             # a Python value the replay leaves otherwise than eager (the padded size's `x.shape[0]`)
             differing += eager_values.advanced()
@@ -263,7 +263,7 @@ def _from_one_state(runner, sig, entry, inputs, rows: int, state, later=None) ->
                           if adapter.max_abs_diff(adapter.keep_changes(b, a, t), a) > _tolerance(adapter, a, level)]
             # Where only the replay wrote (its padding rows), calls allow it only if no later call reads it:
             # a KV-cache slot reserved for padding is never read; a per-row state's rows past the call's own are.
-            read_later = [] if later is None else _read_later(runner, sig, entry, inputs, rows, state, saved, later,
+            read_later = [] if later is None else _read_later(capturer, sig, entry, inputs, rows, state, saved, later,
                                                               put_back)
     except Exception:  # the first check's verdict stands
         return None
@@ -273,7 +273,7 @@ def _from_one_state(runner, sig, entry, inputs, rows: int, state, later=None) ->
     return differing, read_later
 
 
-def _read_later(runner, sig, entry, inputs, rows: int, state, saved, later, put_back) -> List[str]:
+def _read_later(capturer, sig, entry, inputs, rows: int, state, saved, later, put_back) -> List[str]:
     """Names of the state tensors where the replay of a call of `rows` rows of `inputs` wrote elements that
     eager on those rows leaves as they were (its padding rows wrote them), and later calls, started from
     what eager left, compute otherwise with those writes in it. Done from the state as it is (`saved`) and
@@ -285,7 +285,7 @@ def _read_later(runner, sig, entry, inputs, rows: int, state, saved, later, put_
     and the state they leave (an element they update from its old value, an EMA, shows). A later call
     that raises with those writes counts as computing otherwise; so does one that writes an element the
     padding rows wrote: it holds a call's data, which the caller may read before then."""
-    adapter = runner.adapter
+    adapter = capturer.adapter
     padding = sig.padding
     padded = entry.padded_size
     pad_of = [padding.values[i] if padding else 0 for i in range(len(later))]
@@ -297,7 +297,7 @@ def _read_later(runner, sig, entry, inputs, rows: int, state, saved, later, put_
     # A call whose rows hold the pad values where those are what a real row may hold (0: token id 0, slot
     # 0). Values set with pad_values are the user's reserved ones (vLLM's slot -1, a trash slot): no call
     # holds them, so those arguments keep real rows there (and with every one reserved, no such call).
-    reserved = runner.reserved_pad_leaves(sig.spec)
+    reserved = capturer.signatures.reserved_pad_leaves(sig.spec)
     batch = [i for i, d in enumerate(sig.dims) if d is not None and i not in held]
     if all(i in reserved for i in batch):
         laters = (later, later)
@@ -312,7 +312,7 @@ def _read_later(runner, sig, entry, inputs, rows: int, state, saved, later, put_
             adapter.copy_(t, v)
 
     def run(leaves):
-        return _run(runner, sig, _own_copies(adapter, held, leaves))
+        return _run(capturer, sig, _own_copies(adapter, held, leaves))
 
     def later_calls(values):
         set_state(values)
@@ -431,33 +431,33 @@ def _read_futures(tree) -> None:
             value.result()
 
 
-def _observe_other_size(runner, sig, static, padded: int) -> None:
+def _observe_other_size(capturer, sig, static, padded: int) -> None:
     """The outputs at one more size than `padded`, for the layout only (no replay compares there)."""
-    adapter = runner.adapter
+    adapter = capturer.adapter
     if padded >= 2:
         other, source = padded - 1, static
-    elif runner.config.cudagraph_copy_inputs and runner.max_size >= 2:
+    elif capturer.config.cudagraph_copy_inputs and capturer.runner.max_size >= 2:
         other, source = 2, sig.buffers  # the max-size buffers: rows past the first hold the pad values
     else:
         return
     rows = [t if d is None else adapter.narrow(t, d, other) for t, d in zip(source, sig.dims)]
-    sig.observe(output_layout.observe(adapter, _run(runner, sig, rows), other))
+    sig.observe(output_layout.observe(adapter, _run(capturer, sig, rows), other))
 
 
-def _run(runner, sig, tensors):
+def _run(capturer, sig, tensors):
     """The plain forward on these tensors; the leaves and model buffers it writes in place go to
     sig.eager_writes and sig.eager_buffer_writes."""
-    adapter = runner.adapter
+    adapter = capturer.adapter
     before = [adapter.version(t) for t in tensors]
     values = snapshot(adapter, tensors, sig.in_place)
-    buffers = runner.model_state.buffer_versions()
-    buffer_values = buffer_snapshot(runner)
+    buffers = capturer.model_state.buffer_versions()
+    buffer_values = buffer_snapshot(capturer)
     args, kwargs = unflatten(sig.spec, tensors, template=sig.template)
-    out = runner.eager(*args, **kwargs)
+    out = capturer.eager(*args, **kwargs)
     sig.eager_writes.update(i for i, (t, v) in enumerate(zip(tensors, before)) if adapter.version(t) != v)
     sig.eager_writes.update(changed(adapter, tensors, values))
-    sig.eager_buffer_writes.update(written(buffers, runner.model_state.buffer_versions()))
-    sig.eager_buffer_writes.update(buffers_changed(runner, buffer_values))
+    sig.eager_buffer_writes.update(written(buffers, capturer.model_state.buffer_versions()))
+    sig.eager_buffer_writes.update(buffers_changed(capturer, buffer_values))
     return out
 
 
@@ -467,22 +467,22 @@ def snapshot(adapter, tensors, skip=frozenset()) -> list:
     return [None if i in skip else adapter.clone(t) for i, t in enumerate(tensors)]
 
 
-def buffer_snapshot(runner) -> Optional[list]:
+def buffer_snapshot(capturer) -> Optional[list]:
     """Copies of the model's buffers where the captured path may drop a write into one (level >= 1: Paddle's
     SOT drops `self.cache[:b].set_value(new)`), and that write may not move the buffer's version counter (a
     write through a view, Paddle's copy_ and set_value): it is found by the values it changed. Capture time
     only; None at level 0, whose graphs record the plain forward's writes."""
-    if runner._replays_graphs_alone():
+    if capturer.replays_graphs_alone():
         return None
-    return snapshot(runner.adapter, [t for _, t in runner.model_state.buffers()])
+    return snapshot(capturer.adapter, [t for _, t in capturer.model_state.buffers()])
 
 
-def buffers_changed(runner, copies: Optional[list]) -> set:
+def buffers_changed(capturer, copies: Optional[list]) -> set:
     """Names of the buffers whose values differ from their buffer_snapshot()."""
     if copies is None:
         return set()
-    names, tensors = zip(*runner.model_state.buffers()) if copies else ((), ())
-    return {names[i] for i in changed(runner.adapter, tensors, copies)}
+    names, tensors = zip(*capturer.model_state.buffers()) if copies else ((), ())
+    return {names[i] for i in changed(capturer.adapter, tensors, copies)}
 
 
 def changed(adapter, tensors, copies) -> set:

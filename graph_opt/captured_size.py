@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 from .errors import ReplayDivergence
 from .host_outputs import SizeCopies, pending_copies as _pending_host_copies, land_pending_copies
 from .pytree import flatten, shallow_copier, unflatten
-from .static_address import same_memory
+from .static_address import overlaps, same_memory
 
 if TYPE_CHECKING:
     from .fallbacks import Fallback
@@ -305,12 +305,3 @@ def staged(adapter, fed_back: Sequence[Tuple[int, int]], dsts, leaves) -> list:
         if src is not dst and overlaps(fed_back, adapter.extent(src)):
             sources[i] = adapter.clone(src)
     return sources
-
-
-def overlaps(spans: Sequence[Tuple[int, int]], span: Tuple[int, int]) -> bool:
-    """Whether `span`, (start, end) bytes, overlaps one of `spans`."""
-    start, end = span
-    for a, b in spans:
-        if a < end and start < b:
-            return True
-    return False

@@ -96,8 +96,8 @@ class KindDispatch:
     def capture_checked(self, checked, _leaves, size: int) -> BothKinds:
         (full_sig, full_leaves), (piece_sig, piece_leaves) = checked
         full = self.full.capture_checked(full_sig, full_leaves, size)
-        if self.piecewise.pool is None:
-            self.piecewise.pool = self.full.pool  # one pool: the pieces reuse what the full graph reserved
+        if self.piecewise.capturer.pool is None:
+            self.piecewise.capturer.pool = self.full.pool  # one pool: the pieces reuse what the full graph reserved
         pieces = self.piecewise.capture_checked(piece_sig, piece_leaves, size)
         memory = None if full.memory_bytes is None else full.memory_bytes + (pieces.memory_bytes or 0)
         return BothKinds(_Captured(pieces.captured.pieces, full.captured.graphs + pieces.captured.graphs),

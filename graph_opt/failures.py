@@ -167,3 +167,24 @@ class _Places:
 
 def _folders(paths) -> Tuple[str, ...]:
     return tuple(os.path.abspath(p).rstrip(os.sep) + os.sep for p in paths)
+
+
+# What the capture phase says when the captured run sets or binds what a replay would not.
+def advances_message(advanced: List[str]) -> str:
+    return (f"forward sets Python state as it runs ({', '.join(advanced[:3])}), as `self.t += 1` or a "
+            "list appended to do; a replay of the graphs would neither set it nor compute with the new value. "
+            "Keep such a value in a tensor the forward updates in place (a buffer: self.t.add_(1)), or set it "
+            "outside the forward (torch: graph_opt_level 1, whose translated code makes the store)")
+
+
+def per_size_message(changed: List[str], padded: int) -> str:
+    return (f"forward sets Python state to a value that depends on the call ({', '.join(changed[:3])}, at size "
+            f"{padded}), as `self.rows = x.shape[0]` does; a replay would leave the value of another call. Keep "
+            "such a value in a tensor the forward updates in place, or compute it outside the forward")
+
+
+def rebinds_message(rebound: List[str]) -> str:
+    return (f"forward binds new tensors where its state was ({', '.join(rebound[:3])}), as "
+            "`self.cache = torch.zeros(...)` made at the first call or `st.steps = st.steps + 1` do; a replay "
+            "cannot, so it would not leave that state as eager does. Write the state in place (copy_, add_, "
+            "index_copy_), make it before the first call, or capture_model() once it exists")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from .captured_size import overlaps
+from .static_address import overlaps
 from .pytree import shallow_copier
 
 

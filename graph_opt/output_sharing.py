@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .captured_size import overlaps
+from .static_address import overlaps
 from .pytree import flatten, unflatten
 
 

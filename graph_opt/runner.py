@@ -5,8 +5,9 @@ look the padded size up in a table, copy the real rows into static buffers, repl
 the captured outputs. Nothing on that path logs or allocates device memory. The common call (every
 argument a positional tensor) takes a shortcut once its size has replayed: fast_replay.py.
 
-Beside the dispatch, in their own files and mixed into GraphRunner: call signatures and the checks of
-calls that do not fit them (signature.py), warmup -> capture of one size (capture_phase.py).
+Beside the dispatch, in their own files and held by GraphRunner: its call signatures and the checks of
+calls that do not fit them (SignatureTable, signature.py), warmup -> capture of one size (Capturer,
+capture_phase.py).
 How a size is captured is a strategy's business: EagerStrategy (level 0, level0.py) captures the eager
 forward; the static strategies (level >= 1) live in backends/ because they hook the framework's
 translator. The runner does not care which: it trusts the strategy it is given.
@@ -14,13 +15,13 @@ translator. The runner does not care which: it trusts the strategy it is given.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import ranks, static_address
-from .capture_phase import CapturePhase
+from .capture_phase import Capturer
+from .lazy_capture import CallCaptures
 from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH, _MOVED, in_place
 from .errors import GraphOptError, GuardFailed, ReplayDivergence
 from .fallbacks import Fallback, Reason
@@ -28,17 +29,17 @@ from .guards import capture_phase_in_this_thread
 from .fast_replay import MISS, FastReplay, plan_for
 from .handed_outputs import HandedOutputs
 from .host_outputs import HostRingFull
-from .pytree import flatten, strict_key
+from .pytree import flatten
 from .replay_guards import ModelState, Unwatched
-from .signature import REQUIRED, Signature, SignatureChecks
+from .signature import Signature, SignatureTable
 from .sizes import PaddingTable
 from .stats import Counters
 
 logger = logging.getLogger("graph_opt")
 
 
-class GraphRunner(SignatureChecks, CapturePhase):
-    """Dispatch, pad, copy and replay for one model; capture sizes on demand."""
+class GraphRunner:
+    """Dispatch, pad, copy and replay for one model; capture sizes on demand (its Capturer)."""
 
     def __init__(self, *, adapter, config, strategy, eager: Callable, dynamic_arg_dims,
                  params: Sequence[Tuple[str, Any]], name: str, host_outputs=None, guard=None,
@@ -53,31 +54,20 @@ class GraphRunner(SignatureChecks, CapturePhase):
         # The plain forward, without the module's hooks (the decorated call runs those around the
         # runner): what runs once a capture has failed, and what capture_checks probes.
         self.eager = eager
-        self.dynamic_arg_dims = dynamic_arg_dims  # None: dim 0 of every tensor argument
-        # forward's positional-or-keyword parameters after self: (name, default or REQUIRED)
         self.params = list(params)
-        self.arg_names = [name for name, _ in self.params]
-        # keyword-only parameters with a default, as value keys: m(x, flag=False) is m(x)
-        self.keyword_defaults = [(name, strict_key(default)) for name, default in keyword_defaults]
         self.name = name
-        self.pad_values = pad_values or {}
+        self.signatures = SignatureTable(adapter=adapter, config=config, name=name, params=params,
+                                         keyword_defaults=keyword_defaults, dynamic_arg_dims=dynamic_arg_dims,
+                                         pad_values=pad_values)
+        self.canonical = self.signatures.canonical
         # Training flags, autocast, replaced parameters, level-0 attributes: checked before every replay.
         self.model_state = model_state if model_state is not None else Unwatched()
         self.table = PaddingTable(config.capture_sizes)
         self.max_size = self.table.max_size
-        self.signatures: Dict[Any, Signature] = {}
-        self._sig_numbers = itertools.count(1)  # not reused for a signature dropped unused (restarts on release)
         self.counters = Counters()
         self.fallback_reasons: Dict[str, int] = {}  # why calls ran without graphs, by kind
-        self.capture_notes: List[str] = []  # what capture_checks found, for the capture report
-        self.capture_seconds = 0.0
-        self.memory_bytes: Optional[int] = None
         self.disabled_reason: Optional[str] = None
         self.capture_model_done = False
-        self._lazy_refusal = None  # lazy_capture_refusal's verdict, once found
-        self._rebinding_captures = 0  # captures at calls dropped because the forward bound new state
-        self.python_stores_seen = False  # a check's run set a Python value otherwise than the capture's
-        self.pool = None
         self.group = None  # the ranks that agree on every replay (graph_opt.ranks), set when capturing
         self._warned: set = set()
         self._is_tensor = adapter.is_tensor
@@ -96,6 +86,43 @@ class GraphRunner(SignatureChecks, CapturePhase):
         self.siblings: List["GraphRunner"] = []
         # The outputs of earlier replays a caller may still hold (shared with the siblings: one pool).
         self.handed = HandedOutputs(adapter, config.keep_outputs, self._model_tensors)
+        self.capturer = Capturer(self)
+        self.at_calls = CallCaptures(self.capturer)  # sizes captured at a call, not by capture_model
+
+    # -- capture (the capturer's; the interface capture_model and graph_opt.dispatch use) --------------
+    def capture(self, args, kwargs, size: int):
+        return self.capturer.capture(args, kwargs, size)
+
+    def check_capture_inputs(self, args, kwargs, size: int):
+        return self.capturer.check_capture_inputs(args, kwargs, size)
+
+    def capture_checked(self, sig: Signature, leaves, size: int):
+        return self.capturer.capture_checked(sig, leaves, size)
+
+    def finish_captures(self) -> None:
+        self.capturer.finish_captures()
+
+    def capture_failed(self, exc: Optional[BaseException], size: int, across_ranks: Optional[str] = None) -> None:
+        self.capturer.capture_failed(exc, size, across_ranks)
+
+    def batch_disagreement(self, args, kwargs) -> Optional[str]:
+        return self.signatures.batch_disagreement(args, kwargs)
+
+    @property
+    def capture_notes(self) -> List[str]:
+        return self.capturer.capture_notes
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.capturer.capture_seconds
+
+    @property
+    def memory_bytes(self) -> Optional[int]:
+        return self.capturer.memory_bytes
+
+    @property
+    def pool(self):
+        return self.capturer.pool
 
     def _model_tensors(self) -> list:
         """The model's parameters and buffers (none where the runner has no model: tests of the core)."""
@@ -139,8 +166,8 @@ class GraphRunner(SignatureChecks, CapturePhase):
             leaves, spec = flatten((args, kwargs), self._is_tensor)
         sig = self.signatures.get(spec)
         if sig is None:
-            refusal = self._refuse_lazy_signature(spec)
-            sig = None if refusal is not None else self._new_signature(spec, leaves, args, kwargs, lazy=True)
+            refusal = self.signatures.refusal(spec, self.capture_model_done)
+            sig = None if refusal is not None else self.signatures.make(spec, leaves, args, kwargs, lazy=True)
             if sig is None:
                 return self._fallback(args, kwargs, refusal or _NO_BATCH)
         try:
@@ -152,7 +179,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
             if real < 0:
                 if not sig.entries:  # nothing captured with it: the next call may define it afresh
                     del self.signatures[spec]
-                raise self._bad_call(sig, leaves, self._misfit(sig, leaves, "argument"))
+                raise self.signatures.bad_call(sig, leaves, self.signatures.misfit(sig, leaves, "argument"))
             return self._fallback(args, kwargs, None)
         if self.adapter.grad_enabled():
             return self._fallback(args, kwargs, _GRAD)
@@ -169,15 +196,15 @@ class GraphRunner(SignatureChecks, CapturePhase):
                 blocked = ranks.agree_on_replay(group, blocked)
             if blocked is not None:
                 return self._fallback(args, kwargs, blocked)
-            misfit = self._misfit(sig, leaves, "argument")
+            misfit = self.signatures.misfit(sig, leaves, "argument")
             if misfit is not None:
                 if misfit[0] != "shape":
-                    raise self._bad_call(sig, leaves, misfit)
+                    raise self.signatures.bad_call(sig, leaves, misfit)
                 return self._fallback(args, kwargs, _MISMATCH_CALL)
-            refusal = self.lazy_capture_refusal()
+            refusal = self.at_calls.refusal()
             if refusal is not None:
                 return self._fallback(args, kwargs, refusal)
-            entry = self._capture_lazily(sig, padded, real, leaves)
+            entry = self.at_calls.capture(sig, padded, real, leaves)
             if entry is None:
                 if self.disabled_reason is not None:  # the capture failed
                     return self._disabled_call(args, kwargs)
@@ -203,7 +230,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         if out is _ALIASED:
             return self._fallback(args, kwargs, _ALIASED_CALL)
         if out is _HOST_VALUE:
-            name = self._leaf_names(sig.spec)[entry.host_changed]
+            name = self.signatures.leaf_names(sig.spec)[entry.host_changed]
             return self._fallback(args, kwargs, Fallback(
                 Reason.HOST_ARGUMENT, f"argument {name} {_HOST_ARGUMENT}", (Reason.HOST_ARGUMENT, name)))
         if out is _MOVED:
@@ -211,9 +238,9 @@ class GraphRunner(SignatureChecks, CapturePhase):
         if out is _MISMATCH:
             # The slow path: a rank or dtype the graph cannot take is the caller's error; another
             # non-batch shape (or, without copied inputs, another address or strides) runs without graphs.
-            misfit = self._misfit(sig, leaves, "argument")
+            misfit = self.signatures.misfit(sig, leaves, "argument")
             if misfit is not None and misfit[0] != "shape":
-                raise self._bad_call(sig, leaves, misfit)
+                raise self.signatures.bad_call(sig, leaves, misfit)
             return self._fallback(args, kwargs, _MISMATCH_CALL)
         self.counters.replays += 1
         if positional and real not in sig.plans:
@@ -221,7 +248,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
         return out
 
     def _moved(self, sig: Signature, leaves) -> str:
-        names = self._leaf_names(sig.spec)
+        names = self.signatures.leaf_names(sig.spec)
         marked = sig.buffers
         moved = [names[i] for i in sorted(sig.in_place)
                  if leaves[i] is not marked[i] and not static_address.same_memory(self.adapter, leaves[i], marked[i])]
@@ -247,7 +274,7 @@ class GraphRunner(SignatureChecks, CapturePhase):
             reason = f"replay of size {padded} failed: {type(exc).__name__}: {exc}"
             self.counters.replay_failures += 1
             self.disable(reason)
-            names = self._leaf_names(sig.spec)
+            names = self.signatures.leaf_names(sig.spec)
             raise GraphOptError(
                 f"{self.name}: {reason}. The forward writes argument {', '.join(names[i] for i in sorted(written))} "
                 "in place, which is marked with mark_static_address: the replay may have written it before it "
@@ -258,24 +285,6 @@ class GraphRunner(SignatureChecks, CapturePhase):
         if isinstance(exc, ReplayDivergence):
             return self._fallback(args, kwargs, Fallback(Reason.DIVERGENCE, f"{exc}; this call runs without graphs"))
         return self._replay_failed(exc, padded, args, kwargs)
-
-    def canonical(self, args, kwargs):
-        """Arguments as one positional tuple in forward's order, defaults filled in, so that m(x),
-        m(x=x) and m(x, scale=1.0) (the default) share one signature; a keyword-only argument given its
-        default (m(x, flag=False)) is left out, as in m(x)."""
-        args = list(args)
-        kwargs = dict(kwargs)
-        for name, default in self.params[len(args):]:
-            if name in kwargs:
-                args.append(kwargs.pop(name))
-            elif default is not REQUIRED:
-                args.append(default)
-            else:
-                break
-        for name, default in self.keyword_defaults:
-            if name in kwargs and strict_key(kwargs[name]) == default:
-                del kwargs[name]
-        return tuple(args), kwargs
 
     def _disabled_call(self, args, kwargs):
         """A call after a failed capture or replay: the translated path is suspect too, so the plain forward."""
@@ -375,18 +384,15 @@ class GraphRunner(SignatureChecks, CapturePhase):
             sig.plans.clear()
             sig.buffers = None
             sig.padding = None
-        self.signatures.clear()
+        self.signatures.release()
         self.shortcut = self.fast = None
         self.handed.release()
-        self._sig_numbers = itertools.count(1)
         self.strategy.release()
         self.model_state.release()
         self._warned.clear()
-        self.pool = None
-        self.memory_bytes = None
+        self.capturer.release()
+        self.at_calls.release()
         self.capture_model_done = False
-        self._lazy_refusal = None
-        self._rebinding_captures = 0
         self.adapter.release_memory()
 
 

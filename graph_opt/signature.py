@@ -1,7 +1,7 @@
 """Call signatures: one per call structure (its non-tensor argument values, where its tensors are).
 
 Signature holds a structure's static buffers, padding, output layout and captured sizes.
-SignatureChecks, mixed into GraphRunner (runner.py), makes signatures from calls and holds the checks
+SignatureTable, a runner's (runner.py), holds its signatures, makes them from calls and holds the checks
 and error texts of calls that do not fit them: wrong rank or dtype, batch dimensions that disagree,
 arguments a level-0 replay cannot check, new values after capture. All of it is off the hot path.
 """
@@ -11,15 +11,16 @@ import collections.abc
 import enum
 import functools
 import inspect
+import itertools
 import types
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from . import output_layout
-from .captured_size import overlaps
+from .static_address import overlaps
 from .errors import GraphOptConfigError, GraphOptInputError
 from .fallbacks import Fallback, Reason
 from .padding import Padding
-from .pytree import TENSOR, flatten, leaf_paths, tensor_leaf_owners
+from .pytree import TENSOR, flatten, leaf_paths, strict_key, tensor_leaf_owners
 
 if TYPE_CHECKING:
     from .captured_size import CapturedSize
@@ -36,7 +37,7 @@ def forward_params(forward_fn, for_call: bool = False) -> list:
 
 
 def as_made(params, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-    """The call to make of forward for canonical arguments (GraphRunner.canonical: every positional
+    """The call to make of forward for canonical arguments (SignatureTable.canonical: every positional
     parameter filled, defaults included): a parameter holding its very default object is left out, and
     those after it go by name. A wrapper that fills parameters from a config where a call does not give
     them (transformers' merge_with_config_defaults: use_cache, return_dict) then sees the call as made.
@@ -143,11 +144,50 @@ class Signature:
         self.plans.clear()
 
 
-class SignatureChecks:
-    """Mixed into GraphRunner: signatures made from calls, and why a call does not fit one."""
+class SignatureTable(dict):
+    """A runner's signatures by call spec, how they are made from calls, and why a call does not fit one."""
+
+    def __init__(self, *, adapter, config, name: str, params: Sequence[Tuple[str, Any]],
+                 keyword_defaults: Sequence[Tuple[str, Any]] = (), dynamic_arg_dims=None,
+                 pad_values: Optional[Dict[str, Any]] = None):
+        super().__init__()
+        self.adapter = adapter
+        self.config = config
+        self.name = name
+        # forward's positional-or-keyword parameters after self: (name, default or REQUIRED)
+        self.params = list(params)
+        self.arg_names = [n for n, _ in self.params]
+        # keyword-only parameters with a default, as value keys: m(x, flag=False) is m(x)
+        self.keyword_defaults = [(n, strict_key(default)) for n, default in keyword_defaults]
+        self.dynamic_arg_dims = dynamic_arg_dims  # None: dim 0 of every tensor argument
+        self.pad_values = pad_values or {}
+        self._numbers = itertools.count(1)  # not reused for a signature dropped unused (restarts on release)
+
+    def release(self) -> None:
+        """Forget every signature (their graphs and buffers are the runner's to drop first)."""
+        self.clear()
+        self._numbers = itertools.count(1)
+
+    def canonical(self, args, kwargs):
+        """Arguments as one positional tuple in forward's order, defaults filled in, so that m(x),
+        m(x=x) and m(x, scale=1.0) (the default) share one signature; a keyword-only argument given its
+        default (m(x, flag=False)) is left out, as in m(x)."""
+        args = list(args)
+        kwargs = dict(kwargs)
+        for name, default in self.params[len(args):]:
+            if name in kwargs:
+                args.append(kwargs.pop(name))
+            elif default is not REQUIRED:
+                args.append(default)
+            else:
+                break
+        for name, default in self.keyword_defaults:
+            if name in kwargs and strict_key(kwargs[name]) == default:
+                del kwargs[name]
+        return tuple(args), kwargs
 
     # -- inputs that do not fit (slow paths only) ---------------------------------------------------
-    def _leaf_names(self, spec) -> List[str]:
+    def leaf_names(self, spec) -> List[str]:
         """A readable name per tensor leaf: the forward argument it belongs to."""
         owners = tensor_leaf_owners(spec)
         names = []
@@ -165,14 +205,14 @@ class SignatureChecks:
         dims = ", ".join("batch" if i == dim else str(n) for i, n in enumerate(shape))
         return f"a {len(shape)}-dimensional tensor of shape [{dims}]"
 
-    def _misfit(self, sig: Signature, leaves, what: str, size: Optional[int] = None) -> Optional[Tuple[str, str]]:
+    def misfit(self, sig: Signature, leaves, what: str, size: Optional[int] = None) -> Optional[Tuple[str, str]]:
         """(kind, message) saying why `leaves` cannot use `sig`'s graphs and buffers, or None when they can.
 
         kind "rank" or "dtype" is the caller's error; "rows" (capture only: not `size` rows) too; "shape"
         (another non-batch dimension) is reported only when nothing worse is found: a call runs it
         without graphs."""
         adapter = self.adapter
-        names = self._leaf_names(sig.spec)
+        names = self.leaf_names(sig.spec)
         found = None
         for name, leaf, dim, (dtype, shape) in zip(names, leaves, sig.dims, sig.input_layout):
             got = list(adapter.shape(leaf))
@@ -190,14 +230,14 @@ class SignatureChecks:
                                   f"{self.name} takes {self._describe(shape, dim)} there")
         return found
 
-    def _bad_call(self, sig: Signature, leaves, misfit) -> GraphOptInputError:
+    def bad_call(self, sig: Signature, leaves, misfit) -> GraphOptInputError:
         """The error for a call whose tensors cannot replay; raised before anything is copied or replayed."""
         if misfit is None or misfit[0] == "shape":
-            return GraphOptInputError(f"{self.name}: {self._disagreement(sig, leaves)}")
+            return GraphOptInputError(f"{self.name}: {self.disagreement(sig, leaves)}")
         return GraphOptInputError(f"{self.name}: {misfit[1]}")
 
-    def _disagreement(self, sig: Signature, leaves) -> str:
-        names = self._leaf_names(sig.spec)
+    def disagreement(self, sig: Signature, leaves) -> str:
+        names = self.leaf_names(sig.spec)
         sizes = [f"{names[i]} has {self.adapter.shape(leaves[i])[sig.dims[i]]} (dim {sig.dims[i]})" for i in sig.dynamic]
         return ("the batch dimensions of the arguments disagree: " + ", ".join(sizes) + "; every dynamic dimension "
                 "(dynamic_arg_dims, by default dim 0 of every tensor argument) must have the same size. "
@@ -207,17 +247,17 @@ class SignatureChecks:
         """Why the batch dimensions of (args, kwargs) disagree, or None when they agree. For a call that
         failed on a path without graphs, to name the arguments instead of the framework's kernel."""
         args, kwargs = self.canonical(args, kwargs)
-        leaves, spec = flatten((args, kwargs), self._is_tensor)
+        leaves, spec = flatten((args, kwargs), self.adapter.is_tensor)
         try:
-            sig = Signature(0, spec, self._dynamic_dims(spec, leaves), (args, kwargs))
+            sig = Signature(0, spec, self.dynamic_dims(spec, leaves), (args, kwargs))
             if not sig.dynamic or sig.batch_size(self.adapter, leaves) >= 0:
                 return None
         except (GraphOptConfigError, IndexError):
             return None
-        return self._disagreement(sig, leaves)
+        return self.disagreement(sig, leaves)
 
     # -- signatures --------------------------------------------------------------------------------
-    def _opaque_arguments(self, spec) -> List[str]:
+    def opaque_arguments(self, spec) -> List[str]:
         """Non-tensor arguments that are objects a replay cannot check (a Hugging Face DynamicCache, a
         user's state object). At level 0 the graph bakes whatever the forward read from them at capture,
         and they are compared by identity, so a call with the same object mutated would replay stale; at
@@ -235,11 +275,11 @@ class SignatureChecks:
                 found.append(f"{path} (a {type(value).__name__}{mapping_note(value)})")
         return found
 
-    def _refuse_lazy_signature(self, spec) -> Optional[Tuple[str, str]]:
+    def refusal(self, spec, capture_model_done: bool) -> Optional[Fallback]:
         """Why a call with a structure or non-tensor value never seen before may not get graphs of its
         own at call time, or None. Replaying a graph captured with another value would be wrong; a
         graph per value without bound would capture (and hold static buffers) at every new value."""
-        opaque = self._opaque_arguments(spec)
+        opaque = self.opaque_arguments(spec)
         if opaque and self.config.graph_opt_level == 0:
             return Fallback(Reason.OBJECT_ARGUMENT, f"{_opaque_message(opaque)}; these calls run without graphs",
                     ("object_argument",))
@@ -252,13 +292,13 @@ class SignatureChecks:
                 "it would see every run's changes, so sizes are captured at a call only without object "
                 "arguments (capture_model() captures with the objects make_inputs returns); these calls run "
                 "without graphs", ("object_argument",))
-        if self.capture_model_done and self.signatures:
+        if capture_model_done and self:
             return Fallback(
                 Reason.NEW_SIGNATURE, f"{self._new_values(spec)}: a call with a structure or non-tensor value not "
                 "seen at capture runs without graphs (capture_model() with inputs of that value captures it too)",
                 ("new_signature",))
         limit = self.config.cudagraph_max_signatures
-        if sum(1 for sig in self.signatures.values() if sig.lazy) >= limit:
+        if sum(1 for sig in self.values() if sig.lazy) >= limit:
             return Fallback(
                 Reason.SIGNATURE_LIMIT, f"{self._new_values(spec)}; graphs are captured per non-tensor argument value "
                 f"and {limit} were captured at call time (cudagraph_max_signatures={limit}), so calls with "
@@ -270,7 +310,7 @@ class SignatureChecks:
         """What differs between a call's structure and the nearest one seen before, naming the argument."""
         new = self._named_leaves(spec)
         best = None
-        for sig in self.signatures.values():
+        for sig in self.values():
             old = self._named_leaves(sig.spec)
             diffs = [(path, value, dict(old).get(path, _ABSENT)) for path, value in new if dict(old).get(path, _ABSENT) != value]
             diffs += [(path, _ABSENT, value) for path, value in old if path not in dict(new)]
@@ -293,18 +333,18 @@ class SignatureChecks:
             out.extend(leaf_paths(child, root=key))
         return out
 
-    def _new_signature(self, spec, leaves, args, kwargs, lazy: bool = False) -> Optional[Signature]:
-        dims = self._dynamic_dims(spec, leaves)
+    def make(self, spec, leaves, args, kwargs, lazy: bool = False) -> Optional[Signature]:
+        dims = self.dynamic_dims(spec, leaves)
         if not any(d is not None for d in dims):
             return None
         adapter = self.adapter
         layout = [(adapter.dtype(t), [None if i == d else n for i, n in enumerate(adapter.shape(t))])
                   for t, d in zip(leaves, dims)]
         self._check_pad_values(spec, leaves, dims)
-        sig = Signature(next(self._sig_numbers), spec, dims, (args, kwargs), layout, lazy=lazy)
+        sig = Signature(next(self._numbers), spec, dims, (args, kwargs), layout, lazy=lazy)
         if self.config.cudagraph_copy_inputs:
             sig.in_place = frozenset(i for i, t in enumerate(leaves) if adapter.static_address(t))
-        self.signatures[spec] = sig
+        self[spec] = sig
         return sig
 
     def owner_names(self, spec) -> list:
@@ -330,7 +370,7 @@ class SignatureChecks:
                     f"{self.name}: pad_values[{name!r}]={value!r} does not fit argument {name!r} of dtype "
                     f"{self.adapter.dtype(leaf)}; give a value that dtype holds exactly (e.g. -1 for an index)")
 
-    def _dynamic_dims(self, spec, leaves) -> List[Optional[int]]:
+    def dynamic_dims(self, spec, leaves) -> List[Optional[int]]:
         dims: List[Optional[int]] = []
         for name, leaf in zip(self.owner_names(spec), leaves):
             ndim = len(self.adapter.shape(leaf))

@@ -15,10 +15,12 @@ Capturing a size runs the forward on the marked tensor itself (warmups, the capt
 contents are saved first and put back after, which costs one copy of it for the length of the capture.
 A replay that raises after it may have written a marked argument is not answered by running the forward
 again (it would write twice): the call raises (GraphRunner.replay_raised).
+
+Also here: whether two tensors are the same memory, and whether byte spans overlap.
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Sequence, Tuple
 
 MARK = "_graph_opt_static_address"
 
@@ -51,3 +53,12 @@ def saved(adapter, leaves: List[Any], indices) -> List[Tuple[Any, Any]]:
 def restore(adapter, kept: List[Tuple[Any, Any]]) -> None:
     for tensor, copy in kept:
         adapter.copy_(tensor, copy)
+
+
+def overlaps(spans: Sequence[Tuple[int, int]], span: Tuple[int, int]) -> bool:
+    """Whether `span`, (start, end) bytes, overlaps one of `spans`."""
+    start, end = span
+    for a, b in spans:
+        if a < end and start < b:
+            return True
+    return False

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ...captured_size import overlaps
+from ...static_address import overlaps
 from ...errors import CaptureError, ReplayDivergence
 from ...output_sharing import SharedOutputs
 from ...pytree import flatten, unflatten
