@@ -13,7 +13,7 @@ import logging
 import time
 from typing import List, Optional
 
-from . import capture_checks, failures, guards, output_layout, output_sharing, static_address, static_inputs
+from . import capture_checks, failures, guards, output_layout, output_sharing, static_address, static_inputs, writes
 from .arguments import entry_host_values
 from .captured_size import Captured, CapturedSize, returned_inputs
 from .errors import CaptureError, GraphOptInputError
@@ -227,9 +227,9 @@ class Capturer:
         adapter = self.adapter
         state = self.model_state
         versions = [adapter.version(t) for t in static]
-        values = capture_checks.snapshot(adapter, static, sig.in_place)
+        values = writes.snapshot(adapter, static, sig.in_place)
         buffers = state.buffer_versions()
-        buffer_values = capture_checks.buffer_snapshot(self)
+        buffer_values = writes.buffer_snapshot(self)
         # What a replay would not make: checked over the captured run (_record), and over this size's
         # whole window once the forward ran with these arguments before (a first run's flag is its
         # own; a value set to another at every size, `self.rows = x.shape[0]`, would be stale)
@@ -241,9 +241,9 @@ class Capturer:
         for _ in range(self.config.cudagraph_num_of_warmups):
             warm = self.strategy.warmup(args, kwargs, padded, sig)
         mutated = {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
-        mutated |= capture_checks.changed(adapter, static, values)
-        sig.static_buffer_writes |= capture_checks.written(buffers, state.buffer_versions())
-        sig.static_buffer_writes |= capture_checks.buffers_changed(self, buffer_values)
+        mutated |= writes.changed(adapter, static, values)
+        sig.static_buffer_writes |= writes.written(buffers, state.buffer_versions())
+        sig.static_buffer_writes |= writes.buffers_changed(self, buffer_values)
         # Before the capture, so that the first size already knows its outputs' batch dims
         # (output sharing and host_outputs rings use them), and on the capture's branch.
         expected = capture_checks.expect(self, sig, static, leaves, padded, warm)
@@ -282,7 +282,7 @@ class Capturer:
                 if copies is not None:
                     self._capture_tail(captured, copies)
         written = {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
-        sig.static_buffer_writes |= capture_checks.written(buffers, state.buffer_versions())
+        sig.static_buffer_writes |= writes.written(buffers, state.buffer_versions())
         if bindings is not None:
             rebound = bindings.rebound()
             if rebound:

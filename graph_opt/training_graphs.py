@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .arguments import argument_names
-from .capture_checks import changed, snapshot
+from .writes import changed, snapshot
 from .errors import CaptureError
 from .pytree import flatten, holding_tensors_message, objects_holding_tensors, unflatten
 

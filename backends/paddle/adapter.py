@@ -16,6 +16,7 @@ from paddle.device.cuda import graphs as _graphs
 from ...static_address import MARK
 from .. import patches
 from ..call_counters import count_calls
+from .host_copies import PaddleHostCopies
 
 
 def _cuda_graphs_available() -> bool:
@@ -43,14 +44,15 @@ class PaddleGraph:
             self._graph.reset()
 
 
-class PaddleAdapter:
+class PaddleAdapter(PaddleHostCopies):
+    """The contract's groups; the host copies (contracts.HostCopies) in host_copies.py."""
+
     name = "paddle"
 
     def __init__(self):
         self._tensor = paddle.Tensor
         self._graphs = None
-        self._copy_stream = None
-        self._in_flight = []  # (event, sources) of device-to-host copies not yet known done
+        PaddleHostCopies.__init__(self)
 
     def is_tensor(self, x) -> bool:
         return isinstance(x, self._tensor)
@@ -360,82 +362,6 @@ class PaddleAdapter:
 
     def capture_stream(self):
         return contextlib.nullcontext()
-
-    # -- host copies (graph_opt.to_host_async); the CUDA path is written against Paddle 3.2+, not run --
-    def pinned_like(self, t):
-        if t.place.is_gpu_place():
-            return paddle.empty(t.shape, dtype=t.dtype).pin_memory()
-        return paddle.empty(t.shape, dtype=t.dtype)
-
-    def copy_to_host_async(self, buffers, sources):
-        """As torch's: a copy stream after the producing stream's work; the producer waits for the copy."""
-        if not sources or not sources[0].place.is_gpu_place():
-            for dst, src in zip(buffers, sources):
-                dst.copy_(src, True)
-            return None
-        cuda = paddle.device.cuda
-        self._in_flight = [(e, s) for e, s in self._in_flight if not e.query()]
-        if self._copy_stream is None:
-            self._copy_stream = cuda.Stream()
-        producer = cuda.current_stream()
-        ready = cuda.Event()
-        ready.record(producer)
-        stream = self._copy_stream
-        stream.wait_event(ready)
-        with cuda.stream_guard(stream):
-            for dst, src in zip(buffers, sources):
-                dst.copy_(src, False)
-            done = cuda.Event()
-            done.record(stream)
-        producer.wait_event(done)
-        self._in_flight.append((done, list(sources)))  # Paddle has no record_stream: keep the sources
-        return done
-
-    # -- host_outputs copied inside the replayed graph: simulated only. Paddle gives no device view of
-    # pinned memory, so on a GPU host_slots() says no and the copies go the stream way after a replay.
-    def pinned_like_ring(self, t, depth: int):
-        ring = paddle.zeros([depth, *t.shape], dtype=t.dtype)
-        return ring.pin_memory() if t.place.is_gpu_place() else ring
-
-    def host_slots(self, pinned, like):
-        return None if like.place.is_gpu_place() else pinned
-
-    def select(self, t, index: int):
-        return t[index]
-
-    def slot_counter(self, like):
-        return paddle.zeros([1], dtype="int64")
-
-    def copy_into_slot(self, ring, counter, src) -> None:
-        ring[int(counter.item())].copy_(src, False)
-
-    def advance_slot(self, counter, depth: int) -> None:
-        counter.copy_((counter + 1) % depth, False)
-
-    def set_slot(self, counter, slot: int) -> None:
-        counter.fill_(slot)
-
-    def new_event(self, like):
-        return paddle.device.cuda.Event() if like.place.is_gpu_place() else None
-
-    def record_event(self, event) -> None:
-        event.record()
-
-    def event_done(self, event) -> bool:
-        if not event.query():
-            return False
-        self._in_flight = [(e, s) for e, s in self._in_flight if e is not event]
-        return True
-
-    def event_wait(self, event) -> None:
-        event.synchronize()
-        self._in_flight = [(e, s) for e, s in self._in_flight if e is not event]
-
-    def host_numpy(self, t):
-        return t.numpy().copy()
-
-    def host_view(self, t):
-        return None  # Paddle's numpy() copies: there is no lasting view of a tensor's memory
 
     def memory_in_use(self):
         if not self.graphs_supported():

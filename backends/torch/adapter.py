@@ -25,6 +25,7 @@ from torch.nn.modules import module as _module_mod
 
 from ...static_address import MARK
 from . import math_mode
+from .host_copies import TorchHostCopies, device_alias
 from .module_counters import (
     _conversions, _hook_changes, _install_conversion_counter, _install_hook_counter, _install_mode_counter,
     _install_registration_hooks, _mode_changes, _registrations, module_fingerprint, tensor_layout,
@@ -59,14 +60,15 @@ def _no_op(*args, **kwargs):
     return 0
 
 
-class TorchAdapter:
+class TorchAdapter(TorchHostCopies):
+    """The contract's groups; the host copies (contracts.HostCopies) in host_copies.py."""
+
     name = "torch"
 
     def __init__(self):
         self._tensor = torch.Tensor
         self._stream = None  # the one capture stream, created on first use
-        self._copy_stream = None  # device-to-host copies (to_host_async), created on first use
-        self._pinned_seen = {}  # device -> whether its kernels can write pinned host memory
+        TorchHostCopies.__init__(self)
 
     # -- tensors ---------------------------------------------------------------------------------
     def is_tensor(self, x) -> bool:
@@ -240,7 +242,7 @@ class TorchAdapter:
         CUDA tensors: those come from the graph pool; a host tensor is returned as is)."""
         if not t.is_cuda:
             return t
-        return _alias(t, t.device)
+        return device_alias(t, t.device)
 
     # -- execution context -----------------------------------------------------------------------
     grad_enabled = staticmethod(torch.is_grad_enabled)
@@ -402,96 +404,6 @@ class TorchAdapter:
             gc.collect, torch.cuda.empty_cache = collect, empty_cache
             current.wait_stream(stream)  # the caller's next work sees the capture phase's outputs
 
-    # -- host copies (graph_opt.to_host_async) -----------------------------------------------------
-    def pinned_like(self, t):
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-
-    def copy_to_host_async(self, buffers, sources):
-        """Copy on the copy stream after the producing stream's work so far; the producing stream then
-        waits for the copy, so later work there cannot overwrite a source first. None: done at once."""
-        if not sources or not sources[0].is_cuda:
-            for dst, src in zip(buffers, sources):
-                dst.copy_(src)
-            return None
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream()
-        producer = torch.cuda.current_stream()
-        stream = self._copy_stream
-        stream.wait_stream(producer)
-        with torch.cuda.stream(stream):
-            for dst, src in zip(buffers, sources):
-                dst.copy_(src, non_blocking=True)
-                src.record_stream(stream)  # the allocator must not hand src's memory out before the copy
-            done = torch.cuda.Event()
-            done.record(stream)
-        producer.wait_event(done)
-        return done
-
-    # -- host_outputs copied inside the replayed graph (graph_opt.host_outputs.GraphCopies) -------------
-    def pinned_like_ring(self, t, depth: int):
-        return torch.zeros((depth, *t.shape), dtype=t.dtype, pin_memory=t.is_cuda)
-
-    def host_slots(self, pinned, like):
-        """The pinned ring as a tensor on like's device, so a captured kernel writes host memory; None
-        where the device cannot address it."""
-        if not like.is_cuda:
-            return pinned
-        if not self._device_sees_pinned(like.device):
-            return None
-        return _alias(pinned, like.device)
-
-    def _device_sees_pinned(self, device) -> bool:
-        # With unified addressing a pinned buffer has the same address on host and device; a kernel
-        # that writes through it once says so for certain.
-        seen = self._pinned_seen.get(device)
-        if seen is None:
-            try:
-                probe = torch.full((4,), 3, dtype=torch.int32, pin_memory=True)
-                _alias(probe, device).add_(4)
-                torch.cuda.synchronize(device)
-                seen = probe.tolist() == [7, 7, 7, 7]
-            except RuntimeError as exc:
-                logger.info("graph_opt: the device cannot write pinned host memory (%s); host_outputs are "
-                            "copied after each replay instead", exc)
-                seen = False
-            self._pinned_seen[device] = seen
-        return seen
-
-    def select(self, t, index: int):
-        return t[index]
-
-    def slot_counter(self, like):
-        return torch.zeros(1, dtype=torch.int64, device=like.device)
-
-    def copy_into_slot(self, ring, counter, src) -> None:
-        ring.index_copy_(0, counter, src.unsqueeze(0))
-
-    def advance_slot(self, counter, depth: int) -> None:
-        counter.add_(1).remainder_(depth)
-
-    def set_slot(self, counter, slot: int) -> None:
-        counter.fill_(slot)
-
-    def new_event(self, like):
-        return torch.cuda.Event() if like.is_cuda else None
-
-    def record_event(self, event) -> None:
-        event.record()
-
-    def event_done(self, event) -> bool:
-        return event.query()
-
-    def event_wait(self, event) -> None:
-        if not event.query():  # a finished copy: the query alone is cheaper than a synchronize
-            event.synchronize()
-
-    def host_numpy(self, t):
-        return t.numpy().copy()
-
-    def host_view(self, t):
-        """A numpy array over the pinned buffer's memory, made once per buffer."""
-        return t.numpy()
-
     def memory_in_use(self):
         if not self.graphs_supported():
             return None
@@ -518,14 +430,6 @@ def _no_grad_normal_tensors():
 
 
 _GOLDEN = 0.6180339887498949  # steps of it modulo 1 never repeat
-
-
-def _alias(t, device):
-    """A tensor on `device` over t's memory that does not own it: a graph-pool tensor seen weakly, or a
-    pinned host tensor seen from the device (one address for both with unified addressing)."""
-    storage = t.untyped_storage()
-    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), device, storage.nbytes())
-    return torch.empty(0, dtype=t.dtype, device=device).set_(alias, t.storage_offset(), t.shape, t.stride())
 
 
 def _equal_elements(a, b):
