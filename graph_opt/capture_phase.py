@@ -19,12 +19,12 @@ from .captured_size import Captured, CapturedSize, overlaps, returned_inputs
 from .errors import CaptureError, GraphOptInputError
 from .failures import describe
 from .fallbacks import Fallback, Reason
+from .host_graphs import graphs_for
 from .host_outputs import SizeCopies
 from .padding import Padding
 from .pytree import flatten, holding_tensors_message, objects_holding_tensors, unflatten
 from .signature import Signature, _opaque_message, mapping_note
 from .static_address import same_memory
-from .testing import simulation_enabled
 
 logger = logging.getLogger("graph_opt")
 
@@ -306,12 +306,13 @@ class CapturePhase:
                         f"must have {padded} rows, got {adapter.shape(t)[d]}"
                     )
         args, kwargs = unflatten(sig.spec, static, template=sig.template)
+        recorder = graphs_for(adapter)
         if self.pool is None and self.config.use_unique_memory_pool:
-            self.pool = adapter.new_pool() if not simulation_enabled() else None
+            self.pool = recorder.new_pool()
         first = not self.model_state.captured
         if first:
             self.model_state.snapshot()  # training flags and autocast, as every replay must find them
-        mem_before = None if simulation_enabled() else adapter.memory_in_use()
+        mem_before = recorder.memory_in_use()
         start = time.perf_counter()
         host = self.host_outputs
         copies = None
@@ -365,7 +366,7 @@ class CapturePhase:
                         copies = host.copies_for_size(adapter, captured.outputs, padded,
                                                       self._batch_dims(sig, captured.outputs, padded))
                         if copies is not None:
-                            self._capture_tail(captured, copies)
+                            self._capture_tail(captured, copies, recorder)
                 mutated |= {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
                 sig.static_buffer_writes |= capture_checks.written(buffers, self.model_state.buffer_versions())
                 if bindings is not None:
@@ -479,33 +480,20 @@ class CapturePhase:
             f"{path} does not write it back: a replay (and this level without graphs) would differ from eager. "
             f"Use graph_opt_level=0 for this model, or return the new value instead of writing in place{unseen}")
 
-    def _capture_tail(self, captured: Captured, copies: SizeCopies) -> None:
+    def _capture_tail(self, captured: Captured, copies: SizeCopies, recorder) -> None:
         """A strategy that cannot end its graph with the host copies: a small graph of them after it."""
         outputs = captured.outputs
         main = captured.replay
         diverged = captured.diverged
-        if simulation_enabled():
-            def replay():
-                fresh = main()
-                if diverged is None or not diverged(fresh):
-                    copies.tail(outputs)
-                return fresh
-        else:
-            graph = self.adapter.new_graph(self.pool)
-            graph.capture_begin()
-            try:
-                copies.tail(outputs)
-            finally:
-                graph.capture_end()
-            tail = graph.replay
-            captured.keepalive.append(graph)
-            captured.graphs += 1
+        tail, graphs = recorder.record(lambda: copies.tail(outputs), self.pool)
+        captured.keepalive += graphs
+        captured.graphs += len(graphs)
 
-            def replay():
-                fresh = main()
-                if diverged is None or not diverged(fresh):
-                    tail()
-                return fresh
+        def replay():
+            fresh = main()
+            if diverged is None or not diverged(fresh):
+                tail()
+            return fresh
         captured.replay = replay
 
 
