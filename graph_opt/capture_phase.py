@@ -18,10 +18,10 @@ from .arguments import entry_host_values
 from .captured_size import Captured, CapturedSize, returned_inputs
 from .errors import CaptureError, GraphOptInputError
 from .failures import describe
+from .host_graphs import graphs_for
 from .host_outputs import SizeCopies
 from .pytree import flatten, holding_tensors_message, objects_holding_tensors, unflatten
 from .signature import Signature, _opaque_message, mapping_note
-from .testing import simulation_enabled
 
 logger = logging.getLogger("graph_opt")
 
@@ -179,19 +179,21 @@ class Capturer:
         run did, and the entry a replay uses."""
         self._check_capturable(sig, padded, static)
         args, kwargs = unflatten(sig.spec, static, template=sig.template)
+        recorder = graphs_for(self.adapter)
         if self.pool is None and self.config.use_unique_memory_pool:
-            self.pool = self.adapter.new_pool() if not simulation_enabled() else None
+            self.pool = recorder.new_pool()
         first = not self.model_state.captured
         if first:
             self.model_state.snapshot()  # training flags and autocast, as every replay must find them
-        mem_before = None if simulation_enabled() else self.adapter.memory_in_use()
+        mem_before = recorder.memory_in_use()
         start = time.perf_counter()
         self.model_state.paused = True
         hooks_before = self.model_state.hook_count()
         try:
             with _capture_phase(self.adapter):
                 warm, mutated, expected, window = self._warm_up(sig, padded, leaves, static, args, kwargs)
-                captured, copies, written = self._record(sig, padded, leaves, static, args, kwargs, warm, window)
+                captured, copies, written = self._record(sig, padded, leaves, static, args, kwargs, warm, window,
+                                                         recorder)
                 mutated |= written
         finally:
             self.model_state.paused = False
@@ -256,7 +258,7 @@ class Capturer:
         numbers)."""
         return self.replays_graphs_alone() or not self.adapter.static_makes_python_stores
 
-    def _record(self, sig: Signature, padded: int, leaves, static, args, kwargs, warm, window):
+    def _record(self, sig: Signature, padded: int, leaves, static, args, kwargs, warm, window, recorder):
         """The capture: (what the strategy handed back, the size's host copies or None, the arguments the
         captured run wrote in place). Fails where the captured run bound or set what a replay would not."""
         adapter = self.adapter
@@ -280,7 +282,7 @@ class Capturer:
                 copies = host.copies_for_size(adapter, captured.outputs, padded,
                                               self._batch_dims(sig, captured.outputs, padded))
                 if copies is not None:
-                    self._capture_tail(captured, copies)
+                    self._capture_tail(captured, copies, recorder)
         written = {i for i, (t, v) in enumerate(zip(static, versions)) if adapter.version(t) != v}
         sig.static_buffer_writes |= writes.written(buffers, state.buffer_versions())
         if bindings is not None:
@@ -386,33 +388,20 @@ class Capturer:
             f"{path} does not write it back: a replay (and this level without graphs) would differ from eager. "
             f"Use graph_opt_level=0 for this model, or return the new value instead of writing in place{unseen}")
 
-    def _capture_tail(self, captured: Captured, copies: SizeCopies) -> None:
+    def _capture_tail(self, captured: Captured, copies: SizeCopies, recorder) -> None:
         """A strategy that cannot end its graph with the host copies: a small graph of them after it."""
         outputs = captured.outputs
         main = captured.replay
         diverged = captured.diverged
-        if simulation_enabled():
-            def replay():
-                fresh = main()
-                if diverged is None or not diverged(fresh):
-                    copies.tail(outputs)
-                return fresh
-        else:
-            graph = self.adapter.new_graph(self.pool)
-            graph.capture_begin()
-            try:
-                copies.tail(outputs)
-            finally:
-                graph.capture_end()
-            tail = graph.replay
-            captured.keepalive.append(graph)
-            captured.graphs += 1
+        tail, graphs = recorder.record(lambda: copies.tail(outputs), self.pool)
+        captured.keepalive += graphs
+        captured.graphs += len(graphs)
 
-            def replay():
-                fresh = main()
-                if diverged is None or not diverged(fresh):
-                    tail()
-                return fresh
+        def replay():
+            fresh = main()
+            if diverged is None or not diverged(fresh):
+                tail()
+            return fresh
         captured.replay = replay
 
 

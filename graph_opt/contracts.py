@@ -1,10 +1,11 @@
 """What the framework-neutral core needs from a framework, written down: the adapter (tensors, graphs,
 host copies, module introspection), the autograd bridge of training graphs, and the static strategy
-of levels >= 1 with its traits as data.
+of levels >= 1 with its traits as data. And the graph recorder a capture records with: the device's
+graphs or the host stand-in's.
 
-Implementations live in backends/<framework>/ (adapter.py, autograd_bridge.py, dynamo.py / sot.py)
-and level0.py. tests/test_contracts.py checks that every member the core calls is declared here and
-that each backend has every member declared.
+Implementations live in backends/<framework>/ (adapter.py, autograd_bridge.py, dynamo.py / sot.py),
+level0.py, device_graphs.py and host_graphs.py. tests/test_contracts.py checks that every member the
+core calls is declared here and that each backend, and each recorder, has every member declared.
 """
 from __future__ import annotations
 
@@ -146,6 +147,54 @@ class Graphs(Protocol):
     def release_memory(self) -> None: ...
 
     def after_failed_capture(self) -> None: ...  # a capture that raised inside: the generators' capture state
+
+
+class Recorder(Protocol):
+    """How graphs are recorded and replayed: on the device (device_graphs.DeviceGraphs: the adapter's
+    CUDA graphs, pools and memory accounting) or by the host stand-in (host_graphs.HostGraphs, under
+    graph_opt.testing.simulate_cuda_graphs()). A capture picks one (host_graphs.graphs_for) and calls the
+    same methods whichever it is; where the stand-in differs in structure, the difference is inside it."""
+
+    def available(self) -> bool: ...  # graphs can be captured here
+
+    def new_pool(self) -> Any: ...  # None: no pool (the host)
+
+    def memory_in_use(self) -> Optional[int]: ...  # None where not measurable
+
+    def release_memory(self) -> None: ...
+
+    # inference
+    def record(self, fn, pool) -> Tuple[Any, list]: ...  # (a replay doing fn's work, graphs to keep alive)
+
+    def record_outputs(self, fn, pool, share=None) -> Tuple[Any, Any]: ...  # (fn's outputs, a graph rewriting them)
+
+    # An op that records its own graph when told (Paddle's run_program): (its outputs, a replay given the op's
+    # call with the replay state, a graph to keep alive or None). `plain` is the op without graphs.
+    def op_recorded(self, capture, plain) -> Tuple[Any, Any, Any]: ...
+
+    def capture_eager(self, eager, args, kwargs, pool, tail=None, share=None) -> Any: ...  # level 0's Captured
+
+    # training (training_graphs.py): one key's forward and backward
+    def capturing_parameters(self, bridge, module, params) -> ContextManager: ...  # the params the graphs read
+
+    # Before the capture: a device's private run of forward and backward; what `writes` then finds written
+    def warm_up_step(self, bridge, forward, needs_grad: bool, grad_inputs, writes, rng) -> set: ...
+
+    def step_forward(self, bridge, forward, pool) -> DeviceGraph: ...
+
+    def captured_writes(self, writes) -> set: ...  # what the capture itself wrote (the stand-in's runs the forward)
+
+    def step_backward(self, bridge, forward, inputs, grad_out_buffers, pool, used=None) -> DeviceGraph: ...
+
+    def keep(self, graph, *written) -> None: ...  # the tensors a replay of graph writes (the stand-in copies there)
+
+    def kept_outputs(self, outputs): ...  # the capture's outputs kept for a partial backward, or None
+
+    def partial_outputs(self, step): ...  # a StepGraphs' differentiable outputs with their autograd graph
+
+    def weak_alias(self, t): ...  # a tensor the capture allocated, as a key holds it
+
+    def after_capture(self, bridge, rng) -> None: ...
 
 
 class HostCopies(Protocol):

@@ -18,7 +18,7 @@ from .level0 import EagerStrategy
 from .replay_guards import STATE_ATTR as _STATE_ATTR, ModelState
 from .runner import GraphRunner
 from .signature import as_made, forward_params
-from .testing import simulation_enabled
+from .host_graphs import graphs_for, simulation_enabled
 
 logger = logging.getLogger("graph_opt")
 
@@ -89,7 +89,7 @@ class GraphOptState:
         return simulation_enabled() or not self.adapter.graphs_supported()
 
     def graphs_available(self) -> bool:
-        return self.adapter.graphs_supported() or simulation_enabled()
+        return graphs_for(self.adapter).available()
 
     def plain_call(self) -> Callable:
         """The path a call takes without graphs: eager at level 0, SOT at level >= 1."""

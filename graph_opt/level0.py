@@ -2,7 +2,9 @@
 
 Whole (full_cuda_graph): one graph per size. In pieces: the forward is cut at calls of functions
 registered as splitting ops (split.splitting_op); those run eagerly between the replayed pieces, and
-their results land where the next piece's graph reads them (LandingBuffers).
+their results land where the next piece's graph reads them (LandingBuffers). That is how a device
+records it (EagerStrategy.record_pieces); the host stand-in runs the whole forward again instead
+(host_graphs.HostGraphs.capture_eager).
 """
 from __future__ import annotations
 
@@ -10,12 +12,12 @@ import contextlib
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import guards, output_sharing, split
+from . import output_sharing, split
 from .captured_size import Captured
 from .contracts import StrategyTraits
 from .errors import ReplayDivergence
+from .host_graphs import graphs_for
 from .pytree import TENSOR, flatten, unflatten
-from .testing import HostGraph, simulation_enabled
 
 
 class _SplitStep:
@@ -156,7 +158,7 @@ class _PieceRecorder:
             return op.fn(*args, **kwargs)
         self.selection.mark_seen(op.name)
         self.end()
-        self.host_reads.update(_host_addresses(self.adapter, args, kwargs))
+        self.host_reads.update(split.host_addresses(self.adapter, args, kwargs))
         result = op.fn(*args, **kwargs)
         leaves, spec = flatten(result, self.adapter.is_tensor)
         site = len(self.splits)
@@ -198,11 +200,14 @@ class EagerStrategy:
 
     def capture(self, args, kwargs, padded, sig, pool, tail: Optional[Callable] = None,
                 share: Optional[output_sharing.SharedOutputs] = None) -> Captured:
-        if simulation_enabled():
-            return self._capture_simulated(args, kwargs, tail, share)
-        recorder = _PieceRecorder(self.adapter, pool, self.selection, self.landing)
-        with split.active_hook(recorder.on_split if self.selection is not None else None):
-            recorder.begin()
+        return graphs_for(self.adapter).capture_eager(self, args, kwargs, pool, tail, share)
+
+    def record_pieces(self, args, kwargs, pool, tail: Optional[Callable] = None,
+                      share: Optional[output_sharing.SharedOutputs] = None) -> Captured:
+        """The device's capture: graphs of the forward between the splitting ops it calls."""
+        recording = _PieceRecorder(self.adapter, pool, self.selection, self.landing)
+        with split.active_hook(recording.on_split if self.selection is not None else None):
+            recording.begin()
             try:
                 outputs = self.call(*args, **kwargs)
                 if share is not None:
@@ -211,69 +216,18 @@ class EagerStrategy:
                     outputs = kept  # this size's own output blocks are free once the capture ends
                 if tail is not None:
                     tail(outputs)
-                recorder.end()
+                recording.end()
             except BaseException:
-                recorder.abort()
+                recording.abort()
                 raise
-        steps = tuple(recorder.steps)
+        steps = tuple(recording.steps)
         replay = steps[0] if len(steps) == 1 else _run_all(steps)
-        pieces = len(recorder.graphs)
-        return Captured(outputs, replay, True, pieces, pieces, keepalive=list(recorder.graphs) + recorder.splits,
-                        split_reads=frozenset(recorder.host_reads))
-
-    def _capture_simulated(self, args, kwargs, tail=None, share=None) -> Captured:
-        splits = [0]
-        host_reads: set = set()
-        selection = self.selection
-        # The split hook is process-wide: a splitting op another thread calls meanwhile runs plain.
-        owner = [threading.get_ident()]
-
-        def count_split(op, a, k):
-            if selection is not None and selection.matches_function(op) and threading.get_ident() == owner[0]:
-                selection.mark_seen(op.name)
-                splits[0] += 1
-                host_reads.update(_host_addresses(self.adapter, a, k))
-            return op.fn(*a, **k)
-
-        with split.active_hook(count_split):
-            outputs = self.call(*args, **kwargs)
-        out_leaves, _ = flatten(outputs, self.adapter.is_tensor)
-        kept = share.redirect(outputs) if share is not None else None
-        if kept is not None:
-            share.mark_written(kept)
-
-        def eager_split(op, a, k):
-            if selection is None or not selection.matches_function(op) or threading.get_ident() != owner[0]:
-                return op.fn(*a, **k)
-            with guards.sot_warmup_guard(False), guards._capture_phase_guard(False):
-                return op.fn(*a, **k)
-
-        def rerun():
-            # Re-run with the capture-time flags: pieces see is_capturing() true, splitting ops false.
-            # The flags are process-wide: hold guards.state_lock, as a capture does.
-            with guards.state_lock:
-                owner[0] = threading.get_ident()
-                with guards.sot_warmup_guard(True), guards._capture_phase_guard(True), self.adapter.no_grad():
-                    with split.active_hook(eager_split):
-                        out = self.call(*args, **kwargs)
-                        if kept is not None:
-                            share.copy(out, kept)
-                        if tail is not None:
-                            # as a real graph's tail reads them: the shared rows, and this run's other outputs
-                            tail(share.merged(out, kept) if kept is not None else out)
-                        return out
-
-        graph = HostGraph(self.adapter, rerun, out_leaves)
-        pieces = splits[0] + 1
-        return Captured(outputs if kept is None else kept, graph.replay, True, pieces, pieces, keepalive=[graph],
-                        split_reads=frozenset(host_reads))
+        pieces = len(recording.graphs)
+        return Captured(outputs, replay, True, pieces, pieces, keepalive=list(recording.graphs) + recording.splits,
+                        split_reads=frozenset(recording.host_reads))
 
     def release(self) -> None:
         self.landing.clear()
-
-
-def _host_addresses(adapter, args, kwargs) -> List[int]:
-    return [adapter.data_ptr(t) for t in flatten((args, kwargs), adapter.is_tensor)[0] if adapter.on_host(t)]
 
 
 def _run_all(steps):

@@ -14,6 +14,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
+from .pytree import flatten
+
 # name -> the wrapper returned by @splitting_op
 _REGISTRY: Dict[str, Callable] = {}
 # Set by the level-0 capture while it records pieces: hook(op, args, kwargs) -> result.
@@ -179,3 +181,9 @@ def active_hook(hook: Optional[Callable]):
             _split_hook = old
 
     return scope()
+
+
+def host_addresses(adapter, args, kwargs) -> List[int]:
+    """The addresses of the host tensors a splitting op is given: it reads them at every replay, as they
+    are then (Captured.split_reads)."""
+    return [adapter.data_ptr(t) for t in flatten((args, kwargs), adapter.is_tensor)[0] if adapter.on_host(t)]

@@ -19,10 +19,10 @@ from .errors import CaptureError, GraphOptError, GraphOptInputError
 from .fallbacks import Reason, reason_counts
 from .failures import describe
 from .held_state import HeldState
+from .host_graphs import graphs_for, simulation_enabled
 from .host_outputs import pending_copies as _pending_host_copies, land_pending_copies
 from .pytree import flatten, unflatten
 from .stats import TrainingCounters, TrainingStats
-from .testing import simulation_enabled
 from .training_graphs import KeyState, PartialBackward, PendingBackward, StepGraphs, _capture_key, _record_partial
 from .training_watch import ModuleWatch
 
@@ -316,12 +316,11 @@ class GraphedBlock(ModuleWatch):
         outputs alone (the full one with zeros for the others would give NaN where their backward makes
         0 * inf); the forward replay just ran, so nothing else is in flight."""
         adapter = self.adapter
-        simulated = simulation_enabled() or not adapter.graphs_supported()
         start = time.perf_counter()
         part = None
         try:
             with guards.state_lock, paused_gc(collect=False), adapter.capture_stream():
-                part = _record_partial(self, graphs, used, simulated)
+                part = _record_partial(self, graphs, used)
         except GraphOptError:
             raise
         except Exception as exc:  # noqa: BLE001 - the full graph serves that set, with a warning
@@ -401,12 +400,12 @@ class GraphedBlock(ModuleWatch):
         return self._eager(self.call, args, kwargs)
 
     def _graphs_available(self) -> bool:
-        return simulation_enabled() or self.adapter.graphs_supported()
+        return graphs_for(self.adapter).available()
 
     # -- capture -----------------------------------------------------------------------------------
     def _capture(self, state: KeyState, leaves, spec, args, kwargs, needs_grad: bool) -> Optional[StepGraphs]:
         bridge, adapter = self.bridge, self.adapter
-        simulated = simulation_enabled() or not adapter.graphs_supported()
+        recorder = graphs_for(adapter)
         if self.lent:  # a leaf still holding a lent buffer keeps a copy: the capture may reuse the memory
             self._reclaim()
         buffers = None
@@ -433,12 +432,12 @@ class GraphedBlock(ModuleWatch):
         grads_before = bridge.snapshot_grads(targets)
         rng = bridge.rng_state(self.module)
         start = time.perf_counter()
-        mem_before = None if simulated else adapter.memory_in_use()
+        mem_before = recorder.memory_in_use()
         try:
-            if self.pool is None and not simulated:
-                self.pool = adapter.new_pool()
+            if self.pool is None:
+                self.pool = recorder.new_pool()
             with guards.state_lock, paused_gc(collect=False), guards.capture_custom_allreduce(), adapter.capture_stream():
-                graphs = _capture_key(self, state.run, leaves, spec, needs_grad, simulated, rng, (args, kwargs))
+                graphs = _capture_key(self, recorder, state.run, leaves, spec, needs_grad, rng, (args, kwargs))
             advanced = held.advanced() if held is not None else None
             if advanced:
                 held.put_back_values()  # the eager call that answers instead sets them once
@@ -457,7 +456,7 @@ class GraphedBlock(ModuleWatch):
         finally:
             bridge.restore_grads(grads_before)
             if buffers is not None:
-                # The capture ran the forward (a private warmup, or the simulated capture): its in-place
+                # The capture ran the forward (a private warmup, or the stand-in's capture): its in-place
                 # updates of buffers (batch norm's running stats) are undone; the replay that follows
                 # makes this call's.
                 # Only those it changed: putting back the same values would still move their version
@@ -468,13 +467,10 @@ class GraphedBlock(ModuleWatch):
         if graphs is None:
             self.counters.warmups += 1
             return None
-        if simulated:
-            bridge.set_rng_state(rng)  # a simulated capture ran the block; the replay must draw as eager would
-        else:
-            adapter.synchronize()
-            after = adapter.memory_in_use()
-            if mem_before is not None and after is not None:
-                self.memory_bytes = (self.memory_bytes or 0) + max(0, after - mem_before)
+        recorder.after_capture(bridge, rng)
+        after = recorder.memory_in_use()
+        if mem_before is not None and after is not None:
+            self.memory_bytes = (self.memory_bytes or 0) + max(0, after - mem_before)
         if attrs_before is not None:  # what the capture's forward wrote is the forward's own
             self._note_writes(attrs_before)
             self._note_rebinding(bound_before)
@@ -522,8 +518,8 @@ class GraphedBlock(ModuleWatch):
         self.pool = None  # a pool whose graphs are all gone is not captured into again
         self.memory_bytes = None
         patches.release(self)
-        if self.adapter is not None and not simulation_enabled():
-            self.adapter.release_memory()
+        if self.adapter is not None:
+            graphs_for(self.adapter).release_memory()
 
     def stats(self) -> TrainingStats:
         c = self.counters

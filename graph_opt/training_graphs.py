@@ -1,5 +1,6 @@
 """One dispatch key of an autocudagraph block: its graphs and static tensors (StepGraphs), and how they
-are recorded: forward and backward on a device, or host stand-ins under simulated graphs.
+are recorded: the forward, then its backward, through the graphs a capture picked (contracts.Recorder:
+the device's, device_graphs.py, or the host stand-in's, host_graphs.py).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class StepGraphs:
     # would differ: 0 * inf is NaN (the gradient of a logged norm at zero).
     kept_outs: Optional[List[Any]] = None
     partial: Dict[Tuple[bool, ...], Optional["PartialBackward"]] = field(default_factory=dict)  # None: failed
+    recorder: Any = None  # the graphs that recorded them (contracts.Recorder): its partial backwards' too
 
     def release(self) -> None:
         for graph in (self.forward, self.backward, *(p.graph for p in self.partial.values() if p is not None)):
@@ -104,22 +106,15 @@ class PendingBackward:
         self.release()
 
 
-def _capture_key(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, simulated: bool,
-                 rng, template=None) -> StepGraphs:
-    """Record one key's graphs. On a device: one private warmup of forward and backward on the capture
-    stream (libraries allocate workspaces on first use, which a capture must not do), then the forward
-    graph, then the backward graph. Simulated: the same calls, kept as host closures."""
-    bridge = block.bridge
-    params = block.params
-    # On a device the capture reads the parameters through fresh aliases: autograd keeps one gradient
-    # accumulator per leaf, created on the stream of its first use, and one left from an eager step
-    # (alive while that step's loss is) would make the captured backward wait on the caller's stream.
-    real = not simulated and params
-    with bridge.parameters_for_capture(block.module, params) if real else contextlib.nullcontext(params) as p:
-        return _record(block, run, leaves, spec, needs_grad, simulated, rng, p, template)
+def _capture_key(block: GraphedBlock, recorder, run: Callable, leaves, spec, needs_grad: bool, rng,
+                 template=None) -> StepGraphs:
+    """Record one key's graphs with `recorder` (contracts.Recorder): its warmup of forward and backward
+    (a device's private one), then the forward graph, then the backward graph."""
+    with recorder.capturing_parameters(block.bridge, block.module, block.params) as p:
+        return _record(block, recorder, run, leaves, spec, needs_grad, rng, p, template)
 
 
-def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, simulated: bool, rng,
+def _record(block: GraphedBlock, recorder, run: Callable, leaves, spec, needs_grad: bool, rng,
             params, template) -> StepGraphs:
     bridge, adapter = block.bridge, block.adapter
     # One static copy per distinct tensor: code may test `query is key` (attention takes another path)
@@ -145,34 +140,21 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
     # (through .data, a kernel of an extension) shows in them after it
     with adapter.no_grad():
         values_before = snapshot(adapter, static_inputs)
-    written_values: set = set()
-    if not simulated:
-        mark = bridge.graph_mark() if needs_grad else None
-        outs = forward()
-        with adapter.no_grad():
-            written_values = changed(adapter, static_inputs, values_before)
-        if needs_grad:
-            diff = [o for o in flatten(outs, bridge.is_tensor)[0] if bridge.requires_grad(o)]
-            if diff:
-                # The backward the capture will record, tensors read from outside the block included
-                targets = grad_inputs + bridge.outside_tensors(diff, {id(t): t for t in grad_inputs}, mark)[0]
-                with bridge.leaf_hooks_off(targets):
-                    bridge.grad(diff, targets, [bridge.ones_like(o) for o in diff])
-        del outs
-        bridge.set_rng_state(rng)
-        adapter.synchronize()
 
+    def writes() -> set:  # of the forward's first run: the warmup's, or the capture's where it runs
+        with adapter.no_grad():
+            return changed(adapter, static_inputs, values_before)
+
+    written_values = recorder.warm_up_step(bridge, forward, needs_grad, grad_inputs, writes, rng)
     mark = bridge.graph_mark() if needs_grad else None
-    fwd = _SimulatedForward(bridge, forward) if simulated else adapter.new_graph(block.pool)
+    fwd = recorder.step_forward(bridge, forward, block.pool)
     versions = [adapter.version(t) for t in static_inputs]
     fwd.capture_begin()
     try:
         outs = forward()
     finally:
         fwd.capture_end()
-    if simulated:  # the capture's forward was the first run
-        with adapter.no_grad():
-            written_values = changed(adapter, static_inputs, values_before)
+    written_values |= recorder.captured_writes(writes)
     written = sorted({i for i, (t, v) in enumerate(zip(static_inputs, versions)) if adapter.version(t) != v}
                      | written_values)
     if written:
@@ -209,8 +191,7 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
                 "any such tensor). Pass it as an argument; this key runs eagerly")
         grad_inputs = grad_inputs + outside
     out_buffers = [bridge.detach(o) for o in out_leaves]
-    if simulated:
-        fwd.keep(out_buffers, differentiable)
+    recorder.keep(fwd, out_buffers, differentiable)
 
     bwd, grad_out_buffers, grad_buffers, reached_from, kept_outs, flows = None, [], [], None, None, []
     if needs_grad:
@@ -218,8 +199,7 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
         flows = [f and bridge.requires_grad(t) for t, f in zip(static_inputs, first)] + \
             [True] * (len(params) + len(outside))
         if diff_outs:
-            bwd = _SimulatedBackward(bridge, fwd, grad_inputs, grad_out_buffers) if simulated \
-                else adapter.new_graph(block.pool)
+            bwd = recorder.step_backward(bridge, fwd, grad_inputs, grad_out_buffers, block.pool)
             bwd.capture_begin()
             try:
                 # Captured retaining the forward's saved tensors: a backward that frees them as it goes lets
@@ -232,8 +212,7 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
                 grads = bridge.unshared(grads, grad_out_buffers + static_inputs)
             finally:
                 bwd.capture_end()
-            if simulated:
-                bwd.keep(grads)
+            recorder.keep(bwd, grads)
         else:
             grads = [None] * len(grad_inputs)
         it = iter(grads)
@@ -242,38 +221,34 @@ def _record(block: GraphedBlock, run: Callable, leaves, spec, needs_grad: bool, 
         if len(diff_outs) > 1:
             it = iter(bridge.reached_from(diff_outs, grad_inputs))
             reached_from = [next(it) if f else () for f in flows]
-            if not simulated:  # simulated: the latest replay's outputs (fwd.live) serve
-                kept_outs = diff_outs
+            kept_outs = recorder.kept_outputs(diff_outs)
     del outs, diff_outs
     nbytes = adapter.nbytes
     buffer_bytes = sum(nbytes(t) for t in static_inputs + out_buffers + grad_out_buffers) + \
         sum(nbytes(g) for g in grad_buffers if g is not None)
-    if not simulated:
-        # Outputs and gradients were allocated in the pool during capture. Holding them weakly lets the
-        # next key's capture reuse those blocks (calls never overlap: see backward_pending), so all keys
-        # together stay close to one key's memory. Inputs and grad_out buffers were allocated outside the
-        # pool and stay owned.
-        weak = adapter.weak_alias
-        out_buffers = [weak(t) for t in out_buffers]
-        grad_buffers = [None if g is None else weak(g) for g in grad_buffers]
+    # Outputs and gradients as the key holds them (weakly on a device: they are the pool's); inputs and
+    # grad_out buffers were allocated outside the pool and stay owned.
+    weak = recorder.weak_alias
+    out_buffers = [weak(t) for t in out_buffers]
+    grad_buffers = [None if g is None else weak(g) for g in grad_buffers]
     return StepGraphs(forward=fwd, backward=bwd, static_inputs=static_inputs, out_buffers=out_buffers,
                       out_spec=out_spec, out_template=out_template, differentiable=differentiable,
                       grad_out_buffers=grad_out_buffers,
                       grad_buffers=grad_buffers, buffer_bytes=buffer_bytes, outside=outside,
                       reached_from=reached_from, grad_inputs=grad_inputs if needs_grad else [], flows=flows,
-                      kept_outs=kept_outs)
+                      kept_outs=kept_outs, recorder=recorder)
 
 
-def _record_partial(block: GraphedBlock, graphs: StepGraphs, used, simulated: bool) -> "PartialBackward":
-    """The backward graph of the used outputs alone, recorded through the kept autograd graph of the
-    capture (simulated: of the latest replay; its dry run computes this backward's gradients) into
-    gradient buffers of its own."""
-    bridge = block.bridge
+def _record_partial(block: GraphedBlock, graphs: StepGraphs, used) -> "PartialBackward":
+    """The backward graph of the used outputs alone, recorded by the key's own recorder through the kept
+    autograd graph of the capture (the host stand-in: of the latest replay; its dry run computes this
+    backward's gradients) into gradient buffers of its own."""
+    bridge, recorder = block.bridge, graphs.recorder
     bridge.check_nested_grad()
-    outs = graphs.kept_outs if graphs.kept_outs is not None else graphs.forward.live
+    outs = recorder.partial_outputs(graphs)
     grad_outs = [b for b, u in zip(graphs.grad_out_buffers, used) if u]
-    bwd = _SimulatedBackward(bridge, graphs.forward, graphs.grad_inputs, graphs.grad_out_buffers, used) \
-        if simulated else block.adapter.new_graph(block.pool)
+    bwd = recorder.step_backward(bridge, graphs.forward, graphs.grad_inputs, graphs.grad_out_buffers, block.pool,
+                                 used)
     bwd.capture_begin()
     try:
         with bridge.leaf_hooks_off(graphs.grad_inputs):
@@ -282,85 +257,9 @@ def _record_partial(block: GraphedBlock, graphs: StepGraphs, used, simulated: bo
         grads = bridge.unshared(grads, graphs.grad_out_buffers + graphs.static_inputs)
     finally:
         bwd.capture_end()
-    if simulated:
-        bwd.keep(grads)
+    recorder.keep(bwd, grads)
     it = iter(grads)
     buffers = [next(it) if f else None for f in graphs.flows]
     buffers = [None if g is None else bridge.detach(g) for g in buffers]
-    if not simulated:
-        buffers = [None if g is None else block.adapter.weak_alias(g) for g in buffers]
+    buffers = [None if g is None else recorder.weak_alias(g) for g in buffers]
     return PartialBackward(bwd, buffers)
-
-
-# -- simulated graphs: the host stand-in for a forward and its backward ----------------------------
-class _SimulatedForward:
-    """replay() runs the forward again on the static inputs, with autograd on when the key needs it,
-    writes the output buffers in place and keeps the fresh outputs for the backward's replay."""
-
-    def __init__(self, bridge, run: Callable[[], Any]):
-        self.bridge = bridge
-        self.run = run
-        self.out_buffers: List[Any] = []
-        self.live: List[Any] = []  # the latest replay's differentiable outputs, with their autograd graph
-
-    def capture_begin(self) -> None:
-        pass
-
-    def capture_end(self) -> None:
-        pass
-
-    def keep(self, out_buffers, differentiable) -> None:
-        self.out_buffers = out_buffers
-        self.differentiable = differentiable
-
-    def replay(self) -> None:
-        fresh = flatten(self.run(), self.bridge.is_tensor)[0]
-        if len(fresh) != len(self.out_buffers):
-            raise RuntimeError(f"simulated replay produced {len(fresh)} tensors where the capture produced "
-                               f"{len(self.out_buffers)}")
-        copy_, same = self.bridge.copy_detached, self.bridge.same_memory
-        for dst, src in zip(self.out_buffers, fresh):
-            if not same(dst, src):  # an output that is (a view of) an input: a copy would bump its version
-                copy_(dst, src)
-        self.live = [o for o, d in zip(fresh, self.differentiable) if d]
-
-    def reset(self) -> None:
-        self.run, self.out_buffers, self.live = None, [], []
-
-
-class _SimulatedBackward:
-    """replay() takes autograd.grad of the forward's latest outputs into the static gradient buffers."""
-
-    def __init__(self, bridge, forward: _SimulatedForward, inputs, grad_out_buffers, used=None):
-        self.bridge = bridge
-        self.forward = forward
-        self.inputs = inputs
-        self.grad_out_buffers = grad_out_buffers
-        self.used = used  # the outputs it differentiates (None: all)
-        self.grad_buffers: List[Any] = []
-
-    def capture_begin(self) -> None:
-        pass
-
-    def capture_end(self) -> None:
-        pass
-
-    def keep(self, grads) -> None:
-        self.grad_buffers = grads
-
-    def replay(self) -> None:
-        self.bridge.check_nested_grad()
-        outs, grad_outs = self.forward.live, self.grad_out_buffers
-        if self.used is not None:
-            outs = [o for o, u in zip(outs, self.used) if u]
-            grad_outs = [b for b, u in zip(grad_outs, self.used) if u]
-        with self.bridge.leaf_hooks_off(self.inputs):
-            fresh = self.bridge.grad(outs, self.inputs, grad_outs, retain_graph=True)
-        copy_ = self.bridge.copy_detached
-        for dst, src in zip(self.grad_buffers, fresh):
-            if dst is not None:
-                copy_(dst, src)
-
-    def reset(self) -> None:
-        self.forward = None
-        self.inputs = self.grad_out_buffers = self.grad_buffers = []

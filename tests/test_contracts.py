@@ -1,6 +1,7 @@
 """graph_opt/contracts.py is what the core needs from a framework: every member the core calls on an
-adapter, an autograd bridge or a strategy is declared there, and every backend has every member
-declared. A member used but not declared, or declared but missing from a backend, fails here."""
+adapter, an autograd bridge, a strategy or a graph recorder is declared there, and every backend (and
+both recorders, the device's and the host stand-in's) has every member declared. A member used but not
+declared, or declared but missing from an implementation, fails here."""
 import ast
 import importlib
 import importlib.util
@@ -16,7 +17,8 @@ CORE = sorted((ROOT / "graph_opt").glob("*.py"))
 # The names the core gives the three seams' objects (local variables and attributes)
 SEAMS = {"adapter": contracts.Adapter, "_adapter": contracts.Adapter,
          "bridge": contracts.AutogradBridge, "_bridge": contracts.AutogradBridge,
-         "strategy": contracts.StaticStrategy, "_strategy": contracts.StaticStrategy}
+         "strategy": contracts.StaticStrategy, "_strategy": contracts.StaticStrategy,
+         "recorder": contracts.Recorder}
 
 
 def declared(protocol) -> set:
@@ -43,8 +45,8 @@ def used_by_core() -> dict:
     return found
 
 
-@pytest.mark.parametrize("protocol", [contracts.Adapter, contracts.AutogradBridge, contracts.StaticStrategy],
-                         ids=lambda p: p.__name__)
+@pytest.mark.parametrize("protocol", [contracts.Adapter, contracts.AutogradBridge, contracts.StaticStrategy,
+                                      contracts.Recorder], ids=lambda p: p.__name__)
 def test_every_member_the_core_calls_is_declared(protocol):
     used = used_by_core().get(protocol, {})
     assert used, f"the scan found no use of {protocol.__name__}: the seam names changed"
@@ -62,6 +64,19 @@ def test_the_traits_are_data_the_core_reads_not_probes():
                 if target.split(".")[-1] in SEAMS and SEAMS[target.split(".")[-1]] is contracts.StaticStrategy:
                     probes.append(f"{path.name}: {ast.unparse(node)}")
     assert not probes, probes
+
+
+@pytest.mark.parametrize("recorder", ["device_graphs:DeviceGraphs", "host_graphs:HostGraphs"])
+def test_both_recorders_have_every_declared_member_with_its_parameters(recorder):
+    """The device's graphs and the host stand-in's are called alike: same members, same parameters."""
+    module, name = recorder.split(":")
+    cls = importlib.import_module(f"graph_opt.{module}").__dict__[name]
+    missing = sorted(declared(contracts.Recorder) - _members(cls))
+    assert not missing, f"{name} lacks {missing}"
+    differ = [m for m in declared(contracts.Recorder)
+              if list(inspect.signature(getattr(cls, m)).parameters)[1:]
+              != list(inspect.signature(getattr(contracts.Recorder, m)).parameters)[1:]]
+    assert not differ, f"{name}: parameters differ from contracts.Recorder's in {differ}"
 
 
 def _members(obj) -> set:

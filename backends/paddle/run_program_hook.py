@@ -1,16 +1,16 @@
 """The run_impl hook on Paddle's run_program (ProgramHook): sets cuda_graph_state and
 cuda_graph_dispatch_key on every call, records the subgraphs a capture runs (SizeRecord), and
-replays them in order; under simulate_cuda_graphs() a host stand-in graph captures each one.
+replays them in order. The capture's recorder (contracts.Recorder) records each: on a device, the
+run_program op itself, told to; the host stand-in, as a graph that runs the program again.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from paddle.jit.dy2static.utils import CUDAGraphState
 
 from ...errors import ReplayDivergence
-from ...testing import HostGraph
 
 
 @dataclass
@@ -20,7 +20,8 @@ class SubgraphRecord:
     layer: Any  # the PartialProgramLayer
     inputs: List[Any]  # the tensors the graph reads; replays copy new inputs into them
     outputs: List[Any]  # the tensors the graph writes; replays return these very objects
-    graph: Optional[HostGraph] = None  # the host stand-in, when simulating
+    replay: Callable[[Callable[[], Any]], None]  # given the op's call with the replay state
+    graph: Any = None  # a graph to keep alive and reset (the host stand-in's), or None
 
 
 @dataclass
@@ -40,21 +41,22 @@ class ProgramHook:
         self.on_new_program = on_new_program
         self.state = CUDAGraphState.DISABLE
         self.record: Optional[SizeRecord] = None
-        self.simulate = False
+        self.recorder: Any = None  # capture: the graphs that record the subgraphs (contracts.Recorder)
         self.call_index = 0
         self.off_record = False  # this replay ran a program the recording does not have at its place
         self.seen_layers: Dict[int, Any] = {}
 
-    def begin(self, state, record: Optional[SizeRecord], simulate: bool = False) -> None:
+    def begin(self, state, record: Optional[SizeRecord], recorder: Any = None) -> None:
         self.state = state
         self.record = record
-        self.simulate = simulate
+        self.recorder = recorder
         self.call_index = 0
         self.off_record = False
 
     def end(self) -> None:
         self.state = CUDAGraphState.DISABLE
         self.record = None
+        self.recorder = None
 
     def _first_sight(self, layer) -> None:
         # Passes rewrite the program before run_program builds an executor for it: after that the
@@ -95,25 +97,19 @@ class ProgramHook:
                         raise ReplayDivergence(f"run_program call #{index}: input shape {src.shape} "
                                                f"differs from the captured {dst.shape}")
                     copy_(dst, src)
-            if sub.graph is not None:
-                sub.graph.replay()
-            else:
-                run_impl(sub.inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, record.key, index)))
+            sub.replay(lambda: run_impl(sub.inputs, params,
+                                        (prog_attrs, _cg_attrs(cg_attrs, state, record.key, index))))
             return sub.outputs
         if state == CUDAGraphState.WARMUP:
             key = record.key if record is not None else 0
             return run_impl(inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, key, index)))
         # CAPTURE
         captured_inputs = list(inputs)
-        if self.simulate:
-            disabled = (prog_attrs, _cg_attrs(cg_attrs, CUDAGraphState.DISABLE, 0, 0))
-            outputs = run_impl(captured_inputs, params, disabled)
-            out_leaves = list(outputs)
-            graph = HostGraph(self.adapter, lambda: run_impl(captured_inputs, params, disabled), out_leaves)
-            record.subgraphs.append(SubgraphRecord(layer, captured_inputs, outputs, graph))
-            return outputs
-        outputs = run_impl(captured_inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, record.key, index)))
-        record.subgraphs.append(SubgraphRecord(layer, captured_inputs, outputs))
+        disabled = (prog_attrs, _cg_attrs(cg_attrs, CUDAGraphState.DISABLE, 0, 0))
+        outputs, replay, graph = self.recorder.op_recorded(
+            lambda: run_impl(captured_inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, record.key, index))),
+            lambda: run_impl(captured_inputs, params, disabled))
+        record.subgraphs.append(SubgraphRecord(layer, captured_inputs, outputs, replay, graph))
         return outputs
 
 

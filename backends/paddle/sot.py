@@ -6,7 +6,8 @@ How one padded size goes:
   bakes the capture branch. Every run_program call gets cuda_graph_state=WARMUP.
 - capture: the same, with CAPTURE. Each run_program call (one per SOT subgraph) is captured by
   Paddle's run_program op (GPU builds; FLAGS_cuda_graph_blacklist splits it into pieces there) or,
-  under simulate_cuda_graphs(), by a host stand-in. The frames SOT hands back are recorded in order.
+  under simulate_cuda_graphs(), by a host stand-in: the capture's recorder (contracts.Recorder) says
+  which. The frames SOT hands back are recorded in order.
 - replay: the recorded frames are replayed through our own eval-frame callback, which checks each
   frame against the recording instead of evaluating SOT's guards. This is the point of the design:
   SOT guards the globals it read while translating, so flipping is_capturing() back to false would
@@ -46,8 +47,8 @@ from ...errors import CaptureError, GraphOptError, GuardFailed, ReplayDivergence
 from ...failures import describe
 from ...fallbacks import Fallback, Reason
 from ...guards import as_captured
+from ...host_graphs import graphs_for
 from ...pytree import flatten
-from ...testing import simulation_enabled
 from .run_program_hook import ProgramHook, SizeRecord
 from .sot_guards import _argument_key, _failed_guard, _FrameView, _guard_of
 from .sot_scope import _Scope
@@ -187,9 +188,8 @@ class SotStrategy:
     def capture(self, args, kwargs, padded, sig, pool) -> Captured:
         record = SizeRecord(sig.key(padded))
         self._mark_dynamic(args, kwargs, sig)
-        simulate = simulation_enabled()
         outputs = self._translating_call(args, kwargs, CUDAGraphState.CAPTURE, record, frames=record.frames,
-                                         simulate=simulate)
+                                         recorder=graphs_for(self.adapter))
         if not record.subgraphs:
             raise CaptureError(
                 "SOT produced no static subgraph for the forward, so there is nothing to capture (it runs "
@@ -235,7 +235,7 @@ class SotStrategy:
             if hasattr(leaf, DYNAMIC_DIMS_ATTR_NAME):
                 delattr(leaf, DYNAMIC_DIMS_ATTR_NAME)
 
-    def _translating_call(self, args, kwargs, state, record, frames, simulate=False):
+    def _translating_call(self, args, kwargs, state, record, frames, recorder=None):
         sot_kwargs = self.sot_kwargs
         guarded = self.config.guarded_replays
 
@@ -248,7 +248,7 @@ class SotStrategy:
             return custom
 
         before = translate_count()
-        self.hook.begin(state, record, simulate)
+        self.hook.begin(state, record, recorder)
         try:
             with _Scope(self.hook, self.split_names, min_graph_size=True), self._blacklist_scope(), \
                     _host_reads_noted(self.value_branches), \
@@ -273,7 +273,6 @@ class SotStrategy:
         forward_fn, model = self.forward_fn, self.model
         set_eval_frame = paddle.framework.core.set_eval_frame
         replay_state = CUDAGraphState.REPLAY
-        simulate = any(sub.graph is not None for sub in record.subgraphs)
         hook_calls = [0]
         expected_calls = len(record.subgraphs)
         scope = _Scope(hook, self.split_names, min_graph_size=False)
@@ -305,7 +304,7 @@ class SotStrategy:
 
         def replay():
             position[0] = 0
-            hook.begin(replay_state, record, simulate)
+            hook.begin(replay_state, record)
             try:
                 with scope:
                     old = set_eval_frame(callback)

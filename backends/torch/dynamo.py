@@ -47,9 +47,9 @@ from ...captured_size import Captured
 from ...contracts import StrategyTraits
 from ...errors import CaptureError
 from ...fallbacks import Fallback, Reason
+from ...host_graphs import graphs_for
 from ...pytree import flatten
 from ...signature import as_made, forward_params
-from ...testing import simulation_enabled
 from . import fx_split
 from .host_constants import fold_host_constants
 from .direct_replay import _ModuleTensors, _tensors_only, constant_stores, pure_replay_code, replay_stores, stores_names
@@ -166,7 +166,7 @@ class DynamoStrategy:
         args, kwargs = as_made(self.params, args, kwargs)
         larger = sig.largest_above(padded)  # its owned outputs take ours (output_sharing)
         share_key = None if larger is None else sig.key(larger)
-        outputs, ran = self._graph_path(Mode.CAPTURE, key, args, kwargs, pool, simulation_enabled(),
+        outputs, ran = self._graph_path(Mode.CAPTURE, key, args, kwargs, pool, graphs_for(self.adapter),
                                         share_key, padded)
         if not ran:
             raise CaptureError("Dynamo produced no FX graph for the forward, so there is nothing to capture")
@@ -180,7 +180,7 @@ class DynamoStrategy:
         direct = types.FunctionType(code, graph_fn.__globals__, graph_fn.__name__, graph_fn.__defaults__,
                                     graph_fn.__closure__)
         direct.__kwdefaults__ = graph_fn.__kwdefaults__
-        forward.finish(key)  # simulated graphs too: host tensors are their own aliases, the bookkeeping is the same
+        forward.finish(key)  # the stand-in's too: host tensors are their own aliases, the bookkeeping is the same
         graphs = sum(1 for p in forward.pieces if key in p.entries)
         captured_ids = forward.output_ids(key)
         out_leaves, _ = flatten(outputs, self.adapter.is_tensor)
@@ -247,11 +247,11 @@ class DynamoStrategy:
         self._filtered = False
         self._compiled = torch.compile(self._graph_fn, backend=_WeakBackend(self), fullgraph=True, dynamic=None)
 
-    def _graph_path(self, mode: Mode, key, args, kwargs, pool=None, simulate=False, share_key=None, padded=0):
+    def _graph_path(self, mode: Mode, key, args, kwargs, pool=None, recorder=None, share_key=None, padded=0):
         self._ensure_graph_path()
         state = self.state
         before = graphs_compiled()
-        state.begin(mode, key, pool, simulate, share_key, padded)
+        state.begin(mode, key, pool, recorder, share_key, padded)
         try:
             with split.active_hook(self._trace_hook):
                 try:

@@ -16,7 +16,6 @@ Memory at piece boundaries, which would otherwise grow with every captured size:
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import operator
@@ -31,7 +30,6 @@ from ...errors import CaptureError, ReplayDivergence
 from ...output_sharing import SharedOutputs
 from ...pytree import flatten, unflatten
 from ...static_address import same_memory
-from ...testing import HostGraph
 
 
 class Mode(enum.Enum):
@@ -48,7 +46,7 @@ class GraphState:
     mode: Mode = Mode.EAGER
     key: Any = None  # the padded size (and call signature) being warmed, captured or replayed
     pool: Any = None
-    simulate: bool = False
+    recorder: Any = None  # capture: the graphs that record the pieces (contracts.Recorder)
     forwards_run: List[Any] = field(default_factory=list)  # CompiledForwards entered while capturing
     share_key: Any = None  # capture: a larger size whose owned outputs this size's outputs go into
     padded: int = 0
@@ -61,9 +59,9 @@ class GraphState:
     plannable: bool = True  # no eager piece reads another's result, and none returns a non-tensor
     adapter: Any = None  # the framework adapter: where a tensor's bytes are, whether two read the same
 
-    def begin(self, mode: Mode, key: Any = None, pool: Any = None, simulate: bool = False,
+    def begin(self, mode: Mode, key: Any = None, pool: Any = None, recorder: Any = None,
               share_key: Any = None, padded: int = 0) -> None:
-        self.mode, self.key, self.pool, self.simulate = mode, key, pool, simulate
+        self.mode, self.key, self.pool, self.recorder = mode, key, pool, recorder
         self.share_key, self.padded = share_key, padded
         self.forwards_run.clear()
         self.aliases.clear()
@@ -73,7 +71,7 @@ class GraphState:
         self.plannable = True
 
     def end(self) -> None:
-        self.mode, self.key, self.pool, self.share_key = Mode.EAGER, None, None, None
+        self.mode, self.key, self.pool, self.share_key, self.recorder = Mode.EAGER, None, None, None, None
         self.aliases.clear()
 
     def alias(self, t, adapter):
@@ -103,7 +101,7 @@ class GraphState:
 class PieceGraph:
     """One capturable piece captured at one padded size."""
 
-    graph: Any  # a TorchGraph, or a HostGraph when simulating
+    graph: Any  # a TorchGraph, or the host stand-in's HostGraph
     inputs: List[Any]  # the objects the piece got at capture; the graph reads the tensors among them
     tensor_slots: List[int]  # positions of the tensors in inputs
     outputs: Any  # the piece's outputs at capture; replay writes these very tensors
@@ -225,29 +223,8 @@ class CapturablePiece:
                 inputs[i] = view
         share = self._sharing()
         versions = {i: inputs[i]._version for i in slots}
-        if state.simulate:
-            outputs = self.fn(*inputs)
-            if share is not None:
-                outputs = share.redirect(outputs)  # the stand-in copies each replay's values there
-                share.mark_written(outputs)
-            fn = self.fn
-            graph = HostGraph(self.adapter, lambda: fn(*inputs), flatten(outputs, self.adapter.is_tensor)[0])
-        else:
-            graph = self.adapter.new_graph(state.pool)
-            graph.capture_begin()
-            try:
-                outputs = self.fn(*inputs)
-                if share is not None:
-                    kept = share.redirect(outputs)
-                    share.copy(outputs, kept)
-                    outputs = kept  # this size's own output blocks are free once the capture ends
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    graph.capture_end()
-                with contextlib.suppress(Exception):
-                    graph.reset()
-                raise
-            graph.capture_end()
+        fn = self.fn
+        outputs, graph = state.recorder.record_outputs(lambda: fn(*inputs), state.pool, share)
         # Held through aliases from here on (module doc); the split module goes on with the tensors.
         held = [state.known_alias(a) if i in slots else a for i, a in enumerate(inputs)]
         leaves, spec = flatten(outputs, _is_tensor)
