@@ -9,7 +9,7 @@ import torch
 import graph_opt
 from graph_opt.backends.torch.direct_replay import pure_replay_code, replay_stores
 from graph_opt.decorator import state_of
-from torch_models import SIZES, HIDDEN, Stack, make_x, mix
+from torch_zoo.small import SIZES, HIDDEN, Stack, make_x, mix
 
 # Level 2 here only where Inductor changes what is checked; tests/gpu runs every level (tests/conftest.py)
 _INDUCTOR_ON_CPU = {"test_a_pure_forward_replays_without_the_transformed_code"}
