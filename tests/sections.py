@@ -1,5 +1,6 @@
 """The tests of another module, for a module that runs them again under its own fixtures: tests/gpu runs
-the sections of tests/both (and torch's own) on a CUDA device.
+the sections of tests/both (and torch's own) on a CUDA device; the scenarios of tests/multirank_kit.py and
+tests/models/hf_models_kit.py run on CPU and on GPUs.
 
     globals().update(shared_tests("test_host_outputs"))
 
