@@ -1,9 +1,10 @@
-"""Shared fixtures.
+"""Shared fixtures, and `fw`: the framework a test of tests/both runs on.
 
 The framework test folders are named paddle_tests/ and torch_tests/, not paddle/ and torch/: pytest puts
 tests/ on sys.path for this conftest, and a folder named like a framework would then import as that
 framework (a namespace package) on a machine that lacks it, instead of the tests skipping.
 """
+import importlib
 import logging
 import os
 
@@ -38,13 +39,59 @@ def graph_opt_warnings(caplog):
     return collect
 
 
+# What tests/both runs each test on, and the graph_opt levels each framework has (Paddle's CPU build has no
+# compiler: its level 2 would be level 1 again). A module may name its own (tests/gpu runs "torch" alone).
+FRAMEWORKS = ("torch", "paddle")
+LEVELS = {"torch": (0, 1, 2), "paddle": (0, 1)}
+
+
+@pytest.fixture
+def fw(request):
+    """The framework's model zoo (tests/torch_zoo, tests/paddle_zoo): its models and the shims tests/both
+    takes; the test skips where the framework is not installed."""
+    pytest.importorskip(request.param)
+    zoo = importlib.import_module(f"{request.param}_zoo")
+    zoo.reset()
+    return zoo
+
+
+def pytest_generate_tests(metafunc):
+    """A test that takes `fw` (itself or through a fixture) runs once per framework; one that also takes
+    `level` runs at each of that framework's levels, level 2 marked `inductor`. `@pytest.mark.per_framework
+    (name, {framework: values})` parametrizes another argument per framework the same way."""
+    if "fw" not in metafunc.fixturenames:
+        return
+    names = getattr(metafunc.module, "FRAMEWORKS", FRAMEWORKS)
+    explicit = {a.strip() for m in metafunc.definition.iter_markers("parametrize")
+                for a in (m.args[0].split(",") if isinstance(m.args[0], str) else m.args[0])}
+    per = {m.args[0]: m.args[1] for m in metafunc.definition.iter_markers("per_framework")}
+    if "level" in metafunc.fixturenames and "level" not in explicit:
+        per.setdefault("level", LEVELS)
+    if not per:
+        metafunc.parametrize("fw", names, indirect=True)
+        return
+    (arg, values), = per.items()  # one per-framework argument is all a test here needs
+    cases = [pytest.param(name, v, id=f"{name}-{arg}{v}" if arg == "level" else f"{name}-{v}",
+                          marks=[pytest.mark.inductor] if arg == "level" and v == 2 else [])
+             for name in names for v in values[name]]
+    metafunc.parametrize(("fw", arg), cases, indirect=["fw"])
+
+
+@pytest.fixture
+def logs(caplog):
+    """caplog, recording graph_opt's warnings."""
+    caplog.set_level(logging.WARNING, logger="graph_opt")
+    return caplog
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "inductor: compiles with Inductor on CPU (C++ codegen; seconds per graph)")
+    config.addinivalue_line("markers", "per_framework(name, values): parametrize `name` per framework (tests/conftest.py)")
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Heaviest files first (a module's _CI_SECONDS; private, so a file that imports another's tests with
-    `import *` does not take it), the rest in collection order: test.sh's two workers take whole files in
+    """Heaviest files first (a module's _CI_SECONDS; a file that takes another's tests with
+    sections.shared_tests does not take it), the rest in collection order: test.sh's two workers take whole files in
     this order (--dist loadfile --no-loadscope-reorder), and a heavy file started last would leave one
     worker running it alone."""
     def weight(item):

@@ -97,8 +97,9 @@ class PaddleFW(_Framework):
         return self.paddle.no_grad()
 
 
-@pytest.fixture(params=FRAMEWORKS)
+@pytest.fixture
 def fw(request):
+    """In place of tests/conftest.py's zoo, this module's own framework calls; parametrized as there."""
     return TorchFW() if request.param == "torch" else PaddleFW()
 
 

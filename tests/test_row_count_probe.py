@@ -12,12 +12,20 @@ _CI_SECONDS = 42  # what this file costs on the 2-core CI host: heavier files ru
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 FILES = [
-    "torch_tests/test_torch_replay_safety.py",
+    "both/test_replay_module_changes.py",
+    "both/test_replay_arguments_and_outputs.py",
+    "both/test_replay_input_writes.py",
+    "both/test_replay_forward_state.py",
+    "both/test_replay_padding_rows.py",
+    "both/test_replay_marked_arguments.py",
+    "both/test_host_outputs.py",
+    "torch_tests/test_torch_replay_ambient_modes.py",
+    "torch_tests/test_torch_replay_module_changes.py",
+    "torch_tests/test_torch_replay_arguments.py",
+    "torch_tests/test_torch_replay_writes_and_state.py",
     "torch_tests/test_torch_lifecycle.py",
     "torch_tests/test_torch_host_constants.py",
-    "torch_tests/test_torch_host_outputs.py",
     "paddle_tests/test_replay_safety.py",
-    "paddle_tests/test_host_outputs.py",
     "paddle_tests/test_sot_failures.py",
 ]
 

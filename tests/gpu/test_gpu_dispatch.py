@@ -1,18 +1,23 @@
-"""cudagraph_mode full_and_piecewise on real CUDA graphs: tests/dispatch_kit.py with the torch demo on the
-GPU (one pool for both kinds, checked on real pool handles). Skipped without a CUDA device."""
+"""cudagraph_mode full_and_piecewise on real CUDA graphs: tests/both/test_dispatch_modes.py with the torch
+demo on the GPU (one pool for both kinds, checked on real pool handles). Skipped without a CUDA device."""
+import contextlib
+import types
+
 import pytest
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from dispatch_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
-from dispatch_kit import Shim  # noqa: E402
 from graph_opt.benchmarks import torch_demo  # noqa: E402
+from sections import shared_tests  # noqa: E402
+from test_dispatch_modes import HIDDEN, LAYERS, SIZES  # noqa: E402
+
+globals().update(shared_tests("test_dispatch_modes"))
 
 
 @pytest.fixture
-def H():
-    yield Shim(torch_demo, simulate=False)
+def D():
+    yield types.SimpleNamespace(demo=torch_demo, simulated=contextlib.nullcontext)
     torch.cuda.synchronize()
 
 

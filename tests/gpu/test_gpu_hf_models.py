@@ -12,7 +12,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
-from hf_models_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
+from sections import shared_tests  # noqa: E402
+
+globals().update(shared_tests("hf_models_kit"))
 
 
 @pytest.fixture

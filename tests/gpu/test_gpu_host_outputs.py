@@ -1,21 +1,18 @@
-"""Async host outputs on real CUDA graphs and streams: tests/host_outputs_kit.py with the torch shim on
-the GPU, and a copy made slow on the device itself. Skipped without a CUDA device."""
-import sys
-from pathlib import Path
-
+"""Async host outputs on real CUDA graphs and streams: tests/both/test_host_outputs.py with the torch shim
+on the GPU, and a copy made slow on the device itself. Skipped without a CUDA device."""
 import pytest
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch_tests"))
-
 import numpy as np  # noqa: E402
 
 import graph_opt  # noqa: E402
 from graph_opt.backends.torch.adapter import ADAPTER  # noqa: E402
-from host_outputs_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
-from test_torch_host_outputs import TorchHostShim  # noqa: E402
+from sections import shared_tests  # noqa: E402
+from torch_zoo.host_outputs import TorchHostShim  # noqa: E402
+
+globals().update(shared_tests("test_host_outputs"))
 
 
 @pytest.fixture

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.skipif(
     reason="needs two CUDA devices and torch.distributed")
 
 import multirank_kit as kit  # noqa: E402
-from multirank_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
+from sections import shared_tests  # noqa: E402
+
+globals().update(shared_tests("multirank_kit"))
 
 DEADLINE_S = 420
 

@@ -1,5 +1,6 @@
-"""Inference replays never silently wrong, on real CUDA graphs: tests/replay_safety_kit.py and the
-torch-only cases with the torch shim on the GPU. Skipped without a CUDA device."""
+"""Inference replays never silently wrong, on real CUDA graphs: the cases both frameworks share
+(tests/both/test_replay_*.py) and torch's own (tests/torch_tests/test_torch_replay_*.py) with the torch shim
+on the GPU. Skipped without a CUDA device."""
 import sys
 from pathlib import Path
 
@@ -10,14 +11,36 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch_tests"))
 
-from test_torch_replay_safety import *  # noqa: E402,F401,F403  the shared and torch-only tests
-from torch_replay_shim import TorchF  # noqa: E402
+import torch_zoo  # noqa: E402
+from sections import shared_tests  # noqa: E402
+
+globals().update(shared_tests(
+    "test_replay_module_changes", "test_replay_arguments_and_outputs", "test_replay_input_writes",
+    "test_replay_forward_state", "test_replay_padding_rows", "test_replay_marked_arguments",
+    "test_torch_replay_ambient_modes", "test_torch_replay_module_changes", "test_torch_replay_arguments",
+    "test_torch_replay_writes_and_state"))
+FRAMEWORKS = ("torch",)  # tests/conftest.py: each test at every level of torch's
 
 
 @pytest.fixture
-def F():
-    yield TorchF("cuda")
+def fw(request):
+    return torch_zoo
+
+
+@pytest.fixture
+def F(fw):
+    yield fw.replay_shim("cuda")
     torch.cuda.synchronize()
+
+
+@pytest.fixture
+def M(F):
+    return F.models()
+
+
+@pytest.fixture(params=[True, False], ids=["graphs", "no-graphs"])
+def graphs(request):
+    return request.param
 
 
 # -- what only a device shows ------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""graph_opt.autocudagraph on real CUDA graphs: tests/training_kit.py's specification with the torch
-shim on the GPU, and what only a device shows (memory of one pool across keys, masks of a seeded
+"""graph_opt.autocudagraph on real CUDA graphs: tests/both/test_training_spec.py with the torch shim on
+the GPU, and what only a device shows (memory of one pool across keys, masks of a seeded
 dropout, the autocast cache). Skipped without a CUDA device."""
 import sys
 from pathlib import Path
@@ -9,12 +9,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch_tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch_tests"))  # torch's own cases, below
 
 import graph_opt  # noqa: E402
-from training_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
-from torch_training_shim import Block, TorchShim  # noqa: E402
-from test_torch_training import (  # noqa: E402,F401  the module's state besides its parameters, on real graphs
+from sections import shared_tests  # noqa: E402
+from torch_zoo.training import Block, TorchShim  # noqa: E402
+from test_torch_training_module_state import (  # noqa: E402,F401  the module's state, on real graphs
     test_a_generator_of_the_module_s_own_draws_as_in_eager,
     test_hooks_of_parameters_that_get_no_gradient_run_as_in_eager,
     test_hooks_stay_as_in_eager_upstream_after_a_raising_backward_and_for_multi_grad_hooks,
@@ -28,6 +28,8 @@ from test_torch_training import (  # noqa: E402,F401  the module's state besides
     test_a_hook_on_a_submodule_registered_or_removed_after_capture_is_captured_again,
 )
 
+globals().update(shared_tests("test_training_spec"))
+
 
 @pytest.fixture
 def device():
@@ -35,7 +37,7 @@ def device():
 
 
 @pytest.fixture
-def F():
+def T():
     shim = TorchShim("cuda")
     shim.hidden = 64
     yield shim

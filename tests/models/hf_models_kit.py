@@ -3,7 +3,7 @@ graphs (tests/models/test_hf_models.py) and on a CUDA device (tests/gpu/test_gpu
 
 Each model is built from a small config with random weights (nothing is downloaded) inside a thin user
 module; the eager reference is the undecorated wrapper class with the same weights. A test module
-imports these tests and defines the fixture `env`: its device, `env.graphs()`, where captures run, and
+takes these tests (sections.shared_tests) and defines the fixture `env`: its device, `env.graphs()`, where captures run, and
 `env.tolerance`: 0 where replays are bitwise eager's (CPU), else the largest difference allowed (on a
 GPU, replays of Llama, Qwen2 and BERT with SDPA attention differ from eager in the last bits: up to
 1.1e-7 in float32 measured on an H200; GPT-2 bitwise).

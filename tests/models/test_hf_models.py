@@ -7,7 +7,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import graph_opt  # noqa: E402
-from hf_models_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
+from sections import shared_tests  # noqa: E402
+
+globals().update(shared_tests("hf_models_kit"))
 
 _CI_SECONDS = 60  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 # Level 2 on one model here (Inductor compiles each model for seconds); tests/gpu runs all (tests/conftest.py)

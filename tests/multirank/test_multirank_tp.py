@@ -11,7 +11,9 @@ if not torch.distributed.is_available():
     pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
 
 import multirank_kit as kit  # noqa: E402
-from multirank_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
+from sections import shared_tests  # noqa: E402
+
+globals().update(shared_tests("multirank_kit"))
 
 _CI_SECONDS = 25  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 

@@ -5,7 +5,7 @@ paddle = pytest.importorskip("paddle")
 
 import graph_opt  # noqa: E402
 from graph_opt.backends.paddle.sot import translate_count  # noqa: E402
-from paddle_models import HIDDEN, SIZES, capture, config, decoder, inputs, max_diff, same  # noqa: E402
+from paddle_zoo.small import HIDDEN, SIZES, capture, config, decoder, inputs, max_diff, same  # noqa: E402
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 

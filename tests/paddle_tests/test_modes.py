@@ -5,7 +5,7 @@ paddle = pytest.importorskip("paddle")
 
 import graph_opt  # noqa: E402
 from graph_opt.backends.paddle.sot import translate_count  # noqa: E402
-from paddle_models import SIZES, capture, config, decoder, inputs, max_diff, same  # noqa: E402
+from paddle_zoo.small import SIZES, capture, config, decoder, inputs, max_diff, same  # noqa: E402
 
 # float32; a padded batch may take another kernel than the unpadded eager run
 ROW_TOLERANCE = 1e-5

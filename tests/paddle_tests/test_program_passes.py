@@ -5,7 +5,7 @@ import pytest
 paddle = pytest.importorskip("paddle")
 
 import graph_opt  # noqa: E402
-from paddle_models import max_diff  # noqa: E402
+from paddle_zoo.small import max_diff  # noqa: E402
 
 
 @paddle.jit.marker.capture_control_flow

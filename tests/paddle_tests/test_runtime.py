@@ -11,7 +11,7 @@ paddle = pytest.importorskip("paddle")
 import graph_opt  # noqa: E402
 from graph_opt import guards, split  # noqa: E402
 from graph_opt.backends.paddle.sot import translate_count  # noqa: E402
-from paddle_models import SIZES, capture, config, decoder, inputs, max_diff, same  # noqa: E402
+from paddle_zoo.small import SIZES, capture, config, decoder, inputs, max_diff, same  # noqa: E402
 
 ROW_TOLERANCE = 1e-5
 

@@ -11,7 +11,7 @@ import pytest
 paddle = pytest.importorskip("paddle")
 
 import graph_opt  # noqa: E402
-from paddle_models import SIZES, config, inputs, same  # noqa: E402
+from paddle_zoo.small import SIZES, config, inputs, same  # noqa: E402
 
 
 class FakeCommunicator:

@@ -1,11 +1,6 @@
-import os
-import sys
-
 import pytest
 
 pytest.importorskip("torch")
-
-sys.path.insert(0, os.path.dirname(__file__))  # torch_models
 
 
 @pytest.fixture(autouse=True)
@@ -16,3 +11,20 @@ def _reset_dynamo():
     torch._dynamo.reset()
     yield
 
+
+# -- the replay-safety cases of torch's own (test_torch_replay_*.py); tests/gpu gives them on a device ------
+@pytest.fixture
+def F():
+    from torch_zoo.replay_ops import TorchF
+
+    return TorchF("cpu")
+
+
+@pytest.fixture
+def M(F):
+    return F.models()
+
+
+@pytest.fixture(params=[0, 1, pytest.param(2, marks=pytest.mark.inductor)], ids=lambda v: f"level{v}")
+def level(request):
+    return request.param

@@ -9,7 +9,7 @@ import torch
 import graph_opt
 from graph_opt.backends.torch.host_constants import fold_host_constants
 from graph_opt.decorator import state_of
-from torch_models import padded
+from torch_zoo.small import padded
 
 _FACTORIES = (torch.tensor, torch.as_tensor)
 

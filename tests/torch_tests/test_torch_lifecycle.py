@@ -10,7 +10,7 @@ import graph_opt
 from graph_opt.backends.torch import pieces
 from graph_opt.backends.torch.dynamo import graphs_compiled
 from graph_opt.decorator import state_of
-from torch_models import SIZES, HostMeta, Stack, make_lens, make_x, padded
+from torch_zoo.small import SIZES, HostMeta, Stack, make_lens, make_x, padded
 
 _CI_SECONDS = 4  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 

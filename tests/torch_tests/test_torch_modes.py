@@ -11,7 +11,7 @@ import torch
 import graph_opt
 from graph_opt.backends.torch.dynamo import graphs_compiled
 from graph_opt.decorator import state_of
-from torch_models import SIZES, Stack, make_x
+from torch_zoo.small import SIZES, Stack, make_x
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: padding changes the matmul blocking, not the math
 

@@ -8,7 +8,7 @@ import graph_opt
 from graph_opt.signature import Signature
 from graph_opt.backends.torch.adapter import ADAPTER
 from graph_opt.backends.torch.dynamo import DynamoStrategy, graphs_compiled
-from torch_models import COMM, SIZES, Reduced, make_x
+from torch_zoo.small import COMM, SIZES, Reduced, make_x
 
 
 @pytest.fixture

@@ -1,128 +1,14 @@
-"""Soak and faults on torch, with simulated graphs: the suite is tests/soak_kit.py's, run here with
-torch's model, eager twin and fault points (KIT); and a test of torch's own.
-"""
+"""Soak and faults, torch's own case: a static call whose batch dimensions disagree (the shared suite is
+tests/both/test_soak_and_faults.py)."""
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import graph_opt  # noqa: E402
-import soak_kit  # noqa: E402
-from graph_opt.backends.torch.dynamo import DynamoStrategy, graphs_compiled  # noqa: E402
-from soak_kit import HIDDEN, MODES, ROW_TOLERANCE, SIZES  # noqa: E402
-from soak_kit import (  # noqa: E402,F401  the shared tests: collected here, run with KIT
-    pytest_generate_tests,
-    test_a_call_from_a_second_thread_while_one_replays_is_a_clear_error,
-    test_a_fault_in_the_capture_phase_warns_once_keeps_the_model_right_and_recovers,
-    test_a_replay_that_raises_answers_eagerly_warns_once_and_recovers,
-    test_soak_ten_thousand_random_calls_across_every_mode,
-    test_two_models_in_two_threads_do_not_disturb_each_other,
-    test_two_threads_calling_one_model_get_right_answers_or_a_clear_error,
-)
-
-_CI_SECONDS = 17  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+from soak_support import ROW_TOLERANCE  # noqa: E402
+from torch_zoo.soak import build, capture, diff, make_inputs  # noqa: E402
 
 
-# -- the model: two batch-major arguments, two splitting ops ---------------------------------------
-@graph_opt.splitting_op(name="soak_torch_mix")
-def soak_mix(h):
-    """Attention stand-in: a splitting op (level 0 cuts the capture here; level >= 1 the FX graph)."""
-    return torch.tanh(h) * 0.5 + h
-
-
-@graph_opt.splitting_op(name="soak_torch_gate")
-def soak_gate(h):
-    """A second splitting op, where soak_kit injects its faults (soak_kit.gate_fault)."""
-    soak_kit.gate_fault()
-    return torch.sigmoid(h)
-
-
-class Net(torch.nn.Module):
-    """Undecorated: the eager twin. Rows stay independent, so padding rows cannot leak."""
-
-    def __init__(self, hidden=HIDDEN):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(hidden)
-        self.inp = torch.nn.Linear(hidden, hidden)
-        self.proj = torch.nn.Linear(hidden, hidden)
-        self.gate = torch.nn.Linear(hidden, hidden)
-
-    def forward(self, x, g):
-        a = soak_mix(self.inp(self.norm(x)))
-        return x + self.proj(a) * soak_gate(self.gate(g))
-
-
-GraphNet = graph_opt.support_graph_optimization(type("GraphNet", (Net,), {}))
-
-
-def build(seed=0, **cfg):
-    torch.manual_seed(seed)
-    twin = Net().eval()
-    model = GraphNet(graph_opt_config=graph_opt.GraphOptConfig(cudagraph_capture_sizes=list(SIZES), **cfg)).eval()
-    model.load_state_dict(twin.state_dict())
-    return model, twin
-
-
-def generator(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-def make_inputs(bs, rows_g=None, rng=None):
-    generator = rng or torch.Generator().manual_seed(bs)
-    x = torch.randn(bs, HIDDEN, generator=generator)
-    g = torch.randn(bs if rows_g is None else rows_g, HIDDEN, generator=generator)
-    return x, g
-
-
-def capture(model, **kwargs):
-    return graph_opt.capture_model(model, make_inputs, progress=False, **kwargs)
-
-
-def diff(out, want) -> float:
-    """Largest |out - want|; inf when the shapes differ, 0 for empty outputs of the same shape."""
-    if out.shape != want.shape:
-        return float("inf")
-    return float((out - want).abs().max()) if out.numel() else 0.0
-
-
-def leftover_state(model):
-    from graph_opt.backends.torch.pieces import Mode
-
-    strategy = model._graph_opt_state.runner.strategy
-    return {"graph_state": isinstance(strategy, DynamoStrategy) and strategy.state.mode is not Mode.EAGER}
-
-
-# Bitwise equal to the twin where the path runs eager's kernels on the same rows: levels 0 and 1 (the
-# FX graph runs the same aten ops) at captured sizes and above the max. Inductor's kernels (level 2,
-# slow to compile on CPU, fast to call: it gets its full share of the soak) and padded sizes: within
-# ROW_TOLERANCE.
-BITWISE = frozenset((name, kind) for name in MODES for kind in ("captured", "above max") if not name.startswith("L2"))
-
-# Without graphs, levels 1-2 run torch.compile as it is: a call whose batch dims disagree fails inside
-# Dynamo's trace, is traced again on every such call (failures are not cached), and each failed trace
-# keeps its ShapeEnv alive in a functools.lru_cache of torch: measured with a bare torch.compile of Net,
-# 280 KiB and 200 ms per failing call. That is torch's, not the plugin's, and would swamp the RSS
-# measurement, so those calls are not in the soak: test_a_static_call_whose_batch_dims_disagree_...
-# below checks their error.
-RETRACING = frozenset(name for name, cfg in MODES.items() if cfg["graph_opt_level"] >= 1 and not cfg["use_cudagraph"])
-
-KIT = soak_kit.SoakKit(
-    name="torch", build=build, capture=capture, rng=generator, make_inputs=make_inputs,
-    read=lambda out: out.clone(), diff=diff, equal=torch.equal, no_grad=torch.no_grad,
-    strategy=DynamoStrategy, translation=(DynamoStrategy, "_backend", "injected failure in the Dynamo backend"),
-    leftover_state=leftover_state, compile_count=graphs_compiled,
-    recompile_message="Dynamo compiled again after warm-up",
-    eager_error=RuntimeError, eager_error_match="must match the size", bitwise=BITWISE,
-    thread_modes=["L1-graphs-piecewise", "L0-graphs-full", "L1-nographs-full"], busy_mode="L1-graphs-piecewise",
-    no_mismatch=RETRACING,
-)
-
-
-@pytest.fixture
-def kit():
-    return KIT
-
-
-# -- torch's own -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("level", [1, 2])
 def test_a_static_call_whose_batch_dims_disagree_is_a_clear_error_and_the_model_keeps_working(level):
     model, twin = build(graph_opt_level=level, use_cudagraph=False)

@@ -1,11 +1,10 @@
-"""graph_opt.autocudagraph on torch, with simulated graphs: tests/training_kit.py's specification, run
-with the torch shim below (tests/gpu/test_gpu_training.py runs it on real graphs), and torch's own cases.
+"""graph_opt.autocudagraph, torch's own cases, with simulated graphs (the specification both frameworks meet
+is tests/both/test_training_spec.py; tests/gpu/test_gpu_training.py runs some of these on real graphs):
+autograd beyond loss.backward(), layouts, hooks, what the forward writes, dataclass and model outputs.
 """
-import contextlib
 import copy
 import dataclasses
 import enum
-import types
 
 import numpy
 import pytest
@@ -13,18 +12,17 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import graph_opt  # noqa: E402
-from training_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
-from training_kit import assert_same_step, graph_warnings, twins  # noqa: E402
-from torch_training_shim import Block, TorchShim  # noqa: E402
-from replay_safety_kit import advance_in_place, in_place_counter  # noqa: E402
+from replay_support import advance_in_place, in_place_counter  # noqa: E402
+from torch_zoo.training import Block, TorchShim  # noqa: E402
+from training_support import assert_same_step, graph_warnings, twins  # noqa: E402
 
-_CI_SECONDS = 10  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+_CI_SECONDS = 6  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 # Level 2 here in tests/torch_tests/test_torch_training_levels.py; tests/gpu runs every level (tests/conftest.py)
 _INDUCTOR_ON_CPU = set()
 
 
 @pytest.fixture
-def F():
+def T():
     with graph_opt.testing.simulate_cuda_graphs():
         yield TorchShim()
 
@@ -35,16 +33,16 @@ def autocast_tolerance():
 
 
 # -- torch's own cases -----------------------------------------------------------------------------
-def test_swapping_a_parameters_data_is_detected(F, caplog):
-    ref, m = twins(F, warmup_steps=0)
-    x = F.randn([4, 6, F.hidden], seed=1)
-    assert_same_step(F, ref, m, x, seed=0)
-    new = F.randn(list(ref.down.weight.shape), seed=5)
+def test_swapping_a_parameters_data_is_detected(T, caplog):
+    ref, m = twins(T, warmup_steps=0)
+    x = T.randn([4, 6, T.hidden], seed=1)
+    assert_same_step(T, ref, m, x, seed=0)
+    new = T.randn(list(ref.down.weight.shape), seed=5)
     with torch.no_grad():
         ref.down.weight.data = new.clone()
         m.down.weight.data = new.clone()  # same Parameter object, new storage
-    F.zero_grads(ref), F.zero_grads(m)
-    assert_same_step(F, ref, m, x, seed=1)
+    T.zero_grads(ref), T.zero_grads(m)
+    assert_same_step(T, ref, m, x, seed=1)
     assert graph_opt.stats(m).recaptures == 1
 
 
@@ -66,16 +64,16 @@ def test_autocast_cache_is_off_while_capturing():
     assert (True, False) in seen and (False, True) in seen
 
 
-def test_a_second_backward_with_retain_graph_replays_again(F):
-    ref, m = twins(F, warmup_steps=0)
-    x = F.randn([4, 6, F.hidden], seed=2)
-    y = m(F.leaf(x, True))
-    y_ref = ref(F.leaf(x, True))
+def test_a_second_backward_with_retain_graph_replays_again(T):
+    ref, m = twins(T, warmup_steps=0)
+    x = T.randn([4, 6, T.hidden], seed=2)
+    y = m(T.leaf(x, True))
+    y_ref = ref(T.leaf(x, True))
     for _ in range(2):
-        F.loss(y).backward(retain_graph=True)
-        F.loss(y_ref).backward(retain_graph=True)
-    for (name, p_ref), (_, p) in zip(F.named_params(ref), F.named_params(m)):
-        assert F.equal(p.grad, p_ref.grad), name
+        T.loss(y).backward(retain_graph=True)
+        T.loss(y_ref).backward(retain_graph=True)
+    for (name, p_ref), (_, p) in zip(T.named_params(ref), T.named_params(m)):
+        assert T.equal(p.grad, p_ref.grad), name
     assert graph_opt.stats(m).backward_replays == 2
 
 
@@ -91,11 +89,11 @@ def test_without_cuda_or_simulation_it_runs_eagerly_with_one_warning(caplog):
     assert len(graph_warnings(caplog)) == 1
 
 
-def test_second_order_gradients_are_refused_clearly(F):
-    _, m = twins(F, warmup_steps=0)
-    y = m(F.leaf(F.randn([4, 6, F.hidden], seed=1), True))
+def test_second_order_gradients_are_refused_clearly(T):
+    _, m = twins(T, warmup_steps=0)
+    y = m(T.leaf(T.randn([4, 6, T.hidden], seed=1), True))
     with pytest.raises(RuntimeError, match="once_differentiable"):
-        (g,) = torch.autograd.grad(F.loss(y), [m.up.weight], create_graph=True)
+        (g,) = torch.autograd.grad(T.loss(y), [m.up.weight], create_graph=True)
         g.sum().backward()
 
 
@@ -105,10 +103,10 @@ def _params_equal(ref, m):
         assert (p.grad is None) == (p_ref.grad is None) and (p.grad is None or torch.equal(p.grad, p_ref.grad)), name
 
 
-def test_calls_under_inference_mode_then_no_grad_both_answer_eagers(F):
+def test_calls_under_inference_mode_then_no_grad_both_answer_eagers(T):
     """Static buffers made under inference_mode are ordinary tensors: a later no_grad call copies into them."""
-    ref, m = twins(F, warmup_steps=0)
-    x = F.randn([4, 6, F.hidden], seed=3)
+    ref, m = twins(T, warmup_steps=0)
+    x = T.randn([4, 6, T.hidden], seed=3)
     for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode, torch.no_grad):
         with mode():
             assert torch.equal(m(x.clone()), ref(x.clone())), mode.__name__
@@ -116,57 +114,57 @@ def test_calls_under_inference_mode_then_no_grad_both_answer_eagers(F):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_a_graphed_block_inside_checkpoint_gives_eagers_gradients(F, reentrant):
+def test_a_graphed_block_inside_checkpoint_gives_eagers_gradients(T, reentrant):
     """torch.utils.checkpoint keeps the activations itself (non-reentrant: saved-tensor hooks; reentrant:
     a no-grad forward, recomputed in backward): such calls run eagerly, and the gradients are eager's."""
     from torch.utils.checkpoint import checkpoint
 
-    ref, m = twins(F, warmup_steps=0)
+    ref, m = twins(T, warmup_steps=0)
     for step in range(3):
-        F.zero_grads(ref), F.zero_grads(m)
-        x = F.randn([4, 6, F.hidden], seed=step)
-        xs, xs_ref = F.leaf(x, True), F.leaf(x, True)
-        F.loss(checkpoint(m, xs, use_reentrant=reentrant)).backward()
-        F.loss(checkpoint(ref, xs_ref, use_reentrant=reentrant)).backward()
+        T.zero_grads(ref), T.zero_grads(m)
+        x = T.randn([4, 6, T.hidden], seed=step)
+        xs, xs_ref = T.leaf(x, True), T.leaf(x, True)
+        T.loss(checkpoint(m, xs, use_reentrant=reentrant)).backward()
+        T.loss(checkpoint(ref, xs_ref, use_reentrant=reentrant)).backward()
         assert torch.equal(xs.grad, xs_ref.grad)
         _params_equal(ref, m)
-    F.zero_grads(ref), F.zero_grads(m)  # and outside checkpoint, graphs as usual
-    assert_same_step(F, ref, m, F.randn([4, 6, F.hidden], seed=9), seed=0)
+    T.zero_grads(ref), T.zero_grads(m)  # and outside checkpoint, graphs as usual
+    assert_same_step(T, ref, m, T.randn([4, 6, T.hidden], seed=9), seed=0)
     assert graph_opt.stats(m).replays >= 1
 
 
-def test_a_lazy_module_is_graphed_once_its_parameters_exist(F):
+def test_a_lazy_module_is_graphed_once_its_parameters_exist(T):
     def make():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.LazyLinear(F.hidden), torch.nn.Tanh(), torch.nn.Linear(F.hidden, 4))
+        return torch.nn.Sequential(torch.nn.LazyLinear(T.hidden), torch.nn.Tanh(), torch.nn.Linear(T.hidden, 4))
 
     ref, m = make(), graph_opt.autocudagraph(make(), warmup_steps=0)
     for step in range(3):
-        F.zero_grads(ref), F.zero_grads(m)
-        x = F.randn([4, 8], seed=step)
+        T.zero_grads(ref), T.zero_grads(m)
+        x = T.randn([4, 8], seed=step)
         torch.manual_seed(step)  # the lazy parameters are drawn at the first call
-        y = m(F.leaf(x, True))
+        y = m(T.leaf(x, True))
         torch.manual_seed(step)
-        y_ref = ref(F.leaf(x, True))
+        y_ref = ref(T.leaf(x, True))
         assert torch.equal(y, y_ref)
-        F.loss(y).backward(), F.loss(y_ref).backward()
+        T.loss(y).backward(), T.loss(y_ref).backward()
         _params_equal(ref, m)
     s = graph_opt.stats(m)
     assert s.fallback_reasons == {"lazy_parameters": 1} and s.replays == 2
 
 
-def test_a_backward_through_an_earlier_retained_output_is_eagers(F):
+def test_a_backward_through_an_earlier_retained_output_is_eagers(T):
     """backward(retain_graph=True), a new forward, then a backward through the first output: the second
     forward must not overwrite what the first output's backward reads."""
-    ref, m = twins(F, warmup_steps=0)
-    xa, xb = F.randn([4, 6, F.hidden], seed=1), F.randn([4, 6, F.hidden], seed=2)
+    ref, m = twins(T, warmup_steps=0)
+    xa, xb = T.randn([4, 6, T.hidden], seed=1), T.randn([4, 6, T.hidden], seed=2)
     outs = {}
     for model in (ref, m):
-        ya = model(F.leaf(xa, True))
-        F.loss(ya).backward(retain_graph=True)
-        yb = model(F.leaf(xb, True))
-        F.loss(ya * 3.0).backward()
-        F.loss(yb).backward()
+        ya = model(T.leaf(xa, True))
+        T.loss(ya).backward(retain_graph=True)
+        yb = model(T.leaf(xb, True))
+        T.loss(ya * 3.0).backward()
+        T.loss(yb).backward()
         outs[id(model)] = (ya, yb)
     for a, b in zip(outs[id(m)], outs[id(ref)]):
         assert torch.equal(a, b)
@@ -183,21 +181,21 @@ class _Convs(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def test_channels_last_inputs_keep_their_layout_and_eager_s_gradients(F):
+def test_channels_last_inputs_keep_their_layout_and_eager_s_gradients(T):
     """A convolution block fed channels_last tensors: outputs in eager's layout, gradients bitwise (the
     kernels pick their algorithm by layout); a contiguous call gets a graph of its own."""
     import copy
 
     torch.manual_seed(0)
-    ref = _Convs().to(F.device)
+    ref = _Convs().to(T.device)
     m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=0)
     for step, layout in enumerate((torch.channels_last,) * 3 + (torch.contiguous_format,)):
         outs = []
         for model in (ref, m):
             model.zero_grad(set_to_none=True)
-            x = F.randn([2, 8, 6, 6], seed=step).to(memory_format=layout).requires_grad_(True)
+            x = T.randn([2, 8, 6, 6], seed=step).to(memory_format=layout).requires_grad_(True)
             y = model(x)
-            F.loss(y).backward()
+            T.loss(y).backward()
             outs.append((y, x.grad))
         (y_ref, gx_ref), (y, gx) = outs
         assert y.stride() == y_ref.stride() and torch.equal(y, y_ref), f"step {step}: output"
@@ -205,16 +203,16 @@ def test_channels_last_inputs_keep_their_layout_and_eager_s_gradients(F):
         for (name, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
             # On a device the README's stated exception: cuDNN reduces a channels_last bias gradient in
             # another order inside the graph (1.9e-9 seen); within 8 float32 epsilons of the largest element
-            bound = 0.0 if F.device == "cpu" else 8 * torch.finfo(torch.float32).eps * p_ref.grad.abs().max().item()
-            assert F.max_diff(p.grad, p_ref.grad) <= bound, f"step {step}: grad of {name}"
+            bound = 0.0 if T.device == "cpu" else 8 * torch.finfo(torch.float32).eps * p_ref.grad.abs().max().item()
+            assert T.max_diff(p.grad, p_ref.grad) <= bound, f"step {step}: grad of {name}"
     s = graph_opt.stats(m)
     assert s.keys == 2 and s.replays == 4
 
 
-def test_a_parameter_s_tensor_hook_runs_once_per_backward(F):
+def test_a_parameter_s_tensor_hook_runs_once_per_backward(T):
     """`p.register_hook(lambda g: g * 2)`: the hook sees the gradient once, as in eager (the block's
     own autograd.grad runs with it off; capture does not bake it in)."""
-    ref, m = twins(F, warmup_steps=0)
+    ref, m = twins(T, warmup_steps=0)
     calls = {id(ref): 0, id(m): 0}
 
     def hook(model):
@@ -226,8 +224,8 @@ def test_a_parameter_s_tensor_hook_runs_once_per_backward(F):
     for model in (ref, m):
         model.up.weight.register_hook(hook(model))
     for step in range(3):
-        F.zero_grads(ref), F.zero_grads(m)
-        assert_same_step(F, ref, m, F.randn([4, 6, F.hidden], seed=step), seed=step)
+        T.zero_grads(ref), T.zero_grads(m)
+        assert_same_step(T, ref, m, T.randn([4, 6, T.hidden], seed=step), seed=step)
     assert calls[id(m)] == calls[id(ref)] == 3
 
 
@@ -240,33 +238,33 @@ class _SelfAttention(torch.nn.Module):
         return self.mha(q, k, v, need_weights=False)[0]
 
 
-def test_one_tensor_passed_as_several_arguments_stays_one_tensor(F):
+def test_one_tensor_passed_as_several_arguments_stays_one_tensor(T):
     """`attn(x, x, x)`: MultiheadAttention takes its self-attention path when query is key is value;
     the graph must see one tensor too (and x's gradient is the sum over its three uses, once)."""
     import copy
 
     torch.manual_seed(0)
-    ref = _SelfAttention().to(F.device)
+    ref = _SelfAttention().to(T.device)
     m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=0)
     for step in range(3):
         outs = []
         for model in (ref, m):
             model.zero_grad(set_to_none=True)
-            x = F.randn([2, 5, 16], seed=step).requires_grad_(True)
+            x = T.randn([2, 5, 16], seed=step).requires_grad_(True)
             y = model(x, x, x)
-            F.loss(y).backward()
+            T.loss(y).backward()
             outs.append((y, x.grad))
         (y_ref, gx_ref), (y, gx) = outs
         assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref), f"step {step}"
         for (name, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
             assert torch.equal(p.grad, p_ref.grad), f"step {step}: grad of {name}"
-    x = F.randn([2, 5, 16], seed=9)
+    x = T.randn([2, 5, 16], seed=9)
     y = m(x, x.clone(), x.clone())  # three tensors: a graph of its own
     assert torch.equal(y, ref(x, x.clone(), x.clone()))
     assert graph_opt.stats(m).keys == 2
 
 
-def test_sparse_gradients_run_eagerly_and_say_so(F):
+def test_sparse_gradients_run_eagerly_and_say_so(T):
     torch.manual_seed(0)
     emb = torch.nn.Embedding(10, 4, sparse=True)
     m = graph_opt.autocudagraph(emb, warmup_steps=0)
@@ -287,27 +285,27 @@ class _Bookkeeping(torch.nn.Module):
         return torch.tanh(self.lin(x)) / self.temperature
 
 
-def _assert_same_lin_step(F, ref, m, x, step):
+def _assert_same_lin_step(T, ref, m, x, step):
     """One training step of each: the output and its `lin` weight's gradient, bitwise eager's."""
     got = []
     for model in (ref, m):
         model.zero_grad(set_to_none=True)
         y = model(x)
-        F.loss(y).backward()
+        T.loss(y).backward()
         got.append((y, model.lin.weight.grad))
-    assert F.equal(got[0][0], got[1][0]) and F.equal(got[0][1], got[1][1]), f"step {step}"
+    assert T.equal(got[0][0], got[1][0]) and T.equal(got[0][1], got[1][1]), f"step {step}"
 
 
-def test_a_class_default_shadowed_after_capture_is_captured_again(F):
+def test_a_class_default_shadowed_after_capture_is_captured_again(T):
     """Two shapes alternating: captured once per shape, never again. Then `block.temperature = 2.0`
     over the class default: captured again, eager's values."""
     torch.manual_seed(0)
-    ref = _Bookkeeping(F.hidden)
+    ref = _Bookkeeping(T.hidden)
     m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
     for step in range(10):
         if step == 6:
             ref.temperature = m.temperature = 2.0
-        _assert_same_lin_step(F, ref, m, F.randn([2 + step % 2, F.hidden], seed=step), step)
+        _assert_same_lin_step(T, ref, m, T.randn([2 + step % 2, T.hidden], seed=step), step)
     s = graph_opt.stats(m)
     assert (s.captures, s.recaptures) == (4, 1), s
 
@@ -324,14 +322,14 @@ class _Counts(torch.nn.Module):
 
 
 @pytest.mark.parametrize("level", [0, 1, pytest.param(2, marks=pytest.mark.inductor)])
-def test_a_python_value_the_forward_sets_at_every_call_fails_the_capture_and_counts_as_eager(F, level, caplog):
+def test_a_python_value_the_forward_sets_at_every_call_fails_the_capture_and_counts_as_eager(T, level, caplog):
     torch.manual_seed(0)
-    ref = _Counts(F.hidden)
+    ref = _Counts(T.hidden)
     block = copy.deepcopy(ref)
     m = graph_opt.autocudagraph(block, warmup_steps=1, level=level)
     for step in range(6):
-        x = F.randn([3, F.hidden], seed=step)
-        _assert_same_lin_step(F, ref, m, x, step)
+        x = T.randn([3, T.hidden], seed=step)
+        _assert_same_lin_step(T, ref, m, x, step)
         assert block.calls == ref.calls, f"step {step}: the count"
     s = graph_opt.stats(m)
     assert s.replays == 0 and s.capture_failures == 1, s
@@ -352,15 +350,15 @@ class _CountsInPlace(torch.nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["set", "numpy", "bytearray", "array"])
-def test_a_count_kept_in_a_set_or_array_the_forward_changes_in_place_fails_the_capture(F, kind, caplog):
+def test_a_count_kept_in_a_set_or_array_the_forward_changes_in_place_fails_the_capture(T, kind, caplog):
     """No binding changes, only the value inside the object: the capture sees it and puts it back."""
     torch.manual_seed(0)
-    ref = type(f"Counts_{kind}", (_CountsInPlace,), {"kind": kind})(F.hidden)
+    ref = type(f"Counts_{kind}", (_CountsInPlace,), {"kind": kind})(T.hidden)
     block = copy.deepcopy(ref)
     m = graph_opt.autocudagraph(block, warmup_steps=1)
     for step in range(5):
-        x = F.randn([3, F.hidden], seed=step)
-        _assert_same_lin_step(F, ref, m, x, step)
+        x = T.randn([3, T.hidden], seed=step)
+        _assert_same_lin_step(T, ref, m, x, step)
         assert advance_in_place(copy.copy(block.seen)) == advance_in_place(copy.copy(ref.seen)), f"step {step}"
     s = graph_opt.stats(m)
     assert s.replays == 0 and s.capture_failures == 1, s
@@ -409,18 +407,18 @@ _SCHEDULES = {
 
 # At level 1 Dynamo's own float guards take -0.0 for 0.0, as under torch.compile (docs/training.md)
 @pytest.mark.parametrize("change, level", [(c, lv) for c in _SCHEDULES for lv in (0, 1) if lv == 0 or c != "0.0 to -0.0"])
-def test_an_attribute_a_schedule_sets_to_another_value_is_captured_again(F, change, level):
+def test_an_attribute_a_schedule_sets_to_another_value_is_captured_again(T, change, level):
     """Each is another value to the forward, though Python's == may call it equal (1 == 1.0, 0.0 == -0.0)."""
     torch.manual_seed(0)
-    ref = _Scheduled(F.hidden)
+    ref = _Scheduled(T.hidden)
     block = copy.deepcopy(ref)
     m = graph_opt.autocudagraph(block, warmup_steps=1, level=level)
     for step in range(6):
         if step == 3:
             _SCHEDULES[change](ref)
             _SCHEDULES[change](block)
-        x = F.randn([3, F.hidden], seed=step)
-        _assert_same_lin_step(F, ref, m, x, step)
+        x = T.randn([3, T.hidden], seed=step)
+        _assert_same_lin_step(T, ref, m, x, step)
     s = graph_opt.stats(m)
     assert s.recaptures == 1 and s.replays == (5 if level == 0 else 3), s  # level 1: a first call per trace
 
@@ -447,17 +445,17 @@ class _KeepsRows(torch.nn.Module):
 
 @pytest.mark.parametrize("warmup_steps", [0, 1])
 @pytest.mark.parametrize("on_submodule", [False, True], ids=["module", "private_of_submodule"])
-def test_a_value_the_forward_sets_per_key_is_never_left_stale_by_a_replay(F, caplog, warmup_steps, on_submodule):
+def test_a_value_the_forward_sets_per_key_is_never_left_stale_by_a_replay(T, caplog, warmup_steps, on_submodule):
     """Each key's capture sees its runs leave `rows` as they found it; a replay after a call of the other
     key would leave it stale (it runs no Python), so such calls run eagerly, with one warning."""
     torch.manual_seed(0)
-    ref = _KeepsRows(F.hidden, on_submodule)
+    ref = _KeepsRows(T.hidden, on_submodule)
     block = copy.deepcopy(ref)
     m = graph_opt.autocudagraph(block, warmup_steps=warmup_steps)
     rows = (lambda model: model.sub._rows) if on_submodule else (lambda model: model.rows)
     for step, n in enumerate((2, 2, 2, 4, 4, 4, 2, 4, 2, 4)):
-        x = F.randn([n, F.hidden], seed=step)
-        _assert_same_lin_step(F, ref, m, x, step)
+        x = T.randn([n, T.hidden], seed=step)
+        _assert_same_lin_step(T, ref, m, x, step)
         assert rows(block) == rows(ref), f"step {step}"
     s = graph_opt.stats(m)
     assert s.captures == 2 and s.capture_failures == 0 and s.fallback_reasons == {"forward_state": 4}, s
@@ -476,9 +474,9 @@ class _EvalBookkeeping(torch.nn.Module):
         return self.lin(x)
 
 
-def test_a_value_only_another_key_writes_costs_one_eager_call_and_a_capture(F):
+def test_a_value_only_another_key_writes_costs_one_eager_call_and_a_capture(T):
     torch.manual_seed(0)
-    ref = _EvalBookkeeping(F.hidden)
+    ref = _EvalBookkeeping(T.hidden)
     block = copy.deepcopy(ref)
     m = graph_opt.autocudagraph(block, warmup_steps=1)
     for step in range(8):
@@ -486,9 +484,9 @@ def test_a_value_only_another_key_writes_costs_one_eager_call_and_a_capture(F):
             for model in (ref, m):
                 model.eval()
                 with torch.no_grad():
-                    model(F.randn([5, F.hidden], seed=99))
+                    model(T.randn([5, T.hidden], seed=99))
                 model.train()
-        assert_same_step(F, ref, m, F.randn([3, F.hidden], seed=step), step)
+        assert_same_step(T, ref, m, T.randn([3, T.hidden], seed=step), step)
         assert block.last_eval_rows == ref.last_eval_rows
     s = graph_opt.stats(m)
     # the training key: warm-up, capture, replays; after the evaluation one eager call, a capture, replays
@@ -507,13 +505,13 @@ class _ReadyOnce(torch.nn.Module):
         return self.lin(x)
 
 
-def test_a_flag_set_at_the_first_call_replays_with_no_warm_up_steps(F, caplog):
+def test_a_flag_set_at_the_first_call_replays_with_no_warm_up_steps(T, caplog):
     """warmup_steps=0: the first call is the capture's run, which sets the flag; that call runs eagerly
     and the next captures."""
-    ref = _ReadyOnce(F.hidden)
+    ref = _ReadyOnce(T.hidden)
     m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=0)
     for step in range(4):
-        assert_same_step(F, ref, m, F.randn([3, F.hidden], seed=step), step)
+        assert_same_step(T, ref, m, T.randn([3, T.hidden], seed=step), step)
     s = graph_opt.stats(m)
     assert (s.captures, s.capture_failures, s.replays) == (1, 0, 3), s
     assert not graph_warnings(caplog)
@@ -530,11 +528,11 @@ class _BufferAtFirstCall(torch.nn.Module):
         return self.lin(x) + self.pos
 
 
-def test_a_buffer_the_forward_registers_at_its_first_call_is_no_recapture(F, caplog):
-    ref = _BufferAtFirstCall(F.hidden)
+def test_a_buffer_the_forward_registers_at_its_first_call_is_no_recapture(T, caplog):
+    ref = _BufferAtFirstCall(T.hidden)
     m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
     for step in range(4):
-        assert_same_step(F, ref, m, F.randn([3, F.hidden], seed=step), step)
+        assert_same_step(T, ref, m, T.randn([3, T.hidden], seed=step), step)
     s = graph_opt.stats(m)
     assert (s.captures, s.recaptures, s.replays) == (1, 0, 3), s
     assert not graph_warnings(caplog)
@@ -711,454 +709,6 @@ def test_a_model_output_keeps_its_keys_in_order_on_replay():
     assert graph_opt.stats(m).replays >= 2
 
 
-# -- the module's state besides parameters and buffers ---------------------------------------------------
-@pytest.fixture
-def device():
-    return "cpu"
-
-
-def _graphs(device):
-    return graph_opt.testing.simulate_cuda_graphs() if device == "cpu" else contextlib.nullcontext()
-
-
-class _ClassWeighted(torch.nn.Module):
-    """A loss weighted per class by a tensor attribute (not a buffer) that a schedule sets anew."""
-
-    def __init__(self, device):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 3)
-        self.cw = torch.ones(3, device=device)
-
-    def forward(self, x, y):
-        return torch.nn.functional.cross_entropy(self.lin(x), y, weight=self.cw)
-
-
-def test_a_tensor_attribute_set_anew_is_read_as_eager_reads_it(device):
-    torch.manual_seed(0)
-    ref = _ClassWeighted(device).to(device)
-    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
-    with _graphs(device):
-        for step in range(5):
-            if step == 3:
-                ref.cw = torch.tensor([1.0, 5.0, 0.1], device=device)
-                m.cw = ref.cw.clone()
-            x, y = torch.randn(6, 8, device=device), torch.arange(6, device=device) % 3
-            got = []
-            for model in (ref, m):
-                model.zero_grad(set_to_none=True)
-                loss = model(x, y)
-                loss.backward()
-                got.append((loss.detach(), model.lin.weight.grad))
-            assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
-    s = graph_opt.stats(m)
-    assert s.recaptures == 1 and s.backward_replays >= 3, s
-
-
-class _Headed(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = torch.nn.Linear(8, 8)
-        self.head = torch.nn.Identity()
-
-    def forward(self, x):
-        return self.head(self.body(x))
-
-
-def test_a_submodule_added_after_capture_has_its_training_flag_in_the_key(device):
-    """A head with dropout put on after capture, then its eval() alone: a graph of its own, no dropout."""
-    torch.manual_seed(0)
-    ref = _Headed().to(device)
-    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
-    x = torch.randn(4, 8, device=device)
-    with _graphs(device):
-        for step in range(6):
-            if step == 2:
-                ref.head = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)).to(device)
-                m.head = copy.deepcopy(ref.head)
-            if step == 4:
-                ref.head.eval()
-                m.head.eval()
-            got = []
-            for model in (ref, m):
-                torch.manual_seed(step)
-                out = model(x)
-                out.sum().backward()
-                got.append(out.detach())
-            assert torch.equal(got[0], got[1]), f"step {step}"
-    keys = graph_opt.stats(m).keys
-    assert keys == 2, keys  # the head in training mode, then in eval mode
-
-
-class _CountsRows(torch.nn.Module):
-    def __init__(self, device):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 2)
-        self.seen = torch.zeros((), device=device)  # a plain attribute, not a buffer
-
-    def forward(self, x):
-        self.seen.add_(x.shape[0])
-        return self.lin(x) / self.seen.sqrt()
-
-
-@pytest.mark.parametrize("warmup_steps", [0, 1])
-def test_a_tensor_attribute_the_forward_updates_in_place_is_updated_once_per_step(device, warmup_steps):
-    torch.manual_seed(0)
-    ref = _CountsRows(device).to(device)
-    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=warmup_steps)
-    with _graphs(device):
-        for step in range(4):
-            x = torch.randn(6, 8, device=device)
-            outs = []
-            for model in (ref, m):
-                out = model(x)
-                out.sum().backward()
-                outs.append(out.detach())
-            assert torch.equal(outs[0], outs[1]) and torch.equal(ref.seen, m.seen), f"step {step}: {ref.seen} {m.seen}"
-    assert graph_opt.stats(m).backward_replays >= 2
-
-
-class _WeightNormed(torch.nn.Module):
-    """Legacy torch.nn.utils.weight_norm: its pre-hook binds `lin.weight` anew at every call."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.utils.weight_norm(torch.nn.Linear(8, 8))
-        self.out = torch.nn.Linear(8, 2)
-
-    def forward(self, x):
-        return self.out(torch.relu(self.lin(x)))
-
-
-class _MakesTableAtFirstCall(torch.nn.Module):
-    """A table made at the first call and grown at a longer sequence (a rope cache)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
-        self.table = None
-
-    def forward(self, x):
-        length = x.shape[1]
-        if self.table is None or self.table.shape[0] < length:
-            self.table = torch.cos(torch.arange(float(length), device=x.device)[:, None] * torch.ones(8, device=x.device))
-        return self.lin(x * self.table[:length])
-
-
-@pytest.mark.parametrize("warmup_steps", [0, 1])
-@pytest.mark.parametrize("cls", [_WeightNormed, _MakesTableAtFirstCall])
-def test_tensor_attributes_the_forward_binds_itself_keep_the_graphs(device, caplog, cls, warmup_steps):
-    """Bound by the forward at every call, or once per sequence length: the forward's own, not a
-    replacement to capture again for, and the graphs replay eager's values."""
-    models = []
-    for _ in range(2):  # weight_norm's module cannot be deep-copied
-        torch.manual_seed(0)
-        models.append(cls().to(device))
-    ref, m = models[0], graph_opt.autocudagraph(models[1], warmup_steps=warmup_steps)
-    with _graphs(device):
-        for step in range(6):
-            x = torch.randn(4, 3 if step < 3 else 5, 8, device=device)
-            got = []
-            for model in (ref, m):
-                model.zero_grad(set_to_none=True)
-                out = model(x)
-                out.square().mean().backward()  # bitwise on a GPU (training.md: a broadcast gradient is not)
-                got.append((out.detach(), model.out.weight.grad if cls is _WeightNormed else model.lin.weight.grad))
-            assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
-    s = graph_opt.stats(m)
-    assert s.recaptures == 0 and s.capture_failures == 0 and s.backward_replays >= 2, s
-    assert not graph_warnings(caplog)
-
-
-class _OwnGenerator(torch.nn.Module):
-    """Dropout-like masks drawn from a generator of the module's own, or one a helper object holds."""
-
-    def __init__(self, device, nested=False):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 2)
-        gen = torch.Generator(device=device).manual_seed(7)
-        self.sampler = types.SimpleNamespace(gens=[gen]) if nested else gen
-
-    def forward(self, x):
-        gen = self.sampler.gens[0] if isinstance(self.sampler, types.SimpleNamespace) else self.sampler
-        return self.lin(x * (torch.rand(x.shape, generator=gen, device=x.device) > 0.3))
-
-
-@pytest.mark.parametrize("nested", [False, True])
-@pytest.mark.parametrize("warmup_steps", [0, 1])
-def test_a_generator_of_the_module_s_own_draws_as_in_eager(device, warmup_steps, nested):
-    """The capture's runs put the module's generator back: the steps draw eager's masks (on a GPU such a
-    capture fails, the generator not being the graph's, and the key runs eagerly on eager's stream)."""
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(_OwnGenerator(device, nested).to(device))
-    ref, m = models[0], graph_opt.autocudagraph(models[1], warmup_steps=warmup_steps)
-    with _graphs(device):
-        for step in range(4):
-            x = torch.randn(6, 8, device=device)
-            got = []
-            for model in (ref, m):
-                model.zero_grad(set_to_none=True)
-                out = model(x)
-                out.square().mean().backward()
-                got.append((out.detach(), model.lin.weight.grad))
-            assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
-
-
-# -- hooks of tensors that get no gradient -----------------------------------------------------------------
-class _TwoHeads(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = torch.nn.Linear(8, 8)
-        self.a = torch.nn.Linear(8, 4)
-        self.b = torch.nn.Linear(8, 4)
-        self.spare = torch.nn.Linear(8, 8)  # never used by the forward
-
-    def forward(self, x):
-        h = torch.tanh(self.body(x))
-        return self.a(h), self.b(h)
-
-
-@pytest.mark.parametrize("level", [0, 1])
-@pytest.mark.parametrize("outside", [False, True], ids=["block-only", "also-outside"])
-def test_hooks_of_parameters_that_get_no_gradient_run_as_in_eager(device, level, outside):
-    """A loss that leaves head b out, and a parameter the forward never uses: eager runs neither their
-    tensor hooks nor their post-accumulate-grad hooks. Where b's weight also gets a gradient outside the
-    block, eager runs its hooks once, on that gradient."""
-    torch.manual_seed(0)
-    ref = _TwoHeads().to(device)
-    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1, level=level)
-    seen = {id(ref): [], id(m): []}
-    for model in (ref, m):
-        log = seen[id(model)]
-        for name in ("a", "b", "spare"):
-            p = getattr(model, name).weight
-            p.register_hook(lambda g, name=name, log=log: log.append((name, "grad", None if g is None else g.clone())))
-            p.register_post_accumulate_grad_hook(lambda p, name=name, log=log: log.append((name, "post", p.grad.clone())))
-    with _graphs(device):
-        for step in range(4):
-            x = torch.randn(4, 8, device=device)
-            for model in (ref, m):
-                model.zero_grad(set_to_none=True)
-                a, _ = model(x)
-                loss = a.square().mean()
-                if outside:
-                    loss = loss + model.b.weight.square().sum()
-                loss.backward()
-            # the order across parameters is autograd's own (the graphed block's node is another node)
-            got, want = (sorted(seen[id(model)], key=lambda e: e[:2]) for model in (m, ref))
-            assert [e[:2] for e in got] == [e[:2] for e in want], f"step {step}: {got} vs eager's {want}"
-            assert all(torch.equal(g[2], w[2]) for g, w in zip(got, want)), f"step {step}"
-            seen[id(m)].clear(), seen[id(ref)].clear()
-            assert m.b.weight.grad is None if not outside else torch.equal(m.b.weight.grad, ref.b.weight.grad)
-            assert m.spare.weight.grad is None
-    s = graph_opt.stats(m)
-    assert s.backward_replays >= 2 and s.fallbacks == 0, s
-
-
-class _Conditioned(torch.nn.Module):
-    """Head b reads a conditioning input made outside the block: the loss that leaves b out reaches
-    neither b nor what made the input."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(8, 4)
-        self.b = torch.nn.Linear(8, 4)
-
-    def forward(self, x, c):
-        return self.a(x), self.b(x * c)
-
-
-def test_hooks_stay_as_in_eager_upstream_after_a_raising_backward_and_for_multi_grad_hooks(device):
-    torch.manual_seed(0)
-    ref = _Conditioned().to(device)
-    cond_ref = torch.nn.Linear(8, 8).to(device)
-    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
-    cond_m = copy.deepcopy(cond_ref)
-    seen = {id(ref): [], id(m): []}
-    fail = {"at": None}
-    for model, cond in ((ref, cond_ref), (m, cond_m)):
-        log = seen[id(model)]
-        cond.weight.register_hook(lambda g, log=log: log.append(("cond", g is None)) or g * 2)
-        model.b.weight.register_post_accumulate_grad_hook(lambda p, log=log: log.append(("b post", p.grad is None)))
-        torch.autograd.graph.register_multi_grad_hook(
-            [model.a.weight, model.b.weight], lambda gs, log=log: log.append(("multi", tuple(g is None for g in gs))))
-
-        def check(g, log=log):
-            if fail["at"] == "now":
-                raise FloatingPointError("a non-finite gradient")
-        model.a.weight.register_hook(check)
-    with _graphs(device):
-        for step in range(5):
-            x = torch.randn(4, 8, device=device)
-            fail["at"] = "now" if step == 2 else None
-            for model, cond in ((ref, cond_ref), (m, cond_m)):
-                model.zero_grad(set_to_none=True), cond.zero_grad(set_to_none=True)
-                a, b = model(x, cond(x))
-                loss = a.square().mean() + (b.square().mean() if step == 4 else 0)
-                try:
-                    loss.backward()
-                except FloatingPointError:
-                    seen[id(model)].append(("raised", True))
-            got, want = (sorted(seen[id(model)]) for model in (m, ref))
-            if step == 2:  # the multi-grad hook fires or not by where the raise cut the backward short
-                got, want = ([e for e in log if e[0] != "multi"] for log in (got, want))
-            assert got == want, f"step {step}: {got} vs eager's {want}"
-            seen[id(m)].clear(), seen[id(ref)].clear()
-    # hooks are the user's own again; one registered after the raising step is held too
-    assert all(type(h).__module__ != _HOLDER_MODULE for h in m.b.weight._backward_hooks.values())
-    assert graph_opt.stats(m).backward_replays >= 3
-
-
-_HOLDER_MODULE = "graph_opt.backends.torch.grad_hooks"
-
-
-# -- a training block inside a model decorated for inference, or inside torch.compile ---------------------
-class _Inner(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-
-class _Outer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb, self.inner, self.head = torch.nn.Linear(4, 8), _Inner(), torch.nn.Linear(8, 2)
-
-    def forward(self, x):
-        return self.head(self.inner(self.emb(x)))
-
-
-def _train_both(m, ref, device, steps=4):
-    opts = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (m, ref)]
-    for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        x, t = torch.randn(4, 4, generator=g).to(device), torch.randn(4, 2, generator=g).to(device)
-        for model, opt in zip((m, ref), opts):
-            opt.zero_grad()
-            ((model(x) - t) ** 2).mean().backward()
-            opt.step()
-    for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-        assert torch.equal(p, q), f"{name} differs by {(p - q).abs().max().item()}"
-
-
-@pytest.mark.parametrize("level", [0, 1])
-@pytest.mark.parametrize("wrap_first", [True, False])
-def test_a_submodule_trains_with_graphs_while_its_decorated_model_serves_with_graphs(device, level, wrap_first):
-    # The decorated model's capture records the submodule's eager forward (a graph cannot capture another);
-    # its training calls (no graphs: autograd on) reach the block, which captures and replays its own.
-    with _graphs(device):
-        torch.manual_seed(0)
-        m = graph_opt.support_graph_optimization(type("Served", (_Outer,), {}))(
-            graph_opt_config={"graph_opt_level": level, "cudagraph_capture_sizes": [1, 2, 4, 8]}).to(device)
-        ref = _Outer().to(device)
-        ref.load_state_dict(m.state_dict())
-
-        def capture():
-            report = graph_opt.capture_model(m.eval(), lambda bs: torch.randn(bs, 4, device=device), progress=False)
-            assert report.failed is None, report.failed
-
-        if wrap_first:
-            graph_opt.autocudagraph(m.inner)
-            capture()
-        else:
-            capture()
-            graph_opt.autocudagraph(m.inner)
-            if level:  # Dynamo's guards see the forward the block installed: capture again to serve with it
-                graph_opt.clear_graphs(m)
-                capture()
-        m.train(), ref.train()
-        _train_both(m, ref, device)
-        block = graph_opt.stats(m.inner)
-        assert block.captures == 1 and block.replays >= 2 and block.fallbacks == 0, block
-        m.eval(), ref.eval()
-        before = graph_opt.stats(m).replays
-        with torch.no_grad():
-            for bs in range(1, 9):
-                x = torch.randn(bs, 4, device=device)
-                assert torch.allclose(m(x), ref(x), rtol=1e-5, atol=1e-5)
-        assert graph_opt.stats(m).replays == before + 8, graph_opt.stats(m)
-
-
-def test_torch_compile_around_a_block_breaks_its_graph_there_and_the_block_replays(device):
-    with _graphs(device):
-        torch.manual_seed(0)
-        m, ref = _Outer().to(device), _Outer().to(device)
-        ref.load_state_dict(m.state_dict())
-        graph_opt.autocudagraph(m.inner)
-        compiled = torch.compile(m, backend="eager")
-        _train_both(compiled, ref, device)
-        block = graph_opt.stats(m.inner)
-        assert block.captures == 1 and block.replays >= 2 and block.fallbacks == 0, block
-
-
-def test_a_math_mode_change_between_steps_gets_a_graph_of_its_own(device):
-    # TF32 on or off picks other kernels: a graph captured in one mode never replays in the other.
-    with _graphs(device):
-        torch.manual_seed(0)
-        ref = _Inner().to(device)
-        m = graph_opt.autocudagraph(copy.deepcopy(ref))
-        cuda = torch.backends.cuda.matmul
-        was = cuda.allow_tf32
-        try:
-            for step in range(6):
-                cuda.allow_tf32 = step >= 3
-                x = torch.randn(4, 8, device=device)
-                for model in (m, ref):
-                    model.zero_grad()
-                    model(x).square().mean().backward()
-                for p, q in zip(m.parameters(), ref.parameters()):
-                    assert torch.equal(p.grad, q.grad)
-        finally:
-            cuda.allow_tf32 = was
-        s = graph_opt.stats(m)
-        assert s.keys == 2 and s.captures == 2 and s.fallbacks == 0, s
-
-
-class _Breaks(_Inner):
-    def forward(self, x):
-        h = torch.relu(self.a(x))
-        torch._dynamo.graph_break()  # the frame after it is compiled under this forward's own code object
-        return self.b(h)
-
-
-@pytest.mark.parametrize("breaks", [False, True], ids=["one-graph", "graph-break"])
-@pytest.mark.parametrize("level", [0, 1])
-def test_a_hook_on_a_submodule_registered_or_removed_after_capture_is_captured_again(device, level, breaks):
-    # Hooks of submodules run inside the forward: a graph replays those there were at its capture.
-    with _graphs(device):
-        torch.manual_seed(0)
-        ref = (_Breaks if breaks else _Inner)().to(device)
-        m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level)
-        handles = []
-
-        def hook_both(register):
-            handles.append([register(model) for model in (ref, m)])
-
-        for step in range(12):
-            if step == 4:
-                hook_both(lambda model: model.a.register_forward_hook(lambda mod, inp, out: out * 2))
-            if step == 7:
-                hook_both(lambda model: model.b.register_full_backward_hook(lambda mod, gi, go: (gi[0] * 0.5,)))
-            if step == 10:
-                for handle in handles.pop(0):
-                    handle.remove()
-            x = torch.randn(4, 8, device=device, requires_grad=True)
-            got = []
-            for model in (ref, m):
-                model.zero_grad()
-                xin = x.detach().clone().requires_grad_(True)
-                y = model(xin)
-                y.square().mean().backward()
-                got.append((y, xin.grad, model.a.weight.grad))
-            for a, b in zip(*got):
-                assert torch.equal(a, b), f"step {step}: differs by {(a - b).abs().max().item()}"
-        assert graph_opt.stats(m).recaptures == 3, graph_opt.stats(m)
-
-
 class _DefaultDtype(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -1168,7 +718,7 @@ class _DefaultDtype(torch.nn.Module):
         return self.lin(x) + torch.full((x.shape[0], 8), 0.1, device=x.device)  # follows the default dtype
 
 
-def test_the_default_dtype_is_in_the_key(F):
+def test_the_default_dtype_is_in_the_key(T):
     """torch.set_default_dtype between steps: the float32 graphs are not replayed for a float64 step."""
     torch.manual_seed(0)
     ref = _DefaultDtype()
@@ -1178,7 +728,7 @@ def test_the_default_dtype_is_in_the_key(F):
         for step in range(6):
             if step == 3:
                 torch.set_default_dtype(torch.float64)
-            x = F.randn([4, 8], seed=step).float()
+            x = T.randn([4, 8], seed=step).float()
             outs = []
             for model in (ref, m):
                 model.zero_grad(set_to_none=True)

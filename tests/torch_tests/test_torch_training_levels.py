@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import graph_opt  # noqa: E402
-from torch_training_shim import TorchShim  # noqa: E402
+from torch_zoo.training import TorchShim  # noqa: E402
 
 # Level 2 here only where Inductor changes what is checked; tests/gpu runs every level (tests/conftest.py)
 _INDUCTOR_ON_CPU = {"test_traced_levels_train_as_eager_does"}
@@ -17,7 +17,7 @@ TOLERANCE = {1: 0.0, 2: 1e-5}
 
 
 @pytest.fixture
-def F():
+def T():
     with graph_opt.testing.simulate_cuda_graphs():
         yield TorchShim()
 
@@ -29,21 +29,21 @@ def _close(a, b, level) -> bool:
 
 
 @pytest.mark.parametrize("level", [1, pytest.param(2, marks=pytest.mark.inductor)])
-def test_traced_levels_train_as_eager_does(F, level, steps=5):
+def test_traced_levels_train_as_eager_does(T, level, steps=5):
     """SGD steps through a graphed block at level 1 (dropout on: the traced graph draws eager's masks)
     and level 2: outputs, input and parameter gradients, parameters after each step."""
-    ref = F.block(dropout=0.1 if level == 1 else 0.0)
+    ref = T.block(dropout=0.1 if level == 1 else 0.0)
     m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level)
     opts = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (ref, m)]
     for step in range(steps):
-        x = F.randn([4, 6, F.hidden], seed=step)
+        x = T.randn([4, 6, T.hidden], seed=step)
         got = []
         for model, opt in zip((ref, m), opts):
             opt.zero_grad(set_to_none=True)
             xin = x.clone().requires_grad_(True)
             torch.manual_seed(step)
             y = model(xin)
-            F.loss(y).backward()
+            T.loss(y).backward()
             opt.step()
             got.append((y, xin.grad))
         (y_ref, gx_ref), (y, gx) = got
@@ -56,20 +56,20 @@ def test_traced_levels_train_as_eager_does(F, level, steps=5):
     assert (s.warmups, s.captures, s.replays, s.fallbacks) == (2, 1, steps - 2, 0), s
 
 
-def test_a_traced_block_with_several_outputs_is_captured_from_its_eager_forward(F, caplog):
+def test_a_traced_block_with_several_outputs_is_captured_from_its_eager_forward(T, caplog):
     """A traced backward gives an output the loss leaves out a zero gradient (a head's parameters would
     get zeros, not None, and a logged norm's backward NaN): such a key is captured at level 0."""
-    ref = F.monitored_block()
+    ref = T.monitored_block()
     m = graph_opt.autocudagraph(copy.deepcopy(ref), level=1, warmup_steps=0)
     caplog.set_level("INFO", logger="graph_opt")
     for step in range(4):
-        x = F.zero_row(F.randn([4, F.hidden], seed=step), 2)
+        x = T.zero_row(T.randn([4, T.hidden], seed=step), 2)
         got = []
         for model in (ref, m):
             model.zero_grad(set_to_none=True)
             xin = x.clone().requires_grad_(True)
             y, rms = model(xin)
-            F.loss(y).backward()
+            T.loss(y).backward()
             got.append([xin.grad] + [p.grad for p in model.parameters()])
         for a, b in zip(*got):
             assert torch.equal(a, b) and not a.isnan().any(), f"step {step}"
@@ -77,7 +77,7 @@ def test_a_traced_block_with_several_outputs_is_captured_from_its_eager_forward(
     assert any("captured from the eager forward" in r.getMessage() for r in caplog.records)
 
 
-def test_a_forward_that_makes_device_constants_from_python_numbers_is_traced(F):
+def test_a_forward_that_makes_device_constants_from_python_numbers_is_traced(T):
     """`torch.where(mask, torch.tensor(0.0, device=...), min)` (Hugging Face's eager attention mask): a
     host-to-device copy inside the forward, which a capture of the eager forward refuses on a device.
     Traced, the constant is part of the graph; the gradients are eager's."""
@@ -93,13 +93,13 @@ def test_a_forward_that_makes_device_constants_from_python_numbers_is_traced(F):
             return torch.softmax(h + bias, -1)
 
     torch.manual_seed(0)
-    ref = Masked(F.hidden).to(F.device)
+    ref = Masked(T.hidden).to(T.device)
     m = graph_opt.autocudagraph(copy.deepcopy(ref), level=1)
     for step in range(4):
-        x = F.randn([4, F.hidden], seed=step)
+        x = T.randn([4, T.hidden], seed=step)
         for model in (ref, m):
             model.zero_grad(set_to_none=True)
-            F.loss(model(x)).backward()
+            T.loss(model(x)).backward()
         for (name, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
             assert torch.equal(p.grad, p_ref.grad), f"step {step}: grad of {name}"
     s = graph_opt.stats(m)
@@ -107,7 +107,7 @@ def test_a_forward_that_makes_device_constants_from_python_numbers_is_traced(F):
 
 
 @pytest.mark.parametrize("level", [1, pytest.param(2, marks=pytest.mark.inductor)])
-def test_a_plain_attribute_set_after_capture_is_traced_and_captured_again(F, level):
+def test_a_plain_attribute_set_after_capture_is_traced_and_captured_again(T, level):
     """`block.temperature = 2.0` between steps at a traced level: the captured graph baked the value
     (replays skip Dynamo's guards), so it is captured again; the trace follows Dynamo's own guards."""
 
@@ -121,17 +121,17 @@ def test_a_plain_attribute_set_after_capture_is_traced_and_captured_again(F, lev
             return torch.tanh(self.lin(x)) / self.temperature
 
     torch.manual_seed(0)
-    ref = Tempered(F.hidden).to(F.device)
+    ref = Tempered(T.hidden).to(T.device)
     m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level, warmup_steps=0)
     for step, temperature in enumerate((1.0, 1.0, 1.0, 2.0, 2.0, 3.0)):
         ref.temperature = m.temperature = temperature
-        x = F.randn([4, F.hidden], seed=step)
+        x = T.randn([4, T.hidden], seed=step)
         got = []
         for model in (ref, m):
             model.zero_grad(set_to_none=True)
             xin = x.clone().requires_grad_(True)
             y = model(xin)
-            F.loss(y).backward()
+            T.loss(y).backward()
             got.append([y, xin.grad, model.lin.weight.grad])
         for a, b in zip(*got):
             assert _close(a, b, level), f"step {step} (temperature {temperature})"
@@ -140,7 +140,7 @@ def test_a_plain_attribute_set_after_capture_is_traced_and_captured_again(F, lev
 
 
 @pytest.mark.parametrize("level", [1, pytest.param(2, marks=pytest.mark.inductor)])
-def test_a_second_output_that_starts_carrying_gradients_is_not_traced(F, level):
+def test_a_second_output_that_starts_carrying_gradients_is_not_traced(T, level):
     """A traced block whose auxiliary head is frozen at first (one output carries gradients), then
     unfrozen while the loss leaves its output out: eager leaves the head's .grad None and makes no NaN
     (its output is a norm at an all-zero row); the traced backward would give zeros and NaN."""
@@ -155,7 +155,7 @@ def test_a_second_output_that_starts_carrying_gradients_is_not_traced(F, level):
             return torch.tanh(self.lin(x)), self.aux(x).pow(2).sum(-1).sqrt()
 
     torch.manual_seed(0)
-    ref = Aux(F.hidden).to(F.device)
+    ref = Aux(T.hidden).to(T.device)
     m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level, warmup_steps=0)
     for model in (ref, m):
         model.aux.weight.requires_grad_(False)
@@ -163,12 +163,12 @@ def test_a_second_output_that_starts_carrying_gradients_is_not_traced(F, level):
         if step == 3:
             for model in (ref, m):
                 model.aux.weight.requires_grad_(True)
-        x = F.zero_row(F.randn([4, F.hidden], seed=step), 1)
+        x = T.zero_row(T.randn([4, T.hidden], seed=step), 1)
         got = []
         for model in (ref, m):
             model.zero_grad(set_to_none=True)
             y, _ = model(x)
-            F.loss(y).backward()
+            T.loss(y).backward()
             got.append([model.lin.weight.grad, model.aux.weight.grad])
         (lin_ref, aux_ref), (lin, aux) = got
         assert aux is None and aux_ref is None, f"step {step}: the unused head got a gradient"

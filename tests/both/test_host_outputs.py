@@ -1,6 +1,6 @@
-"""The specification of async host outputs (graph_opt.to_host_async, host_outputs=), written once and
-run per framework. A test module imports these tests and defines the fixture `H`, a framework shim
-(see tests/torch_tests/test_torch_host_outputs.py). No framework is imported here.
+"""The specification of async host outputs (graph_opt.to_host_async, host_outputs=), run on each framework
+through the fixture `H` (tests/both/conftest.py), the framework's shim (tests/torch_zoo/host_outputs.py,
+tests/paddle_zoo/host_outputs.py); tests/gpu/test_gpu_host_outputs.py runs them on real graphs.
 
 The model: a small greedy decoder step. From a state [batch, hidden] it returns
 {"next_tokens": int64 [batch], "stop": bool [batch], "state": float [batch, hidden]}.

@@ -1,24 +1,22 @@
-"""The torch shim of tests/replay_safety_kit.py: the models of its cases and the tensor operations
-it uses, on CPU with simulated graphs or on a CUDA device with real graphs."""
+"""The Paddle models of the inference replay-safety tests (tests/both/test_replay_*.py and Paddle's own), each
+named for what its forward does that a replay must get right; MODELS holds those the shared tests take."""
 import collections
-import contextlib
 import dataclasses
-import io
 import types
 from typing import Any
 
-import torch
+import paddle
 
 import graph_opt
-from replay_safety_kit import HIDDEN, CountsInPlaceMixin, KeepsRowsMixin
+from replay_support import HIDDEN, CountsInPlaceMixin, KeepsRowsMixin
 
 GLOBAL_SCALE = 1.0  # read by ScaledByGlobal.forward
 
 
-class Scaled(torch.nn.Module):
+class Scaled(paddle.nn.Layer):
     def __init__(self):
         super().__init__()
-        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.lin = paddle.nn.Linear(HIDDEN, HIDDEN)
         self.temperature = 1.0
 
     def forward(self, x):
@@ -45,7 +43,7 @@ def _closure_model():
     return ScaledByClosure, set_scale
 
 
-ScaledByClosure, _set_closure_scale = _closure_model()
+ScaledByClosure, set_closure_scale = _closure_model()
 
 
 class OptionalBias(Scaled):
@@ -60,31 +58,31 @@ class OptionalBias(Scaled):
         return y
 
 
-class Mode(torch.nn.Module):
+class Mode(paddle.nn.Layer):
     def forward(self, x):
         return x * 2.0 if self.training else x - 1.0
 
 
-class ModeSwitch(torch.nn.Module):
+class ModeSwitch(paddle.nn.Layer):
     def __init__(self):
         super().__init__()
-        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.lin = paddle.nn.Linear(HIDDEN, HIDDEN)
         self.inner = Mode()
 
     def forward(self, x):
         return self.inner(self.lin(x))
 
 
-class BatchInDim1(torch.nn.Module):
+class BatchInDim1(paddle.nn.Layer):
     """x is [6, batch]: the batch is dim 1 of the input and of output y; w has no batch dim."""
 
     def __init__(self):
         super().__init__()
-        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 6).unsqueeze(1))
-        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.scale = self.create_parameter([6, 1], default_initializer=paddle.nn.initializer.Constant(0.75))
+        self.lin = paddle.nn.Linear(HIDDEN, HIDDEN)
 
     def forward(self, x):
-        return {"y": torch.tanh(x) * self.scale, "w": self.lin.weight * 2.0}
+        return {"y": paddle.tanh(x) * self.scale, "w": self.lin.weight * 2.0}
 
 
 class CountsRows(Scaled):
@@ -99,21 +97,21 @@ class Scales(Scaled):
 
 class WritesInput(Scaled):
     def forward(self, x):
-        x.add_(1.0)
+        x.add_(paddle.ones_like(x))
         return self.lin(x)
 
 
-class KVCache(torch.nn.Module):
+class KVCache(paddle.nn.Layer):
     """A KV-cache-style write at the rows' positions, then a read of them."""
 
     def __init__(self):
         super().__init__()
-        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.register_buffer("cache", torch.zeros(16, HIDDEN))
+        self.lin = paddle.nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("cache", paddle.zeros([16, HIDDEN]))
 
     def forward(self, x, pos):
-        self.cache.index_copy_(0, pos, self.lin(x))
-        return self.cache.index_select(0, pos) * 2.0
+        self.cache.scatter_(pos, self.lin(x))
+        return paddle.index_select(self.cache, pos) * 2.0
 
 
 class BatchMean(Scaled):
@@ -131,7 +129,7 @@ class BranchOnBatch(Scaled):
 
 class Positions(Scaled):
     def forward(self, x):
-        return {"y": self.lin(x), "pos": torch.arange(4, device=x.device).expand(x.shape[0], -1)}
+        return {"y": self.lin(x), "pos": paddle.arange(4).expand([x.shape[0], 4])}
 
 
 class Square(Scaled):
@@ -144,24 +142,24 @@ class HostShapes(Scaled):
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("table", torch.arange(8, dtype=torch.float32))
+        self.register_buffer("table", paddle.arange(8, dtype="float32"))
 
     def forward(self, x):
-        return {"y": self.lin(x), "fixed": self.table * 2.0, "by_column": torch.tanh(x).t()[:6]}
+        return {"y": self.lin(x), "fixed": self.table * 2.0, "by_column": paddle.tanh(x).t()[:6]}
 
 
 class WritesFirst(Scaled):
     def forward(self, a, b):
-        a.mul_(2.0)
+        a.scale_(2.0)
         return self.lin(b)
 
 
 @dataclasses.dataclass
 class Batch:
-    x: torch.Tensor
+    x: Any
 
     def __post_init__(self):
-        self.scale = self.x.abs().amax() + 1.0  # not a field: computed from the rows the caller made
+        self.scale = self.x.abs().max() + 1.0  # not a field: computed from the rows the caller made
 
 
 @dataclasses.dataclass
@@ -182,7 +180,7 @@ class Out(collections.OrderedDict):
 
 class TakesContainers(Scaled):
     def forward(self, batch, extra):
-        return Out(y=self.lin(batch.x / batch.scale) + extra["b"], z=torch.tanh(extra["b"]))
+        return Out(y=self.lin(batch.x / batch.scale) + extra["b"], z=paddle.tanh(extra["b"]))
 
 
 class State:
@@ -206,13 +204,13 @@ class AdvancesState(Scaled):
 class AddsInPlace(Scaled):
     def forward(self, x):
         y = self.lin(x)
-        y.add_(torch.ones_like(y))  # in place on an intermediate tensor
+        y.add_(paddle.ones_like(y))  # in place on an intermediate tensor: SOT drops it (Paddle 3.3.1)
         return y * 2.0
 
 
 class WritesUntracked(Scaled):
     def forward(self, x):
-        x.data.mul_(2.0).add_(1.0)  # through .data: x's version counter does not move
+        x.copy_(x * 2.0 + 1.0, False)  # copy_ (and set_value) do not move the inplace version
         return self.lin(x)
 
 
@@ -221,11 +219,11 @@ class CountsSmallBatches(Scaled):
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("small_batches", torch.zeros(1))
+        self.register_buffer("small_batches", paddle.zeros([1]))
 
     def forward(self, x):
         if x.shape[0] < 4:
-            self.small_batches += 1
+            self.small_batches.set_value(self.small_batches + 1)
         return self.lin(x)
 
 
@@ -234,7 +232,7 @@ class InstallsHook(Scaled):
 
     def forward(self, x):
         if not getattr(self, "hooked", False):
-            self.lin.register_forward_hook(lambda module, inputs, output: output * 2.0)
+            self.lin.register_forward_post_hook(lambda module, inputs, output: output * 2.0)
             self.hooked = True
         return self.lin(x)
 
@@ -258,14 +256,15 @@ class ReturnsObject(Scaled):
 
 
 class CountsSteps(Scaled):
-    """A step counter the forward advances and reads (as a decoder's position buffer)."""
+    """A step counter the forward advances and reads (as a decoder's position buffer), through set_value:
+    its inplace version does not move."""
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("steps", torch.zeros(1))
+        self.register_buffer("steps", paddle.zeros([1]))
 
     def forward(self, x):
-        self.steps += 1
+        self.steps.set_value(self.steps + 1)
         return self.lin(x) + self.steps
 
 
@@ -274,10 +273,10 @@ class TalliesRows(Scaled):
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("rows_seen", torch.zeros(1))
+        self.register_buffer("rows_seen", paddle.zeros([1]))
 
     def forward(self, x):
-        self.rows_seen += x.shape[0]
+        self.rows_seen.set_value(self.rows_seen + x.shape[0])
         return self.lin(x)
 
 
@@ -286,8 +285,8 @@ class ArgCache(Scaled):
     of the same call would add twice), then reads those slots."""
 
     def forward(self, x, cache, slots):
-        cache.index_add_(0, slots, self.lin(x))
-        return cache.index_select(0, slots) * 2.0
+        paddle.index_add_(cache, slots, 0, self.lin(x))
+        return paddle.index_select(cache, slots) * 2.0
 
 
 class ReadsTable(Scaled):
@@ -313,7 +312,7 @@ class Embeds(Scaled):
 
     def __init__(self):
         super().__init__()
-        self.emb = torch.nn.Embedding(32, HIDDEN)
+        self.emb = paddle.nn.Embedding(32, HIDDEN)
 
     def forward(self, ids):
         return self.lin(self.emb(ids))
@@ -329,7 +328,7 @@ class PairsRows(Scaled):
     """Runs only an even number of rows, as eager does."""
 
     def forward(self, x):
-        return self.lin(x.reshape(-1, 2, HIDDEN)).reshape(x.shape)
+        return self.lin(x.reshape([-1, 2, HIDDEN])).reshape(x.shape)
 
 
 class HoldsDecorated(Scaled):
@@ -352,15 +351,10 @@ class CountsInObject(Scaled):
 
     def __init__(self):
         super().__init__()
-        self.state = types.SimpleNamespace(steps=torch.zeros(1))
-
-    def _apply(self, fn, *args, **kwargs):  # to(device) moves the object's tensor too, as a cache object's owner would
-        super()._apply(fn, *args, **kwargs)
-        self.state.steps = fn(self.state.steps)
-        return self
+        self.state = types.SimpleNamespace(steps=paddle.zeros([1]))
 
     def forward(self, x):
-        self.state.steps.add_(1)
+        self.state.steps.set_value(self.state.steps + 1)
         return self.lin(x) + self.state.steps
 
 
@@ -369,10 +363,10 @@ class HoldsLargeBuffer(Scaled):
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("table", torch.zeros(17 << 20))
+        self.register_buffer("table", paddle.zeros([17 << 20]))
 
     def forward(self, x):
-        self.table[-1:].add_(1)  # a step count at its end
+        self.table[-1:] = self.table[-1:] + 1  # a step count at its end
         return self.lin(x) + self.table[:HIDDEN] + self.table[-1]
 
 
@@ -406,16 +400,8 @@ class AddsIntoAndReturns(Scaled):
 
 class WritesAndPasses(Scaled):
     def forward(self, x, y, z):
-        x.add_(1.0)
+        x.add_(paddle.ones_like(x))
         return self.lin(x) + y, z
-
-
-class AdvancesInPlace(CountsSteps):
-    """The step counter advanced by an in-place op alone (no assignment for the translator to replay)."""
-
-    def forward(self, x):
-        self.steps.add_(1)
-        return self.lin(x) + self.steps
 
 
 class CountsCalls(Scaled):
@@ -469,11 +455,11 @@ class RowState(Scaled):
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("h", torch.zeros(8, HIDDEN))
+        self.register_buffer("h", paddle.zeros([8, HIDDEN]))
 
     def forward(self, x):
         n = x.shape[0]
-        h = torch.tanh(self.h[:n] * 0.5 + self.lin(x))
+        h = paddle.tanh(self.h[:n] * 0.5 + self.lin(x))
         self.h[:n] = h
         return h * 2.0
 
@@ -483,7 +469,7 @@ class ArgRowState(Scaled):
 
     def forward(self, x, state):
         n = x.shape[0]
-        h = torch.tanh(state[:n] * 0.5 + self.lin(x))
+        h = paddle.tanh(state[:n] * 0.5 + self.lin(x))
         state[:n] = h
         return h * 2.0
 
@@ -493,16 +479,16 @@ class PenaltyCounts(Embeds):
 
     def __init__(self):
         super().__init__()
-        self.head = torch.nn.Linear(HIDDEN, 32)
-        self.register_buffer("counts", torch.zeros(32))
+        self.head = paddle.nn.Linear(HIDDEN, 32)
+        self.register_buffer("counts", paddle.zeros([32]))
 
     def forward(self, ids):
         logits = self.head(self.lin(self.emb(ids))) - self.counts
-        self.counts.index_add_(0, ids, torch.ones_like(ids, dtype=self.counts.dtype))
+        paddle.index_add_(self.counts, ids, 0, paddle.ones([ids.shape[0]]))
         return logits
 
 
-class CallsTwice(torch.nn.Module):
+class CallsTwice(paddle.nn.Layer):
     """Calls a block (a decorated model, captured on its own) twice in one forward, and uses both outputs."""
 
     def __init__(self, block):
@@ -541,7 +527,7 @@ class DecayRowState(Scaled):
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("h", torch.zeros(8, HIDDEN))
+        self.register_buffer("h", paddle.zeros([8, HIDDEN]))
 
     def forward(self, x):
         n = x.shape[0]
@@ -554,7 +540,7 @@ class RowAverage(Scaled):
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("avg", torch.zeros(8, HIDDEN))
+        self.register_buffer("avg", paddle.zeros([8, HIDDEN]))
 
     def forward(self, x):
         n = x.shape[0]
@@ -568,7 +554,7 @@ class LastRows(Scaled):
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("last", torch.zeros(8, HIDDEN))
+        self.register_buffer("last", paddle.zeros([8, HIDDEN]))
 
     def forward(self, x):
         n = x.shape[0]
@@ -593,11 +579,11 @@ class SlotCache(Scaled):
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("cache", torch.zeros(16, HIDDEN))
+        self.register_buffer("cache", paddle.zeros([16, HIDDEN]))
 
     def forward(self, x, slots):
-        self.cache.index_copy_(0, slots, self.lin(x))
-        return self.cache.index_select(0, slots) * 2.0
+        self.cache.scatter_(slots, self.lin(x))
+        return paddle.index_select(self.cache, slots) * 2.0
 
 
 class PenaltyAtIds(Embeds):
@@ -605,11 +591,11 @@ class PenaltyAtIds(Embeds):
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("counts", torch.zeros(32))
+        self.register_buffer("counts", paddle.zeros([32]))
 
     def forward(self, ids):
-        out = self.lin(self.emb(ids)) - self.counts[ids].unsqueeze(-1)
-        self.counts.index_add_(0, ids, torch.ones_like(ids, dtype=self.counts.dtype))
+        out = self.lin(self.emb(ids)) - paddle.gather(self.counts, ids).unsqueeze(-1)
+        paddle.index_add_(self.counts, ids, 0, paddle.ones([ids.shape[0]]))
         return out
 
 
@@ -645,165 +631,7 @@ MODELS = types.SimpleNamespace(ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=Re
                                MeanLoss=MeanLoss, Embeds=Embeds, EmbedsBatchMean=EmbedsBatchMean,
                                PairsRows=PairsRows, HoldsDecorated=HoldsDecorated,
                                CountsInObject=CountsInObject, HoldsLargeBuffer=HoldsLargeBuffer,
-                               ReadsLargeBuffer=ReadsLargeBuffer, AdvancesInPlace=AdvancesInPlace,
+                               ReadsLargeBuffer=ReadsLargeBuffer,
+                               AdvancesInPlace=CountsSteps,  # set_value: in place, no assignment
                                Steps=Steps, PassesThrough=PassesThrough, WritesAndPasses=WritesAndPasses,
                                AddsIntoAndReturns=AddsIntoAndReturns)
-
-
-class TorchF:
-    static_writes_inputs = True  # Dynamo's graphs write a mutated input back
-    static_makes_python_stores = True  # Dynamo's transformed code makes a forward's Python stores
-
-    def __init__(self, device="cpu"):
-        self.device = torch.device(device)
-        self.simulate = self.device.type != "cuda"
-        # Inductor's CUDA code folds a -0.0 constant to 0.0 (torch.compile alone, measured with torch 2.11)
-        self.inductor_drops_the_sign_of_zero = self.device.type == "cuda"
-
-    def graphs(self):
-        """Where captures happen: simulated graphs on CPU, real ones on a CUDA device."""
-        return graph_opt.testing.simulate_cuda_graphs() if self.simulate else contextlib.nullcontext()
-
-    def place(self, model):
-        return model.to(self.device)
-
-    @staticmethod
-    def models():
-        return MODELS
-
-    @staticmethod
-    def seed(n):
-        torch.manual_seed(n)
-
-    @staticmethod
-    def copy_weights(dst, src):
-        dst.load_state_dict(src.state_dict())
-
-    def randn(self, *shape, seed=0):
-        return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(self.device)
-
-    def arange(self, n, start=0):
-        return torch.arange(start, start + n, device=self.device)
-
-    def ids(self, values):
-        return torch.tensor(values, device=self.device)
-
-    def parameter(self, shape, value):
-        return torch.nn.Parameter(torch.full(shape, value, device=self.device))
-
-    @staticmethod
-    def no_grad():
-        return torch.no_grad()
-
-    @staticmethod
-    def equal(a, b):
-        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-
-    @staticmethod
-    def close(a, b):
-        return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
-
-    @staticmethod
-    def same_with_nan(a, b, exact=True):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        return torch.allclose(a, b, rtol=0 if exact else 1e-5, atol=0, equal_nan=True)
-
-    @staticmethod
-    def shape(t):
-        return list(t.shape)
-
-    @staticmethod
-    def dtype_name(t):
-        return str(t.dtype).replace("torch.", "")
-
-    @staticmethod
-    def clone(t):
-        return t.clone()
-
-    @staticmethod
-    def scale(t, k):
-        return t * k
-
-    @staticmethod
-    def pre_hook(model, fn):
-        model.register_forward_pre_hook(lambda mod, args: fn(args))
-
-    @staticmethod
-    def post_hook(model, fn):
-        return model.register_forward_hook(lambda mod, args, out: fn(out))
-
-    @staticmethod
-    def zero_buffer(t):
-        t.zero_()
-
-    @staticmethod
-    def rows(t, start, stop):
-        return t[start:stop]
-
-    @staticmethod
-    def pad_rows(t, size, value=0):
-        """t with rows of `value` appended up to `size` rows, as a padded call's static buffer holds it."""
-        return torch.cat([t, t.new_full((size - t.shape[0], *t.shape[1:]), value)])
-
-    def containers(self, n, seed=0):
-        return Batch(self.randn(n, HIDDEN, seed=seed)), collections.OrderedDict(b=self.randn(n, HIDDEN, seed=seed + 7))
-
-    def state_object(self):
-        return State(torch.zeros(HIDDEN, device=self.device))
-
-    @staticmethod
-    def full_like_row(x, value):
-        return torch.full(x.shape[1:], value, device=x.device)
-
-    @staticmethod
-    def replace_weight(module, value):
-        module.weight = torch.nn.Parameter(torch.full_like(module.weight, value))
-
-    @staticmethod
-    def to_double(x):
-        return x.double()
-
-    @staticmethod
-    def parameters(m):
-        return list(m.parameters())
-
-    @staticmethod
-    def freeze(p):
-        p.requires_grad_(False)
-
-    @staticmethod
-    def numpy(t):
-        return t.detach().cpu().numpy()
-
-    @staticmethod
-    def tolist(t):
-        return t.tolist()
-
-    @staticmethod
-    def transpose(t):
-        return t.t()
-
-    @staticmethod
-    def set_global_scale(value):
-        global GLOBAL_SCALE
-        GLOBAL_SCALE = value
-
-    @staticmethod
-    def set_closure_scale(value):
-        _set_closure_scale(value)
-
-    def picklable_model(self, level):
-        torch.manual_seed(0)
-        return Picklable(graph_opt_config=graph_opt.GraphOptConfig(
-            graph_opt_level=level, cudagraph_capture_sizes=[2, 4, 8])).to(self.device)
-
-    @staticmethod
-    def save_load(m):
-        buf = io.BytesIO()
-        torch.save(m, buf)
-        buf.seek(0)
-        return torch.load(buf, weights_only=False)
-
-    def autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)

@@ -1,5 +1,6 @@
-"""The torch shim of tests/training_kit.py: a transformer-like block, a nested block, and the tensor
-operations the shared tests use. On CPU (simulated graphs) or on a CUDA device (real graphs)."""
+"""The torch blocks of the autocudagraph tests (tests/both/test_training_spec.py and torch's own) and their
+shim: a transformer-like block, a nested block, and the tensor operations the shared tests use. On CPU
+(simulated graphs) or on a CUDA device (real graphs)."""
 import copy
 
 import torch

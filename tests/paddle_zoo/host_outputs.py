@@ -1,12 +1,9 @@
-"""Async host outputs on Paddle, with simulated graphs: tests/host_outputs_kit.py with the Paddle shim
-below. Paddle's pinned-memory and stream path is written against Paddle 3.2+ and not run here."""
+"""The Paddle model and shim of tests/both/test_host_outputs.py: a greedy decoder step. Paddle's pinned-memory
+and stream path is written against Paddle 3.2+ and not run here."""
 import numpy as np
-import pytest
+import paddle
 
-paddle = pytest.importorskip("paddle")
-
-import graph_opt  # noqa: E402
-from host_outputs_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
+import graph_opt
 
 
 class DecoderStep(paddle.nn.Layer):
@@ -49,9 +46,3 @@ class PaddleHostShim:
     @staticmethod
     def numpy(t):
         return t.numpy().copy()
-
-
-@pytest.fixture
-def H():
-    with paddle.no_grad(), graph_opt.testing.simulate_cuda_graphs():
-        yield PaddleHostShim()

@@ -1,9 +1,9 @@
-"""cudagraph_mode "full_and_piecewise" (graph_opt.dispatch), written once and run per framework: a test
-module imports these tests and defines the fixture `H`, whose `demo` is the framework's demo module
-(benchmarks/torch_demo.py or paddle_demo.py: DemoDecoder, whose attention is a splitting op)."""
+"""cudagraph_mode "full_and_piecewise" (graph_opt.dispatch), run on each framework through the fixture `D`
+(tests/both/conftest.py): `D.demo` is the framework's demo module (benchmarks/torch_demo.py or
+paddle_demo.py: DemoDecoder, whose attention is a splitting op), `D.simulated()` where captures run.
+tests/gpu/test_gpu_dispatch.py runs them on real graphs."""
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import pytest
@@ -13,17 +13,6 @@ from graph_opt.decorator import state_of
 
 SIZES = [1, 2, 4, 8]
 HIDDEN, LAYERS = 16, 2
-
-
-class Shim:
-    """What a test module's fixture `H` gives: its framework's demo module, and whether graphs are simulated."""
-
-    def __init__(self, demo, simulate: bool = True):
-        self.demo = demo
-        self.simulate = simulate
-
-    def simulated(self):
-        return graph_opt.testing.simulate_cuda_graphs() if self.simulate else contextlib.nullcontext()
 
 
 class Kind:
@@ -36,33 +25,33 @@ class Kind:
         return self.value
 
 
-def _model(H, level=0, key=None, **cfg):
+def _model(D, level=0, key=None, **cfg):
     key = key or Kind()
-    cls = graph_opt.support_graph_optimization(type("Dispatched", (H.demo.DemoDecoder,), {}), dispatch_key_fn=key)
+    cls = graph_opt.support_graph_optimization(type("Dispatched", (D.demo.DemoDecoder,), {}), dispatch_key_fn=key)
     config = graph_opt.GraphOptConfig(graph_opt_level=level, cudagraph_mode="full_and_piecewise",
                                       cudagraph_capture_sizes=SIZES, **cfg)
-    model, reference = H.demo.build(config, hidden=HIDDEN, layers=LAYERS, cls=cls)
+    model, reference = D.demo.build(config, hidden=HIDDEN, layers=LAYERS, cls=cls)
     return model, reference, key
 
 
-def _capture(H, model):
-    with H.simulated():
-        return graph_opt.capture_model(model, lambda n: H.demo.make_inputs(n, HIDDEN, seed=n), progress=False)
+def _capture(D, model):
+    with D.simulated():
+        return graph_opt.capture_model(model, lambda n: D.demo.make_inputs(n, HIDDEN, seed=n), progress=False)
 
 
 @pytest.mark.parametrize("level", [0, 1])
-def test_each_size_has_both_kinds_and_the_key_picks_one_per_call(H, level):
-    model, reference, kind = _model(H, level)
-    report = _capture(H, model)
+def test_each_size_has_both_kinds_and_the_key_picks_one_per_call(D, level):
+    model, reference, kind = _model(D, level)
+    report = _capture(D, model)
     assert report.failed is None and [s.size for s in report.sizes] == sorted(SIZES, reverse=True)
     pieces = report.sizes[0].pieces  # cut at each layer's attention (Paddle's SOT may cut once more)
     assert pieces >= LAYERS + 1 and all(s.pieces == pieces and s.graphs == pieces + 1 for s in report.sizes), \
         str(report)
-    with H.demo.no_grad():
+    with D.demo.no_grad():
         for step, (k, bs) in enumerate([("full", 4), ("piecewise", 4), ("full", 3), ("piecewise", 8)]):
             kind.value = k
-            x = H.demo.make_inputs(bs, HIDDEN, seed=100 + step)["x"]
-            same, diff = H.demo.compare(model(x), reference(x))
+            x = D.demo.make_inputs(bs, HIDDEN, seed=100 + step)["x"]
+            same, diff = D.demo.compare(model(x), reference(x))
             # bitwise where the replay computed what eager does: level 0 at a captured size
             assert same if level == 0 and bs in SIZES else diff <= 1e-5, f"{k} at batch {bs}: max diff {diff}"
     stats = graph_opt.stats(model)
@@ -70,17 +59,17 @@ def test_each_size_has_both_kinds_and_the_key_picks_one_per_call(H, level):
     assert stats.graphs == {size: pieces + 1 for size in SIZES} and "full and piecewise" in stats.mode
 
 
-def test_the_kinds_share_one_memory_pool_and_one_guard(H):
-    model, _, _ = _model(H)
-    _capture(H, model)
+def test_the_kinds_share_one_memory_pool_and_one_guard(D):
+    model, _, _ = _model(D)
+    _capture(D, model)
     runner = state_of(model).runner
     assert runner.piecewise.pool is runner.full.pool
     assert runner.full.guard is runner.piecewise.guard is runner.guard
 
 
-def test_a_capture_failure_drops_both_kinds_with_one_warning(H, caplog, monkeypatch):
-    model, reference, kind = _model(H)
-    with H.simulated():
+def test_a_capture_failure_drops_both_kinds_with_one_warning(D, caplog, monkeypatch):
+    model, reference, kind = _model(D)
+    with D.simulated():
         runner = state_of(model).ensure_runner()
     real = runner.piecewise.strategy.capture
 
@@ -91,27 +80,27 @@ def test_a_capture_failure_drops_both_kinds_with_one_warning(H, caplog, monkeypa
 
     monkeypatch.setattr(runner.piecewise.strategy, "capture", failing)
     with caplog.at_level(logging.WARNING, logger="graph_opt"):
-        report = _capture(H, model)
+        report = _capture(D, model)
     assert "injected piecewise capture fault" in report.failed
     assert len([r for r in caplog.records if "injected" in r.getMessage()]) == 1
-    x = H.demo.make_inputs(4, HIDDEN, seed=1)["x"]
-    with H.demo.no_grad():
+    x = D.demo.make_inputs(4, HIDDEN, seed=1)["x"]
+    with D.demo.no_grad():
         for k in ("full", "piecewise"):
             kind.value = k
-            assert H.demo.compare(model(x), reference(x))[0]
+            assert D.demo.compare(model(x), reference(x))[0]
     assert graph_opt.stats(model).replays == 0 and graph_opt.stats(model).captured_sizes == []
     graph_opt.clear_graphs(model)
     monkeypatch.setattr(runner.piecewise.strategy, "capture", real)
-    assert _capture(H, model).failed is None
+    assert _capture(D, model).failed is None
     assert graph_opt.stats(model).captured_sizes == SIZES
 
 
-def test_a_lazy_capture_failing_in_one_kind_stops_both_and_train_mode_never_replays(H, caplog, monkeypatch):
+def test_a_lazy_capture_failing_in_one_kind_stops_both_and_train_mode_never_replays(D, caplog, monkeypatch):
     """The kinds share the model's state (training flags, replaced parameters...): one kind failing at a
     call must not leave the other replaying without those checks."""
-    model, reference, kind = _model(H)
-    x = H.demo.make_inputs(4, HIDDEN, seed=1)["x"]
-    with H.simulated(), H.demo.no_grad():
+    model, reference, kind = _model(D)
+    x = D.demo.make_inputs(4, HIDDEN, seed=1)["x"]
+    with D.simulated(), D.demo.no_grad():
         model(x)
         model(x)  # full@4 captured at the call, then replayed
         runner = state_of(model).runner
@@ -122,27 +111,27 @@ def test_a_lazy_capture_failing_in_one_kind_stops_both_and_train_mode_never_repl
         monkeypatch.setattr(runner.piecewise.strategy, "capture", failing)
         kind.value = "piecewise"
         with caplog.at_level(logging.WARNING, logger="graph_opt"):
-            assert H.demo.compare(model(x), reference(x))[0]
+            assert D.demo.compare(model(x), reference(x))[0]
         assert len([r for r in caplog.records if "injected" in r.getMessage()]) == 1
         model.train()
         reference.train()
         kind.value = "full"
         before = graph_opt.stats(model).replays
-        assert H.demo.compare(model(x), reference(x))[0]
+        assert D.demo.compare(model(x), reference(x))[0]
     stats = graph_opt.stats(model)
     assert stats.replays == before and "injected" in stats.disabled_reason
 
 
-def test_a_bad_key_and_a_missing_key_fn_are_named(H):
-    model, _, kind = _model(H)
-    _capture(H, model)
+def test_a_bad_key_and_a_missing_key_fn_are_named(D):
+    model, _, kind = _model(D)
+    _capture(D, model)
     kind.value = "decode"
-    with H.demo.no_grad(), pytest.raises(graph_opt.GraphOptInputError,
+    with D.demo.no_grad(), pytest.raises(graph_opt.GraphOptInputError,
                                          match=r"dispatch_key_fn returned 'decode'; it must return 'full'"):
-        model(H.demo.make_inputs(2, HIDDEN)["x"])
-    cls = graph_opt.support_graph_optimization(type("NoKey", (H.demo.DemoDecoder,), {}))
+        model(D.demo.make_inputs(2, HIDDEN)["x"])
+    cls = graph_opt.support_graph_optimization(type("NoKey", (D.demo.DemoDecoder,), {}))
     named = r"cudagraph_mode='full_and_piecewise' \(from GraphOptConfig\(\)\) for NoKey.*dispatch_key_fn"
     with pytest.raises(graph_opt.GraphOptConfigError, match=named):
         cls(HIDDEN, LAYERS, graph_opt_config=graph_opt.GraphOptConfig(cudagraph_mode="full_and_piecewise"))
     with pytest.raises(graph_opt.GraphOptInputError, match=r"dispatch_key_fn='full'.*expected a callable"):
-        graph_opt.support_graph_optimization(type("BadKey", (H.demo.DemoDecoder,), {}), dispatch_key_fn="full")
+        graph_opt.support_graph_optimization(type("BadKey", (D.demo.DemoDecoder,), {}), dispatch_key_fn="full")

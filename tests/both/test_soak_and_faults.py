@@ -2,124 +2,39 @@
 every mode of the mode table against an undecorated eager twin, RSS flat; an exception injected at each
 point of the capture phase and at a replay; two threads calling one model.
 
-A framework's module (paddle_tests/test_soak_faults.py, torch_tests/test_torch_soak_faults.py) keeps
-what differs: its model and eager twin, how it makes inputs and compares outputs, its own fault point
-(SOT's translation callback, the Dynamo backend). It hands them over as a SoakKit named KIT, with a
-`kit` fixture returning it, and imports the tests below (and pytest_generate_tests), which pytest
-collects there. This module imports neither framework: a machine without one skips that module only.
+Each framework brings its model and eager twin, how it makes inputs and compares outputs, and its own
+fault point (SOT's translation callback, the Dynamo backend) as a SoakKit: the fixture `kit`
+(tests/both/conftest.py; tests/torch_zoo/soak.py, tests/paddle_zoo/soak.py).
 """
 import contextlib
-import dataclasses
 import gc
-import logging
 import os
 import random
 import sys
 import threading
 import time
-from typing import Callable
 
 import pytest
 
 import graph_opt
 from graph_opt import split, testing
 from graph_opt.level0 import EagerStrategy
+from soak_support import (BLOCK_GROWTH_BOUND, CALLS, FAULT, FAULT_MODES, HIDDEN, MODES, ROW_TOLERANCE,
+                          RSS_GROWTH_BOUND, SIZES, WARNINGS, leftover_capture_state)
 
-HIDDEN = 16
-SIZES = [1, 2, 4, 8]
-# float32: a padded batch multiplies more rows (another matmul blocking) than the unpadded eager run,
-# and a compiled program (a whole-forward SOT program, Inductor's kernels) may run other kernels than
-# eager: the real rows then differ from eager in the last bits, never more than this.
-ROW_TOLERANCE = 1e-5
-# From call 1,000 to call 10,000 (9,000 calls): a leak of 1 KiB per call would add 8.8 MiB of RSS, and
-# one object per call 9,000 Python memory blocks (the block count catches leaks too small for RSS).
-# Measured on 2 cores: Paddle +1.5 to +3.5 MiB (see its SOT_FRAMES), torch +0.0 to +0.1 MiB, blocks flat.
-RSS_GROWTH_BOUND = 10 * 2**20
-BLOCK_GROWTH_BOUND = 2_000
-WARNINGS = logging.WARNING
-CALLS = 10_000
+_CI_SECONDS = 27  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 
-# level x use_cudagraph x full_cuda_graph: every row of the mode table (full_cuda_graph is meaningless
-# without graphs; both values are run anyway).
-MODES = {
-    f"L{level}-{'graphs' if use else 'nographs'}-{'full' if full else 'piecewise'}":
-        dict(graph_opt_level=level, use_cudagraph=use, full_cuda_graph=full)
-    for level in (0, 1, 2) for use in (False, True) for full in (True, False)
-}
-FAULT_MODES = {  # level 2 is level 1 but for the compiler (none on Paddle's CPU build, Inductor on torch)
-    "L0-full": dict(graph_opt_level=0, full_cuda_graph=True),
-    "L0-piecewise": dict(graph_opt_level=0, full_cuda_graph=False),
-    "L1-full": dict(graph_opt_level=1, full_cuda_graph=True),
-    "L1-piecewise": dict(graph_opt_level=1, full_cuda_graph=False),
-}
+# the modes of the two-threads-one-model test
+THREAD_MODES = {"torch": ["L1-graphs-piecewise", "L0-graphs-full", "L1-nographs-full"],
+                "paddle": ["L1-graphs-full", "L0-graphs-piecewise", "L1-nographs-full"]}
 
 
-@dataclasses.dataclass(frozen=True)
-class SoakKit:
-    """What one framework brings to the suite."""
-
-    name: str  # in the soak's printed summary
-    build: Callable  # build(seed=0, **cfg) -> (model, its undecorated eager twin with the same weights)
-    capture: Callable  # capture(model, **kwargs) -> capture_model's report
-    rng: Callable  # rng(seed) -> the random source make_inputs draws from
-    make_inputs: Callable  # make_inputs(bs, rows_g=None, rng=None) -> (x, g); rng None: rng(bs)
-    read: Callable  # an output as compared: a copy, still valid after the next call
-    diff: Callable  # diff(out, want) -> largest |out - want| of two read outputs; inf when shapes differ
-    equal: Callable  # equal(out, want) -> bitwise equal
-    no_grad: Callable  # no_grad() -> a context
-    strategy: type  # the capture strategy of levels >= 1
-    translation: tuple  # (owner, attribute, message): the "translation" fault raises at its first call
-    leftover_state: Callable  # leftover_state(model) -> {flag: set}, the framework's capture state
-    compile_count: Callable  # compile_count() -> graphs compiled so far (none may come after warm-up)
-    recompile_message: str
-    eager_error: type  # what the eager twin raises for batch dims that disagree
-    eager_error_match: str  # ... and a part of its message
-    # (mode, "captured" / "above max"): where the path runs eager's kernels on the same rows, bitwise
-    bitwise: frozenset
-    thread_modes: list  # the modes of the two-threads-one-model test
-    busy_mode: str  # the mode of the call-while-another-thread-replays test
-    # the framework's Python memory blocks that one call of a mode may keep (see BLOCK_GROWTH_BOUND)
-    frames_per_call: dict = dataclasses.field(default_factory=dict)
-    no_mismatch: frozenset = frozenset()  # modes that get no call with disagreeing batch dims in the soak
-
-
-def pytest_generate_tests(metafunc):
-    """Imported by each framework module: the thread test runs in the modes of the module's KIT."""
-    if metafunc.function is test_two_threads_calling_one_model_get_right_answers_or_a_clear_error:
-        metafunc.parametrize("mode", metafunc.module.KIT.thread_modes)
-
-
+# -- 1. soak --------------------------------------------------------------------------------------
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def leftover_capture_state(kit, model=None):
-    return {
-        "is_capturing": graph_opt.is_capturing(),
-        "sot_warmup": graph_opt.in_sot_warmup_mode(),
-        "split_hook": split._split_hook is not None,
-        **kit.leftover_state(model),
-    }
-
-
-# -- the gate: each framework's second splitting op calls gate_fault() first ------------------------
-FAULT = {"split": False, "hold": None}
-
-
-def gate_fault():
-    """Raises once when armed, while a size is being captured; with FAULT["hold"] = (thread id,
-    entered, release), blocks that thread in here."""
-    if FAULT["split"] and graph_opt.is_capturing():
-        FAULT["split"] = False
-        raise RuntimeError("injected failure in a splitting op")
-    hold = FAULT["hold"]
-    if hold is not None and hold[0] == threading.get_ident():
-        hold[1].set()
-        assert hold[2].wait(30)
-
-
-# -- 1. soak --------------------------------------------------------------------------------------
 def test_soak_ten_thousand_random_calls_across_every_mode(kit):
     rng = random.Random(2024)
     source = kit.rng(2024)
@@ -504,8 +419,8 @@ def _in_two_threads(target, args_of):
     assert errors == []
 
 
+@pytest.mark.per_framework("mode", THREAD_MODES)
 def test_two_threads_calling_one_model_get_right_answers_or_a_clear_error(kit, mode):
-    """`mode`: each of kit.thread_modes (pytest_generate_tests)."""
     with testing.simulate_cuda_graphs(), kit.no_grad():
         model, twin = kit.build(**MODES[mode])
         kit.capture(model)

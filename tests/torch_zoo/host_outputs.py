@@ -1,11 +1,8 @@
-"""Async host outputs on torch: tests/host_outputs_kit.py with the torch shim below; with simulated
-graphs on CPU, on real graphs and streams where a CUDA device is present (tests/gpu reuses the shim)."""
-import pytest
+"""The torch model and shim of tests/both/test_host_outputs.py: a greedy decoder step, on CPU with simulated
+graphs or on a CUDA device (tests/gpu/test_gpu_host_outputs.py)."""
+import torch
 
-torch = pytest.importorskip("torch")
-
-import graph_opt  # noqa: E402
-from host_outputs_kit import *  # noqa: E402,F401,F403  the shared tests, collected here
+import graph_opt
 
 
 class DecoderStep(torch.nn.Module):
@@ -50,9 +47,3 @@ class TorchHostShim:
     @staticmethod
     def numpy(t):
         return t.cpu().numpy().copy()  # on CPU .numpy() shares the replay's buffer, which the next replay rewrites
-
-
-@pytest.fixture
-def H():
-    with torch.no_grad(), graph_opt.testing.simulate_cuda_graphs():
-        yield TorchHostShim()
