@@ -230,7 +230,7 @@ class HostCopies(Protocol):
 
 
 class Modules(Protocol):
-    """A model's modules as the change watch reads them (replay_guards.py, training_watch.py)."""
+    """A model's modules as the change watch reads them (module_watch.py)."""
 
     framework_attributes: frozenset  # a module's own bookkeeping attributes, never user state
 
@@ -256,9 +256,11 @@ class Modules(Protocol):
 
     def registration_counter(self) -> list: ...  # parameters, buffers, submodules registered or deleted
 
-    def conversion_counter(self) -> list: ...  # to(), half(), cuda() ...
+    def conversion_counter(self) -> list: ...  # to(), half(), cuda() ..., a parameter's .data assigned
 
     def hook_counter(self) -> list: ...  # a hook handle made or removed
+
+    def attribute_counter(self) -> list: ...  # an attribute of a module set or deleted
 
 
 class Adapter(Tensors, Values, Context, Graphs, HostCopies, Modules, Protocol):

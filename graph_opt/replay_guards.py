@@ -8,9 +8,10 @@ while the Python state the forward read at capture is unchanged. What is checked
   train() / eval() anywhere (the adapter counts them; a replay compares one integer) or when the
   model's own flag changed: set submodule flags with train() / eval(), not by assigning `training`;
 - the ambient mode the framework computes in: autocast (torch) / auto_cast (Paddle) and its dtype;
-- parameters and buffers converted in place (to(), half(), cpu(): the same objects, other data): the
-  framework's _apply bumps a counter, and after a bump the tensors' addresses, dtypes and devices are
-  compared with those at capture;
+- parameters and buffers converted in place (to(), half(), cpu(): the same objects, other data) or a
+  parameter's `.data` assigned: the framework's _apply and the parameters' `.data` setter bump a
+  counter, and after a bump the tensors' addresses, dtypes and devices are compared with those at
+  capture;
 - parameters, buffers and submodules replaced by new objects: a counter that torch's registration hooks
   and its functional_call helpers (Paddle: Layer.__setattr__ and friends) bump; at level 0, and on Paddle
   at every level (torch's level >= 1: direct_replay._ModuleTensors). Replays resume once the captured
@@ -19,14 +20,15 @@ while the Python state the forward read at capture is unchanged. What is checked
   a hook handle bumps; after a bump the hooks are compared with those at capture). The model's own
   hooks run around the plugin at every call;
 - level 0 only: every attribute of the decorated model set after capture, compared with its value at
-  capture (type and value for plain values, identity for objects). At level >= 1 the framework's own
-  guards (Dynamo's guard manager, SOT's guard functions) check what the forward read, anywhere.
-Not seen: a parameter's `.data` assigned (the same object, no _apply): assign values in place
-(copy_, load_state_dict) or replace the Parameter.
+  capture (type and value for plain values, identity for objects), and the public plain values of its
+  submodules (`model.head.drop.p = 0.2`), compared after any module attribute was set (a counter that
+  Module.__setattr__ / Layer.__setattr__ bumps). At level >= 1 the framework's own guards (Dynamo's
+  guard manager, SOT's guard functions) check what the forward read, anywhere.
+Each of these is a part of module_watch.py, which a training block's watch is made of too.
 
 A failed check is not an error: the call runs without graphs, with one warning naming what changed,
 and replays resume when the state is back (model.eval() again). What level 0 cannot see (a global,
-an attribute of a submodule, a closure) is the user's contract; see the README, "What a replay assumes".
+an object a submodule holds, a closure) is the user's contract; see the README, "What a replay assumes".
 """
 from __future__ import annotations
 
@@ -36,16 +38,16 @@ from typing import Any, Dict, List, Optional, Tuple
 from .backends import patches
 from .fallbacks import Fallback, Reason
 from .held_state import NOTHING_HELD, HeldState, state_key
-from .pytree import value_key
+from .module_watch import GONE, Attributes, Conversions, Hooks, Registrations, TrainingFlags
 
 STATE_ATTR = "_graph_opt_state"  # the instance attribute where the decorator keeps a model's state
 
 _MISSING = object()
-_training = operator.itemgetter("training")  # every nn.Module / Layer keeps its flag in its __dict__
 
 
 class ModelState:
-    """The model's state at capture, and the check a replay makes against it (see the module doc)."""
+    """The model's state at capture, and the check a replay makes against it (see the module doc). The
+    module's parts are module_watch.py's, as a training block's watch has them."""
 
     def __init__(self, adapter, model, name: str, watch_attributes: bool, watch_replacements: bool):
         self.adapter = adapter
@@ -57,22 +59,17 @@ class ModelState:
         # tensors itself (direct_replay._ModuleTensors) and here only that none is gone.
         self.watch_replacements = watch_replacements
         self.captured = False
-        self.paused = False  # a capture phase: attributes set now are what the graphs bake
-        self.modules: List[Tuple[str, dict]] = []
-        self.dicts: List[dict] = []
-        self.flags: List[bool] = []
-        self.root: dict = {}
-        self.modes: List[int] = [0]
-        self.mode_changes = -1
-        self.registered: List[int] = [0]
-        self.converted: List[int] = [0]
+        self._paused = False
+        self.flags = TrainingFlags(adapter)
+        self.registrations = Registrations(adapter)
+        self.conversions = Conversions(adapter)
+        self.hooks = Hooks(adapter)
+        # the submodules' attributes (the model's own are watched as they are set: before_set)
+        self.attributes = Attributes(adapter, own_root=False)
         self.math_changed: Any = b""  # appended to at every change: its length is the count
         self.math_changes = 0
         self.math: Any = None
-        self.hooked: List[int] = [0]
         self.ambient: Any = None
-        self.registrations = -1
-        self.tensor_ids: Optional[Tuple[int, ...]] = None
         self.stale: Optional[Tuple[str, str]] = None  # the parameters converted: sticky until clear_graphs
         # (registration count, refusal) of the last look that found a tensor or submodule replaced: the
         # model is walked again only after another registration, and replays resume once the captured
@@ -87,27 +84,17 @@ class ModelState:
 
     def snapshot(self) -> None:
         """Record the state the graphs are captured in (at the first capture after a release)."""
-        adapter = self.adapter
-        self.modules = adapter.module_dicts(self.model)
-        self.dicts = [d for _, d in self.modules]
-        self.flags = list(map(_training, self.dicts))
-        self.root = self.dicts[0]
-        self.modes = adapter.mode_counter()
-        self.mode_changes = self.modes[0]
+        adapter, model = self.adapter, self.model
+        self.flags.snapshot(adapter.module_dicts(model))
         self.ambient = adapter.ambient()
         self.ambient_now = adapter.ambient
         self.math_changed = adapter.math_mode_counter()
         self.math_changes = len(self.math_changed)
         self.math = adapter.math_mode()
-        self.registered = adapter.registration_counter()
-        self.registrations = self.registered[0]
-        self.converted = adapter.conversion_counter()
-        self.conversions = self.converted[0]
-        self.hooked = adapter.hook_counter()
-        self.hook_changes = self.hooked[0]
-        self.hooks = adapter.hooks_fingerprint(self.dicts)
-        self.fingerprint = adapter.tensor_fingerprint(self.model)
-        self.tensor_ids = adapter.module_tensor_ids(self.model)
+        self.registrations.snapshot(model)
+        self.conversions.snapshot(model)
+        self.hooks.snapshot(self.flags.dicts)
+        self._watch_attributes()
         self.stale = None
         self.replaced = (-1, None)
         self.remade = (None, None)
@@ -116,10 +103,28 @@ class ModelState:
         self.captured = True
         patches.depend(self)
 
+    def _watch_attributes(self) -> None:
+        if self.watch_attributes:
+            self.attributes.snapshot(self.flags.modules, self.adapter.module_classes(self.model), counted=True)
+
+    @property
+    def paused(self) -> bool:
+        """A capture phase: attributes set now are what the graphs bake (the submodules' are taken again
+        when it ends)."""
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self._paused = value
+        if not value and self.captured:
+            self._watch_attributes()
+
     def release(self) -> None:
         self.captured = False
         patches.release(self)
-        self.modules, self.dicts, self.flags = [], [], []
+        self.flags = TrainingFlags(self.adapter)
+        self.hooks = Hooks(self.adapter)
+        self.attributes = Attributes(self.adapter, own_root=False)
         self.original.clear()
         self.changed.clear()
         self.stale = None
@@ -145,23 +150,19 @@ class ModelState:
         return [path for path, d in self.adapter.module_dicts(self.model) if path and d.get(STATE_ATTR) is not None]
 
     def hook_count(self) -> int:
-        return self.hooked[0]
+        return self.hooks.count[0]
 
     def settle_hooks(self) -> bool:
         """Hooks the forward registered itself while it was captured (transformers installs its output
         capturing at the first call that asks for hidden states): the graphs ran them, so replays expect
         them. True when the model's hooks changed (the counter also counts hook handles the framework
         made elsewhere meanwhile: Dynamo's and Inductor's own)."""
-        now = self.adapter.hooks_fingerprint(self.dicts)
-        changed = now != self.hooks
-        self.hooks = now
-        self.hook_changes = self.hooked[0]
-        return changed
+        return self.hooks.settle()
 
     # -- the attribute watch (level 0): called by the decorated class's __setattr__ ----------------------
     @property
     def watching(self) -> bool:
-        return self.captured and self.watch_attributes and not self.paused
+        return self.captured and self.watch_attributes and not self._paused
 
     def before_set(self, name: str) -> None:
         if name not in self.original:
@@ -178,15 +179,15 @@ class ModelState:
 
     # -- the check (hot path) ---------------------------------------------------------------------------
     def check(self) -> Optional[Tuple[str, str]]:
-        """None when a replay may run; else (kind, what changed since capture) for stats() and the one warning."""
+        """None when a replay may run; else (kind, what changed since capture) for stats() and the one warning.
+        Each part's counter is compared here, its look made only after it moved (module_watch.py)."""
         if self.stale is not None:
             return self.stale
         if self.changed:
             return self._changed_attributes()
-        if self.modes[0] != self.mode_changes or self.root["training"] is not self.flags[0]:
-            if list(map(_training, self.dicts)) != self.flags:  # one C-level pass: ~30 ns a module
-                return self._training_changed()
-            self.mode_changes = self.modes[0]
+        flags = self.flags
+        if (flags.count[0] != flags.seen or flags.root["training"] is not flags.flags[0]) and flags.changed():
+            return self._training_changed()
         ambient = self.ambient_now()
         if ambient != self.ambient:
             describe = self.adapter.describe_ambient
@@ -200,19 +201,23 @@ class ModelState:
                     f"{self.adapter.describe_math_mode(self.math, now)}; the graphs run the kernels "
                     "chosen then. Set it back, or clear_graphs() and capture_model() to capture in it")
             self.math_changes = len(self.math_changed)
-        if self.registered[0] != self.registrations:
+        registrations = self.registrations
+        if registrations.count[0] != registrations.seen:
             replaced = self._registrations_changed()
             if replaced is not None:
                 return replaced
-        if self.converted[0] != self.conversions:
+        conversions = self.conversions
+        if conversions.count[0] != conversions.seen:
             return self._conversions_changed()
-        if self.hooked[0] != self.hook_changes:
-            if self.adapter.hooks_fingerprint(self.dicts) != self.hooks:
-                return Fallback(
-                    Reason.HOOKS, "a hook of a submodule (or a global module hook) was registered or removed since "
-                    "capture; the graphs ran the hooks there were then. Restore them, or clear_graphs() "
-                    "and capture_model() to capture with them")
-            self.hook_changes = self.hooked[0]
+        hooks = self.hooks
+        if hooks.count[0] != hooks.seen and hooks.changed():
+            return Fallback(
+                Reason.HOOKS, "a hook of a submodule (or a global module hook) was registered or removed since "
+                "capture; the graphs ran the hooks there were then. Restore them, or clear_graphs() "
+                "and capture_model() to capture with them")
+        attributes = self.attributes
+        if attributes.count[0] != attributes.seen and attributes.changed():
+            return self._submodule_attribute_changed()
         return None
 
     def _changed_attributes(self) -> Fallback:
@@ -222,26 +227,34 @@ class ModelState:
             "Python values forward read; set it back, or clear_graphs() and capture_model() to capture with the "
             "new value", ("attribute", tuple(self.changed)))
 
+    def _submodule_attribute_changed(self) -> Fallback:
+        where, new, old = self.attributes.first_change() or ("a submodule's attribute", _MISSING, _MISSING)
+        return Fallback(
+            Reason.ATTRIBUTE, f"attribute changed since capture: {self.name}.{where} = {_show(new)} (was "
+            f"{_show(old)} at capture). Level-0 graphs bake the Python values forward read; set it back, or "
+            "clear_graphs() and capture_model() to capture with the new value", ("attribute", where))
+
     def _training_changed(self) -> Fallback:
-        for (path, d), was in zip(self.modules, self.flags):
-            now = d.get("training")
-            if now is not was:
-                where = f"{self.name}{'.' + path if path else ''}"
-                return Fallback(
-                    Reason.TRAINING, f"{where} is in {'training' if now else 'eval'} mode; the graphs were captured "
-                    f"in {'training' if was else 'eval'} mode")
-        return Fallback(Reason.TRAINING, "a submodule's training flag changed since capture")
+        change = self.flags.first_change()
+        if change is None:
+            return Fallback(Reason.TRAINING, "a submodule's training flag changed since capture")
+        path, now, was = change
+        where = f"{self.name}{'.' + path if path else ''}"
+        return Fallback(
+            Reason.TRAINING, f"{where} is in {'training' if now else 'eval'} mode; the graphs were captured "
+            f"in {'training' if was else 'eval'} mode")
 
     def _conversions_changed(self) -> Optional[Fallback]:
-        counts = (self.converted[0], self.registered[0])
+        conversions = self.conversions
+        counts = (conversions.count[0], self.registrations.count[0])
         if self.remade[0] == counts:
             return self.remade[1]
         now = self.adapter.tensor_fingerprint(self.model)  # (id, where and how the graphs read it, ...)
-        if now == self.fingerprint:
-            self.conversions = self.converted[0]  # another module's .to(), or one that changed nothing
+        if now == conversions.fingerprint:
+            conversions.seen = conversions.count[0]  # another module's .to(), or one that changed nothing
             self.remade = (None, None)
             return None
-        captured = {entry[0]: entry for entry in self.fingerprint}
+        captured = {entry[0]: entry for entry in conversions.fingerprint}
         if all(captured.get(entry[0], entry) == entry for entry in now):
             # Only other objects than the captured ones: replaced by the user (put back, they replay again),
             # or made anew by the conversion (torch's _apply writes new buffers into _buffers, no
@@ -252,19 +265,23 @@ class ModelState:
                 "replaced; the graphs read the captured ones. Put those back, or "
                 "clear_graphs() and capture_model() to capture the model as it is"))
             return self.remade[1]
+        moved = {entry[0] for entry in now if captured.get(entry[0], entry) != entry}
+        names = [f"{self.name}.{n}" for n, i in self.adapter.module_tensor_ids(self.model) if i in moved][:3]
+        what = f"{', '.join(names)} {'was' if len(names) == 1 else 'were'}" if names else \
+            "the model's parameters or buffers were"
         self.stale = Fallback(
-            Reason.CONVERTED, "the model's parameters or buffers were converted since capture (to(), half(), "
-            "cpu() ... keep the parameter objects and move their data); the graphs read the old data. "
-            "clear_graphs() and capture_model() capture the converted model")
+            Reason.CONVERTED, f"{what} converted since capture (to(), half(), cpu() ..., or a parameter's .data "
+            "assigned: keep the parameter objects and their memory, and copy_() new values in); the graphs read "
+            "the old data. clear_graphs() and capture_model() again capture the converted model")
         return self.stale
 
     def _registrations_changed(self) -> Optional[Fallback]:
-        count = self.registered[0]
+        registrations = self.registrations
+        count = registrations.count[0]
         if self.replaced[0] == count:
             return self.replaced[1]
-        adapter = self.adapter
-        now = adapter.module_tensor_ids(self.model)
-        if now == self.tensor_ids:
+        now = self.adapter.module_tensor_ids(self.model)
+        if now == registrations.ids:
             if self.watch_replacements and not self._as_captured():
                 self.stale = Fallback(
                     Reason.REPLACED, "the memory or submodules of the model changed since capture although the "
@@ -272,17 +289,18 @@ class ModelState:
                     "swapped out, a parametrization removed, or a freed object's id reused); the graphs "
                     "read the old memory. clear_graphs() and capture_model() capture the model as it is")
                 return self.stale
-            self.registrations = count  # a registration elsewhere, or the captured objects put back
+            registrations.seen = count  # a registration elsewhere, or the captured objects put back
             self.replaced = (-1, None)
             return None
-        before, after = dict(self.tensor_ids), dict(now)
-        names = [n for n in after if before.get(n) != after[n]] + [n for n in before if n not in after]
+        before = dict(registrations.ids)
+        names = registrations.names_changed(now)
         if not self.watch_replacements:
             # The static path reads a replaced parameter anew (its guards were kept off the tensors' metadata
             # for speed): only a tensor now gone (set to None, deleted) must not replay
+            after = dict(now)
             names = [n for n in names if before.get(n) and not after.get(n)]
             if not names:
-                self.registrations = count
+                registrations.seen = count
                 return None
         what = ", ".join(f"{self.name}.{n}" for n in names[:3]) or "a submodule"
         self.replaced = (count, Fallback(
@@ -295,16 +313,16 @@ class ModelState:
     def _as_captured(self) -> bool:
         """The tensors at the captured addresses, dtypes and devices, and every submodule the very object
         captured: ids alone do not say it (a freed object's id is reused; .data and set_() keep the id)."""
-        if self.adapter.tensor_fingerprint(self.model) != self.fingerprint:
+        if self.adapter.tensor_fingerprint(self.model) != self.conversions.fingerprint:
             return False
         dicts = [d for _, d in self.adapter.module_dicts(self.model)]
-        return len(dicts) == len(self.dicts) and all(map(operator.is_, dicts, self.dicts))
+        return len(dicts) == len(self.flags.dicts) and all(map(operator.is_, dicts, self.flags.dicts))
 
 
 def _show(value) -> str:
     """One line: a short repr, else the start of a plain value's, else an object's type and identity
     (what level 0 compares it by; a config's repr is many lines, cut it said nothing)."""
-    if value is _MISSING:
+    if value is _MISSING or value is GONE:
         return "(unset)"
     text = " ".join(repr(value).split())
     if len(text) <= 40:

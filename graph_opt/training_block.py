@@ -1,8 +1,8 @@
 """GraphedBlock: the state of one autocudagraph target (its keys' graphs, one memory pool, counters),
 its call (warm up, capture, replay, or run eagerly) and the replays autograd runs through the bridges.
 
-What it watches of the module (training_watch.py) and how a key's graphs are recorded
-(training_graphs.py) live beside it. The guarantees are stated in training.py.
+It holds the watch of its module (training_watch.py, `block.watch`); how a key's graphs are recorded
+is training_graphs.py's. The guarantees are stated in training.py.
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ from .host_outputs import pending_copies as _pending_host_copies, land_pending_c
 from .pytree import flatten, unflatten
 from .stats import TrainingCounters, TrainingStats
 from .training_graphs import KeyState, PartialBackward, PendingBackward, StepGraphs, _capture_key, _record_partial
-from .training_watch import ModuleWatch
+from .training_watch import TrainingWatch, framework_of_call
 
 logger = logging.getLogger("graph_opt")
 
 
-class GraphedBlock(ModuleWatch):
+class GraphedBlock:
     """State of one autocudagraph target: its keys' graphs, one memory pool, counters."""
 
     def __init__(self, target, call: Callable, module, framework: Optional[str], warmup_steps: int,
@@ -61,45 +61,9 @@ class GraphedBlock(ModuleWatch):
         self.generation = 0  # forward replays so far: a backward checks its activations are still there
         self.epoch = 0  # releases of the graphs so far
         self.lent: List[Tuple[Any, Any]] = []  # (leaf, gradient buffer) handed out by the last backward
-        self.watched_owners: List[dict] = []  # owner dicts, names and tensors of parameters and buffers
-        self.watched_names: List[str] = []
-        self.watched_tensors: List[Any] = []
-        self.watched_ptrs: List[int] = []  # their addresses at capture
-        self.registered: List[int] = [0]  # the adapter's count of parameter, buffer and submodule registrations
-        self.registrations = 0
-        self.hooked: List[int] = [0]  # the adapter's count of hooks made or removed, and the hooks at capture
-        self.hook_changes = 0
-        self.hooks: Any = None
-        self.tensor_ids: tuple = ()  # the module's submodules, parameters and buffers at capture
-        # the plain attributes (numbers, strings ...) of the module and its submodules at capture
-        self.attr_dicts: list = []
-        self.attr_names: list = []
-        self.attr_values: list = []
-        self.attr_keys: list = []
-        self.attr_types: list = []
-        self.attr_zeros: list = []  # indices of the values 0.0 or -0.0, and their signs
-        self.attr_signs: list = []
-        self.obj_dicts: list = []  # the other objects the module holds, by identity
-        self.obj_names: list = []
-        self.obj_values: list = []
-        self.attr_root = 0  # how many of them are the module's own
-        self.attr_count = 0  # len(the module's __dict__)
-        self.attr_written: set = set()  # plain attributes the forward itself writes: not watched
-        self.own_at: list = []  # ((id, name), its __dict__, name) of those, checked before each replay
-        self.tensors_bound: set = set()  # (id of a module's __dict__, name): tensor attributes it binds anew
-        # Parameters an eager run of the forward wrote in place (an EMA codebook kept as a frozen
-        # Parameter): a capture runs the forward, and puts them back after, as it does the buffers.
-        self.params_written: List[Any] = []
-        self.ran_eagerly = False
+        self.watch: Optional[TrainingWatch] = None  # a module's: made at binding
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
-        self.all_params: List[Any] = []  # every parameter, and whether each was trainable at capture
-        self.trainable: List[bool] = []
         self.lazy = False  # the module had lazy parameters when bound: graphs wait until they are made
-        self.modes: List[int] = [0]  # the adapter's count of train()/eval() calls
-        self.modes_seen = -1
-        self.mode_dicts: List[dict] = []
-        self.mode_root: dict = {}
-        self.mode_flags: tuple = (None,)
         self.disabled_reason: Optional[str] = None
         self._warned: set = set()
 
@@ -122,6 +86,22 @@ class GraphedBlock(ModuleWatch):
         if self.module is None:
             raise TypeError(f"{self.name}: a graphed function cannot be pickled; pickle the function it wraps")
         return _rebuilt_block, (self.module, self.warmup_steps, self.dispatch_key_fn, self.max_graphs, self.level)
+
+    def _bind(self, args, kwargs) -> None:
+        """At the first call: the framework of the tensors, its bridges, and the watch of the module."""
+        framework = self.framework or framework_of_call(args, kwargs, self.name)
+        backend = backends.load(framework)
+        self.framework = framework
+        self.adapter = backend.ADAPTER
+        self.bridge = backend.autograd_bridge()
+        if self.level:
+            self.traced = self.bridge.traced(self.call, self.level, self.name)
+        if self.module is not None:
+            self.watch = TrainingWatch(self.adapter, self.bridge, self.module)
+            self.lazy = self.bridge.uninitialized(self.module)
+            self.params = self.bridge.trainable_parameters(self.module)
+            if not self.lazy:
+                self.watch.arm()
 
     # -- the call ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -159,12 +139,12 @@ class GraphedBlock(ModuleWatch):
             state = self.keys[key] = KeyState()
         graphs = state.graphs
         if graphs is not None:
-            if self.module is not None and self._params_moved():
+            if self.watch is not None and self.watch.moved():
                 self._recapture()
                 graphs = None
             elif self.pending:
                 return self._fallback(Reason.BACKWARD_PENDING, args, kwargs, _PENDING_WARNING.format(name=self.name))
-            elif self.own_at and not self._own_as_captured(state):
+            elif self.watch is not None and self.watch.own_at and not self.watch.own_as_captured(state):
                 return self._own_changed_call(state, args, kwargs)
             else:
                 return self._replay(graphs, leaves, key[1])
@@ -210,10 +190,10 @@ class GraphedBlock(ModuleWatch):
         call runs eagerly. Where its run leaves them as they were (another key's or an eval call's
         bookkeeping, a cache grown elsewhere), the key's graphs are captured again from them at its next
         call; where it sets them (`self.rows = x.shape[0]` after another key's call), such calls stay eager."""
-        before = [self._own_now(e) for e in self.own_at]
+        before = self.watch.own_values()
         out = self._fallback(Reason.FORWARD_STATE, args, kwargs, _OWN_WARNING.format(
-            name=self.name, what=", ".join(self._own_changed(state)[:3])))
-        if state.graphs is not None and [self._own_now(e) for e in self.own_at] == before:
+            name=self.name, what=", ".join(self.watch.own_changed(state)[:3])))
+        if state.graphs is not None and self.watch.own_values() == before:
             state.graphs.release()
             state.graphs = None
             self.counters.recaptures += 1
@@ -342,6 +322,26 @@ class GraphedBlock(ModuleWatch):
                 self.bridge.set_grad(t, self.bridge.clone(grad))
         self.lent.clear()
 
+    def _eager(self, run: Callable, args, kwargs):
+        if self.watch is None:
+            return run(*args, **kwargs)
+        return self.watch.eager(run, args, kwargs)
+
+    def _recapture(self, quiet: bool = False) -> None:
+        """quiet: nothing was captured yet, so only what is watched changes (no warning, no count)."""
+        if not quiet:
+            self.counters.recaptures += 1
+            if "recapture" not in self._warned:
+                self._warned.add("recapture")
+                logger.warning("%s: a parameter, buffer or submodule was replaced or added after capture (a new "
+                               "tensor, its data swapped, a new submodule), a parameter frozen or unfrozen, a plain "
+                               "attribute of the module or a submodule set to another value (a dropout's p), or a "
+                               "hook of a submodule registered or removed; its graphs are dropped and captured again",
+                               self.name)
+        self.release(keep_warmups=True)
+        self.params = self.bridge.trainable_parameters(self.module)
+        self.watch.arm()
+
     # -- keys --------------------------------------------------------------------------------------
     def _key(self, spec, leaves, args, kwargs, by_value=()):
         """`by_value`: the values of the host tensor arguments (arguments.py), which a graph bakes in."""
@@ -367,18 +367,7 @@ class GraphedBlock(ModuleWatch):
                 base = base + (tuple(ids.index(i) for i in ids),)
         # Grad mode alone, not whether the inputs or the block's own parameters require grad: a block may
         # read trainable tensors it does not hold (a closure's, another module's), found at capture
-        return base, bridge.grad_enabled(), bridge.amp_state(), self._module_mode()
-
-    def _module_mode(self):
-        """The training flags of the module and its submodules (a graph captured in training mode replays
-        dropout), read again only after a train()/eval() call anywhere or a change of the module's own."""
-        if self.module is None:
-            return None
-        modes = self.modes
-        if modes[0] != self.modes_seen or self.mode_root["training"] is not self.mode_flags[0]:
-            self.mode_flags = tuple(d["training"] for d in self.mode_dicts)
-            self.modes_seen = modes[0]
-        return self.mode_flags
+        return base, bridge.grad_enabled(), bridge.amp_state(), self.watch.mode() if self.watch is not None else None
 
     # -- fallbacks and warnings --------------------------------------------------------------------
     def _max_graphs_message(self, spec, hosts) -> str:
@@ -409,7 +398,7 @@ class GraphedBlock(ModuleWatch):
         if self.lent:  # a leaf still holding a lent buffer keeps a copy: the capture may reuse the memory
             self._reclaim()
         buffers = None
-        if self.module is not None and self.watched_tensors and self._params_moved():
+        if self.watch is not None and self.watch.armed and self.watch.moved():
             # Changed since the graphs of other keys were captured: theirs are as stale as a replay would be.
             # Before any capture (a buffer the forward registers at its first call) nothing is stale.
             run = state.run
@@ -419,15 +408,15 @@ class GraphedBlock(ModuleWatch):
         if self.module is not None:  # what the graphs will read: parameters as they are now
             self.lazy = False
             self.params = bridge.trainable_parameters(self.module)
-            self._watch()
+            self.watch.arm()
             # Tensors the module holds in other attributes (a count of rows seen, a cache object's): the
             # capture's runs must not advance them.
             held = HeldState(adapter, self.module, [], adapter.framework_attributes | {"forward"})  # this block
             with adapter.no_grad():  # not parameters of modules held unregistered: the optimizer's to write
                 kept = [(t, adapter.clone(t)) for _, t in held.tensors if not bridge.requires_grad(t)]
-            buffers = bridge.snapshot_buffers(self.module) + self._written_parameters() + kept
-        attrs_before = self._plain_attributes(private=True) if self.module is not None else None
-        bound_before = self._tensor_attributes() if self.module is not None else None
+            buffers = bridge.snapshot_buffers(self.module) + self.watch.written_parameters() + kept
+        watch = self.watch
+        before = watch.before_run() if watch is not None else None
         targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
         grads_before = bridge.snapshot_grads(targets)
         rng = bridge.rng_state(self.module)
@@ -471,10 +460,9 @@ class GraphedBlock(ModuleWatch):
         after = recorder.memory_in_use()
         if mem_before is not None and after is not None:
             self.memory_bytes = (self.memory_bytes or 0) + max(0, after - mem_before)
-        if attrs_before is not None:  # what the capture's forward wrote is the forward's own
-            self._note_writes(attrs_before)
-            self._note_rebinding(bound_before)
-            state.attrs = self._plain_attributes(private=True)
+        if watch is not None:  # what the capture's forward wrote is the forward's own
+            watch.after_run(before)
+            state.attrs = watch.attributes_now()
         state.graphs = graphs
         patches.depend(self)  # its replays rely on the change counters (backends/patches.py)
         self.counters.captures += 1

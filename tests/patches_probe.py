@@ -18,6 +18,8 @@ if "torch" in frameworks:
         "Module.train": (torch.nn.Module, "train", torch.nn.Module.__dict__["train"]),
         "Module._apply": (torch.nn.Module, "_apply", torch.nn.Module.__dict__["_apply"]),
         "Module.register_parameter": (torch.nn.Module, "register_parameter", torch.nn.Module.__dict__["register_parameter"]),
+        "Module.__setattr__": (torch.nn.Module, "__setattr__", torch.nn.Module.__dict__["__setattr__"]),
+        "Parameter.data": (torch.nn.Parameter, "data", torch.nn.Parameter.__dict__.get("data")),
         "RemovableHandle.__init__": (RemovableHandle, "__init__", RemovableHandle.__dict__["__init__"]),
         "torch.utils.swap_tensors": (torch.utils, "swap_tensors", torch.utils.swap_tensors),
         "torch._C._set_cublas_allow_tf32": (torch._C, "_set_cublas_allow_tf32", torch._C._set_cublas_allow_tf32),
@@ -29,6 +31,8 @@ if "paddle" in frameworks:
     originals.update({
         "Layer.__setattr__": (paddle.nn.Layer, "__setattr__", paddle.nn.Layer.__dict__["__setattr__"]),
         "Layer.train": (paddle.nn.Layer, "train", paddle.nn.Layer.__dict__["train"]),
+        "EagerParamBase.data": (paddle.base.framework.EagerParamBase, "data",
+                                paddle.base.framework.EagerParamBase.__dict__.get("data")),
         "paddle.grad": (paddle, "grad", paddle.grad),
     })
 
@@ -37,7 +41,7 @@ def install_all():
     for fw in frameworks:
         backend = graph_opt.backends.load(fw)
         a = backend.ADAPTER
-        a.registration_counter(), a.hook_counter(), a.mode_counter(), a.conversion_counter()
+        a.registration_counter(), a.hook_counter(), a.mode_counter(), a.conversion_counter(), a.attribute_counter()
         if fw == "torch":
             a.math_mode_counter()
         backend.autograd_bridge()
@@ -48,17 +52,22 @@ def bumps():
     out = {}
     for fw in frameworks:
         a = graph_opt.backends.load(fw).ADAPTER
-        modes, regs = a.mode_counter(), a.registration_counter()
-        before = (modes[0], regs[0])
+        modes, regs, attrs, convs = a.mode_counter(), a.registration_counter(), a.attribute_counter(), \
+            a.conversion_counter()
+        before = (modes[0], regs[0], attrs[0], convs[0])
         if fw == "torch":
             m = torch.nn.Linear(2, 2)
             m.eval()
             m.register_buffer("b", torch.zeros(1))
+            m.scale = 2.0
+            m.weight.data = torch.zeros(2, 2)
         else:
             m = paddle.nn.Linear(2, 2)
             m.eval()
             m.w2 = paddle.create_parameter([1], "float32")
-        out[fw] = [modes[0] > before[0], regs[0] > before[1]]
+            m.scale = 2.0
+            m.weight.data = paddle.zeros([2, 2])
+        out[fw] = [modes[0] > before[0], regs[0] > before[1], attrs[0] > before[2], convs[0] > before[3]]
     return out
 
 

@@ -14,9 +14,11 @@ import paddle
 from paddle.device.cuda import graphs as _graphs
 
 from ...static_address import MARK
-from .. import patches
-from ..call_counters import count_calls
 from .host_copies import PaddleHostCopies
+from .layer_counters import (
+    _attribute_sets, _conversions, _hook_changes, _install_hook_counter, _install_mode_counter,
+    _install_registration_counter, _mode_changes, _registrations,
+)
 
 
 def _cuda_graphs_available() -> bool:
@@ -313,8 +315,14 @@ class PaddleAdapter(PaddleHostCopies):
         """The hooks that run inside the forward: those of every sublayer (dicts[1:])."""
         return tuple((tuple(d["_forward_pre_hooks"]), tuple(d["_forward_post_hooks"])) for d in dicts[1:])
 
+    def attribute_counter(self) -> list:
+        """[count] that Layer.__setattr__ and __delattr__ bump (a dropout's p set), process-wide (see the
+        torch adapter's)."""
+        _install_registration_counter()
+        return _attribute_sets
+
     def conversion_counter(self) -> list:
-        """[count] that Layer._apply bumps (to, astype, float, ...)."""
+        """[count] that Layer._apply and a parameter's `.data` assigned bump (to, astype, float, ...)."""
         _install_registration_counter()
         return _conversions
 
@@ -373,59 +381,7 @@ class PaddleAdapter(PaddleHostCopies):
             paddle.device.cuda.empty_cache()
 
 
-_registrations = [0]  # tensors or layers set on a Layer, in this process
-_conversions = [0]  # calls of Layer._apply in this process
 _NEVER = b""
-_REPLACED = "a replay looks at the model's tensors again only after a registration (Paddle has no registration hooks)"
-
-
-def _install_registration_counter() -> None:
-    patches.once("paddle.registrations", _registration_counter)
-
-
-def _registration_counter() -> None:
-    layer = paddle.nn.Layer
-    setattr_ = layer.__setattr__
-
-    @functools.wraps(setattr_)
-    def counted_setattr(self, name, value):
-        setattr_(self, name, value)
-        # A registered parameter, buffer or sublayer set to None (`lin.bias = None`) keeps its name there
-        if isinstance(value, (paddle.Tensor, layer)) or value is None and _registered(self, name):
-            _registrations[0] += 1
-
-    patches.replace(layer, "__setattr__", counted_setattr, _REPLACED + ": a tensor or layer set as an attribute")
-    count_calls(layer, ("add_parameter", "register_buffer", "add_sublayer", "__delattr__"), _registrations, _REPLACED)
-    count_calls(layer, ("_apply",), _conversions, "a replay compares the tensors' addresses, dtypes and places with "
-                "those at capture only after a conversion (to(), astype())")
-
-
-def _registered(layer, name: str) -> bool:
-    d = layer.__dict__
-    return any(name in (d.get(slot) or ()) for slot in ("_parameters", "_buffers", "_sub_layers"))
-
-
-_hook_changes = [0]  # Layer hooks registered or removed in this process
-
-
-def _install_hook_counter() -> None:
-    def install():
-        from paddle.nn.layer.layers import HookRemoveHelper
-
-        count_calls(HookRemoveHelper, ("__init__", "remove"), _hook_changes,
-                    "a replay compares the model's hooks with those at capture only after a hook was registered or "
-                    "removed")
-
-    patches.once("paddle.hooks", install)
-
-
-_mode_changes = [0]  # calls of Layer.train / eval in this process
-
-
-def _install_mode_counter() -> None:
-    patches.once("paddle.modes", lambda: count_calls(
-        paddle.nn.Layer, ("train", "eval"), _mode_changes,
-        "a replay reads the training flags of every sublayer again only after a train() or eval()"))
 
 
 def _equal_elements(a, b):

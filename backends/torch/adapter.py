@@ -27,8 +27,9 @@ from ...static_address import MARK
 from . import math_mode
 from .host_copies import TorchHostCopies, device_alias
 from .module_counters import (
-    _conversions, _hook_changes, _install_conversion_counter, _install_hook_counter, _install_mode_counter,
-    _install_registration_hooks, _mode_changes, _registrations, module_fingerprint, tensor_layout,
+    _attribute_sets, _conversions, _hook_changes, _install_attribute_counter, _install_conversion_counter,
+    _install_hook_counter, _install_mode_counter, _install_registration_hooks, _mode_changes, _registrations,
+    module_fingerprint, tensor_layout,
 )
 logger = logging.getLogger("graph_opt")
 
@@ -321,6 +322,12 @@ class TorchAdapter(TorchHostCopies):
         the Parameter objects and change their data, which a graph reads by address."""
         _install_conversion_counter()
         return _conversions
+
+    def attribute_counter(self) -> list:
+        """[count] that Module.__setattr__ and __delattr__ bump (a dropout's p set), process-wide: a level-0
+        replay compares the submodules' attributes with those at capture only after a bump."""
+        _install_attribute_counter()
+        return _attribute_sets
 
     def tensor_fingerprint(self, model):
         """(id, address, dtype, device, shape, strides) of every parameter and buffer: where and how the

@@ -17,7 +17,9 @@ import torch
 import torch._dynamo
 
 from ...errors import ReplayDivergence
-from .module_counters import _install_registration_hooks, _registrations, module_state
+from ...module_watch import Registrations
+from .adapter import ADAPTER
+from .module_counters import module_state
 
 
 class _ModuleTensors:
@@ -25,39 +27,41 @@ class _ModuleTensors:
 
     The graphs read the captured tensors' memory. Replacing one goes through torch's registration
     hooks, which bump a process-wide count: a replay compares one integer, and only after a registration
-    anywhere looks at the model's tensors again. Not replayed (ReplayDivergence, until put back):
+    anywhere looks at the model's tensors again (the Registrations part of graph_opt/module_watch.py, as
+    the inference check at level 0 has it). Not replayed (ReplayDivergence, until put back):
     - a parameter or buffer replaced by another object. Copying its values into the captured one, where
       the graph reads, would change a tensor the user may still hold and put back (an EMA swap: the
       restored weight would hold the EMA's values), or that the model holds elsewhere (a tied weight);
     - one of another shape, dtype or device: the graph may have baked what the forward read of it
       (`self.scale.shape[0]` is a constant in the graph, and Dynamo's guards on the parameters' and
       buffers' metadata are left out: dynamo._replay_guards);
-    - the same tensor with other memory or strides (`p.data = ...`, as transformers'
-      resize_token_embeddings does, seen at its registration of the module): the graph reads the memory
-      as it was laid out at capture.
+    - the same tensor with other memory or strides (set_(), a buffer's `.data` assigned, seen at a
+      registration of the module): the graph reads the memory as it was laid out at capture. A
+      parameter's `.data` assigned (transformers' resize_token_embeddings) is seen before, by the
+      model-state check, as a conversion.
     A submodule or a tensor slot added since capture moves the replays to the transformed code."""
 
     def __init__(self, model):
         self.model = model
-        self.snapshot = None  # ids of the model's parameters and buffers when the first graph was captured
-        self.layouts = None  # and their shapes, dtypes and devices
-        self.seen = -1
+        # the ids of the model's submodules, parameters and buffers when the first graph was captured
+        self.registrations = Registrations(ADAPTER)
+        self.layouts = None  # and the tensors' shapes, dtypes and devices
         self.moved = False
         self.relaid = None  # (registration count, what changed, fingerprint as captured) of the last look
 
     def _start(self):
-        _install_registration_hooks()
-        if self.snapshot is None:
-            self.snapshot, self.layouts = module_state(self.model)
-            self.seen = _registrations[0]
+        if self.layouts is None:
+            self.registrations.snapshot(self.model)
+            self.layouts = module_state(self.model)[1]
 
     def checked(self, replay):
         """A replay through the transformed code, refused where a tensor changed layout (see above)."""
         self._start()
-        count = _registrations
+        registrations = self.registrations
+        count = registrations.count
 
         def run():
-            if count[0] != self.seen:
+            if count[0] != registrations.seen:
                 self._unchanged()
             return replay()
 
@@ -65,11 +69,12 @@ class _ModuleTensors:
 
     def direct(self, graph_replay, bytecode_replay, outputs, stores=(), f_globals=None):
         self._start()
-        count = _registrations
+        registrations = self.registrations
+        count = registrations.count
 
         if not stores:
             def replay():
-                if count[0] != self.seen and not self._unchanged():
+                if count[0] != registrations.seen and not self._unchanged():
                     return bytecode_replay()
                 graph_replay()
                 return outputs
@@ -77,7 +82,7 @@ class _ModuleTensors:
             return replay
 
         def replay_and_store():
-            if count[0] != self.seen and not self._unchanged():
+            if count[0] != registrations.seen and not self._unchanged():
                 return bytecode_replay()
             graph_replay()
             # What the transformed code stores after its graph, into the objects its globals name now
@@ -94,15 +99,16 @@ class _ModuleTensors:
     def _unchanged(self) -> bool:
         """True when the model holds the captured tensors; False when some were replaced by tensors of
         the same layouts (the transformed code passes them in); ReplayDivergence otherwise (see above)."""
-        count = _registrations[0]
+        registrations = self.registrations
+        count = registrations.count[0]
         if self.relaid is None or self.relaid[0] != count:
             fingerprint, layouts = module_state(self.model)
-            self.relaid = (count, self._conflict(layouts), fingerprint == self.snapshot)
+            self.relaid = (count, self._conflict(layouts), fingerprint == registrations.ids)
         _, conflict, as_captured = self.relaid
         if conflict is not None:
             raise ReplayDivergence(conflict + ". To keep it, clear_graphs() and capture_model() again")
         if not self.moved and as_captured:
-            self.seen = count
+            registrations.seen = count
             return True
         self.moved = True
         return False

@@ -1,6 +1,6 @@
 """Process-wide counters of changes to torch modules, each installed once by patching nn.Module (or
-RemovableHandle): parameter, buffer and submodule registrations, train()/eval(), hook handles made or
-removed, and _apply conversions. A replay compares one integer and looks at the model only after a
+RemovableHandle, nn.Parameter): parameter, buffer and submodule registrations, train()/eval(), hook
+handles made or removed, _apply conversions and parameters' `.data` assigned, and attributes set. A replay compares one integer and looks at the model only after a
 bump (graph_opt.replay_guards, through the adapter; dynamo.py for the registrations).
 """
 from __future__ import annotations
@@ -107,4 +107,30 @@ def _install_conversion_counter() -> None:
         count_calls(torch.utils, ("swap_tensors",), _conversions,
                     _CONVERTED + ": load_state_dict swaps tensors through it under swap_module_params_on_conversion")
 
+        # `p.data = t` keeps the Parameter and moves it onto other memory, as a conversion does (torch's
+        # setter is C code: a property of nn.Parameter's own wraps it, and parameters alone get it)
+        data = torch._C.TensorBase.data
+        get, set_ = data.__get__, data.__set__
+
+        def set_data(self, value):
+            _conversions[0] += 1
+            try:
+                set_(self, value)
+            finally:
+                _conversions[0] += 1
+
+        patches.replace(torch.nn.Parameter, "data", property(get, set_data, doc=data.__doc__),
+                        _CONVERTED + ": a parameter's .data assigned keeps the object and moves its memory",
+                        where="torch.nn.Parameter.data")
+
     patches.once("torch.conversions", install)
+
+
+_attribute_sets = [0]  # attributes of modules set or deleted in this process
+
+
+def _install_attribute_counter() -> None:
+    patches.once("torch.attributes", lambda: count_calls(
+        torch.nn.Module, ("__setattr__", "__delattr__"), _attribute_sets,
+        "a level-0 replay compares the submodules' attributes with those at capture only after one was set",
+        unless=torch.compiler.is_compiling))

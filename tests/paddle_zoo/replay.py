@@ -616,7 +616,28 @@ class ReturnsRowsOfMarked(Scaled):
         return cache[:n]
 
 
-MODELS = types.SimpleNamespace(ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=ReturnsRowsOfMarked, DecayRowState=DecayRowState, RowAverage=RowAverage, LastRows=LastRows, ArgLastRows=ArgLastRows, SlotCache=SlotCache, PenaltyAtIds=PenaltyAtIds, BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
+class _Head(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class ScaledHead(paddle.nn.Layer):
+    """A plain attribute of a submodule the forward reads (a dropout's p, a head's scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = paddle.nn.Linear(HIDDEN, HIDDEN)
+        self.head = _Head()
+
+    def forward(self, x):
+        return self.head(self.lin(x))
+
+
+MODELS = types.SimpleNamespace(ScaledHead=ScaledHead, ReturnsTwice=ReturnsTwice, ReturnsRowsOfMarked=ReturnsRowsOfMarked, DecayRowState=DecayRowState, RowAverage=RowAverage, LastRows=LastRows, ArgLastRows=ArgLastRows, SlotCache=SlotCache, PenaltyAtIds=PenaltyAtIds, BranchOnValue=BranchOnValue, LoopOnValue=LoopOnValue, CallsTwice=CallsTwice, RowState=RowState, ArgRowState=ArgRowState, PenaltyCounts=PenaltyCounts, Scaled=Scaled, KeepsRows=KeepsRows, CountsCalls=CountsCalls, CountsInPlace=CountsInPlace, LogsCalls=LogsCalls, ReadyOnce=ReadyOnce, ScaledByGlobal=ScaledByGlobal, OptionalBias=OptionalBias,
                                ModeSwitch=ModeSwitch, BatchInDim1=BatchInDim1, CountsRows=CountsRows, Scales=Scales,
                                WritesInput=WritesInput, KVCache=KVCache, BatchMean=BatchMean, Positions=Positions,
                                Square=Square, HostShapes=HostShapes,
