@@ -1,6 +1,6 @@
 """Process-wide change counters, for both frameworks: a class's methods (or a module's functions)
 wrapped so that every call bumps a one-element list first. A replay compares the count with the one it saw and looks at the model
-again only after a bump (graph_opt.replay_guards). Installed through the patch registry (patches.py)."""
+again only after a bump (graph_opt.watch.replay_guards). Installed through the patch registry (patches.py)."""
 from __future__ import annotations
 
 import functools

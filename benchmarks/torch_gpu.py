@@ -224,7 +224,7 @@ def raw_pieces(m, bs: int) -> Callable:
     and each splitting op's own function on the tensors it read at capture, in order (what the plugin's
     host time per call is compared with; the landing copies of the split results are the plugin's own
     work)."""
-    from graph_opt.level0 import _SplitStep
+    from graph_opt.capture.level0 import _SplitStep
 
     entry = next(sig.entries[bs] for sig in state_of(m).runner.signatures.values() if bs in sig.entries)
     (static,) = entry.inputs
@@ -424,7 +424,7 @@ def capture_report(kv, dtype) -> Dict[str, dict]:
         torch.cuda.empty_cache()
         return report, in_pool / 2**20, grown / 2**20
 
-    from graph_opt.sizes import default_capture_sizes
+    from graph_opt.replay.sizes import default_capture_sizes
 
     base = build(None, kv, dtype)
     for sizes, label in (([256], "largest"), (default_capture_sizes(256), "all")):

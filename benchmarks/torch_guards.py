@@ -174,7 +174,7 @@ def measure(name: str, make, make_inputs, smoke: bool) -> Tuple[Dict[str, float]
             plan = state_of(m).runner.shortcut.sig.plans[BATCH]
             fns["L0 graph replay() alone"] = lambda t, replay=plan.replay: replay()
             # `out = model(x)` in a loop: the previous output is still held while the next call runs, and
-            # its values are copied first (graph_opt/handed_outputs.py)
+            # its values are copied first (graph_opt/replay/handed_outputs.py)
             held = [None]
 
             def holding(t, call=_spread(m, x), held=held):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from graph_opt import support_graph_optimization
-from graph_opt.split import splitting_op
+from graph_opt.capture.split import splitting_op
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,13 @@ from .guards import (
     sot_warmup_guard,
     unregister_custom_allreduce,
 )
-from .host_outputs import HostFuture, to_host_async
+from .replay.host_outputs import HostFuture, to_host_async
 from .lifecycle import capture_model, clear_graphs, stats
-from .passes import optimize_program
-from .split import splitting_op
-from .static_address import mark_static_address
+from .capture.passes import optimize_program
+from .capture.split import splitting_op
+from .replay.static_address import mark_static_address
 from .stats import CaptureReport, Stats, TrainingStats
-from .training import autocudagraph
+from .training.api import autocudagraph
 
 # No handler is added: without one, warnings reach stderr through logging's last resort, so
 # "CUDA graphs unavailable" and "capture failed" are seen even when the app configures no logging.

@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Mapping, Optional
 from . import env
 from .cudagraph_modes import CUDAGRAPH_MODES
 from .errors import GraphOptConfigError
-from .passes import KNOWN_PASSES
-from .sizes import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
+from .capture.passes import KNOWN_PASSES
+from .replay.sizes import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
 
 NESTED_KEY = "graph_opt_config"
 _UNSET = object()

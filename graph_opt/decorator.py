@@ -10,15 +10,17 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from . import backends, config as config_mod, dispatch, env, padding, split
+from . import backends, config as config_mod, env
+from .replay import dispatch, padding
+from .capture import split
 from .errors import GraphOptConfigError, GraphOptInputError
-from .fast_replay import MISS
-from .host_outputs import HostOutputs
-from .level0 import EagerStrategy
-from .replay_guards import STATE_ATTR as _STATE_ATTR, ModelState
-from .runner import GraphRunner
-from .signature import as_made, forward_params
-from .host_graphs import graphs_for, simulation_enabled
+from .replay.fast_replay import MISS
+from .replay.host_outputs import HostOutputs
+from .capture.level0 import EagerStrategy
+from .watch.replay_guards import STATE_ATTR as _STATE_ATTR, ModelState
+from .replay.runner import GraphRunner
+from .replay.signature import as_made, forward_params
+from .recorders.host_graphs import graphs_for, simulation_enabled
 
 logger = logging.getLogger("graph_opt")
 
@@ -336,15 +338,15 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
 
     pad_values maps forward argument names to the number their padding rows hold when a call is padded
     to a captured size (default 0): {"slot_mapping": -1} for a kernel that skips slot -1 (see
-    graph_opt.padding). Padding rows never hold an earlier call's data.
+    graph_opt.replay.padding). Padding rows never hold an earlier call's data.
 
     host_outputs names output leaves ("next_tokens", "out.tokens", "aux.0") that come back as
     HostFutures: their device-to-host copies start at once and the host waits only in result(). Each
-    model has its own pinned rings, host_ring_depth buffers per shape (see graph_opt.host_outputs).
+    model has its own pinned rings, host_ring_depth buffers per shape (see graph_opt.replay.host_outputs).
 
     dispatch_key_fn(*args, **kwargs) -> "full" | "piecewise": with cudagraph_mode "full_and_piecewise",
     which kind of graph a call replays (e.g. "full" for a decode-only batch, "piecewise" for a mixed
-    one, whose attention runs eagerly between the pieces). See graph_opt.dispatch.
+    one, whose attention runs eagerly between the pieces). See graph_opt.replay.dispatch.
     """
     if cls is None:
         return lambda c: support_graph_optimization(c, dynamic_arg_dims=dynamic_arg_dims, host_outputs=host_outputs,

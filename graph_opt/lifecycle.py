@@ -7,12 +7,14 @@ import logging
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from . import dispatch, ranks, training
-from .capture_phase import paused_gc
+from .replay import dispatch
+from .capture import ranks
+from .training import api as training
+from .capture.capture_phase import paused_gc
 from .decorator import GraphOptState, state_of
 from .errors import GraphOptConfigError, GraphOptInputError
-from .fallbacks import reason_counts
-from .runner import GraphRunner
+from .watch.fallbacks import reason_counts
+from .replay.runner import GraphRunner
 from .stats import CaptureReport, SizeReport, Stats
 
 logger = logging.getLogger("graph_opt")

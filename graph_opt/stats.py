@@ -42,7 +42,7 @@ class Stats:
     host_copies_in_graph: int = 0  # replays whose graph copied the host_outputs into pinned memory itself
     host_copies_streamed: int = 0  # calls whose host_outputs were copied on the copy stream afterwards
     replays_by_kind: Dict[str, int] = field(default_factory=dict)  # cudagraph_mode full_and_piecewise
-    # why calls ran without graphs: graph_opt.fallbacks.Reason's values (docs/fallbacks.md: cause, fix)
+    # why calls ran without graphs: graph_opt.watch.fallbacks.Reason's values (docs/fallbacks.md: cause, fix)
     fallback_reasons: Dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -69,7 +69,7 @@ class CaptureReport:
     translations: int = 0
     failed: Optional[str] = None  # why capture stopped; the model then runs without graphs
     notes: List[str] = field(default_factory=list)
-    rank: Optional[int] = None  # this process's rank when several captured together (graph_opt.ranks)
+    rank: Optional[int] = None  # this process's rank when several captured together (graph_opt.capture.ranks)
     world_size: int = 1
 
     @property

@@ -285,7 +285,7 @@ def _traced_by_hand(r: Rank, m, comm, in_capture_phase: bool) -> dict:
     import graph_opt
     from graph_opt.backends.torch.adapter import ADAPTER
     from graph_opt.backends.torch.dynamo import DynamoStrategy
-    from graph_opt.signature import Signature
+    from graph_opt.replay.signature import Signature
     from graph_opt.decorator import state_of
 
     state = state_of(m)

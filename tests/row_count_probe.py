@@ -7,7 +7,7 @@ layer scales its output by (1 + rows * eps), so such a comparison fails on every
 eager on the same padded rows, or one with a tolerance, still passes. tests/test_row_count_probe.py runs
 the files that compare replays bitwise under it.
 """
-import graph_opt.capture_checks as capture_checks
+import graph_opt.capture.capture_checks as capture_checks
 
 # The capture check compares a padded replay with eager on fewer rows within _ULPS units in the last
 # place: the probe's rounding (up to 8 rows * eps) must stay inside it, as real rounding does.

@@ -8,7 +8,7 @@ import threading
 from typing import Callable
 
 import graph_opt
-from graph_opt import split
+from graph_opt.capture import split
 
 
 HIDDEN = 16

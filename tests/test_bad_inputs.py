@@ -18,7 +18,7 @@ import pytest
 
 import graph_opt
 from graph_opt import GraphOptConfig, GraphOptConfigError, GraphOptInputError, load_config
-from graph_opt.passes import KNOWN_PASSES
+from graph_opt.capture.passes import KNOWN_PASSES
 
 _CI_SECONDS = 1  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 

@@ -13,7 +13,7 @@ import pytest
 from graph_opt import contracts
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = sorted((ROOT / "graph_opt").glob("*.py"))
+CORE = sorted((ROOT / "graph_opt").rglob("*.py"))
 # The names the core gives the three seams' objects (local variables and attributes)
 SEAMS = {"adapter": contracts.Adapter, "_adapter": contracts.Adapter,
          "bridge": contracts.AutogradBridge, "_bridge": contracts.AutogradBridge,
@@ -41,7 +41,7 @@ def used_by_core() -> dict:
             base = node.value
             name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
             if name in SEAMS:
-                found.setdefault(SEAMS[name], {}).setdefault(node.attr, set()).add(path.name)
+                found.setdefault(SEAMS[name], {}).setdefault(node.attr, set()).add(str(path.relative_to(ROOT)))
     return found
 
 
@@ -108,7 +108,7 @@ def _backends():
 @pytest.mark.parametrize("framework", _backends())
 def test_each_backend_has_every_declared_member(framework):
     import graph_opt.backends as backends
-    from graph_opt.level0 import EagerStrategy
+    from graph_opt.capture.level0 import EagerStrategy
 
     backend = backends.load(framework)
     missing = sorted(declared(contracts.Adapter) - _members(backend.ADAPTER))

@@ -64,8 +64,8 @@ def test_every_relative_link_resolves(page):
 
 def test_every_fallback_reason_has_its_cause_and_fix_in_docs():
     """docs/fallbacks.md, the page a user opens when a call did not replay, has a section per reason of
-    graph_opt.fallbacks.Reason (the keys of stats().fallback_reasons), each with a cause and a fix."""
-    from graph_opt.fallbacks import Reason
+    graph_opt.watch.fallbacks.Reason (the keys of stats().fallback_reasons), each with a cause and a fix."""
+    from graph_opt.watch.fallbacks import Reason
 
     text = open(os.path.join(ROOT, "docs", "fallbacks.md"), encoding="utf-8").read()
     sections = re.split(r"^### ", text, flags=re.M)[1:]

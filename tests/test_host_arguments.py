@@ -1,6 +1,6 @@
 """A host (CPU) tensor argument of a model on the device: a real graph bakes in what it reads of one (a
 0-dim scale torch passes to its kernels, pack_padded_sequence's lengths). One classification
-(graph_opt/arguments.py) decides for inference and training alike: inference at level 0 replays such
+(graph_opt/watch/arguments.py) decides for inference and training alike: inference at level 0 replays such
 an argument only with its captured value; a training block keys its graphs by the value.
 
 On CPU every tensor is on the host and the stand-in bakes nothing, so testing.as_host_tensor() marks
@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 
 import graph_opt
-from graph_opt import arguments
+from graph_opt.watch import arguments
 from graph_opt.testing import as_host_tensor, simulate_cuda_graphs
 
 FRAMEWORKS = [f for f in ("torch", "paddle") if importlib.util.find_spec(f) is not None]

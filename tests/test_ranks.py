@@ -1,8 +1,9 @@
-"""graph_opt.ranks with a scripted group: what each rank raises or reports, given what its peers said.
+"""graph_opt.capture.ranks with a scripted group: what each rank raises or reports, given what its peers said.
 The exchange itself, over real processes, is tested in tests/multirank."""
 import pytest
 
-from graph_opt import GraphOptConfigError, GraphOptInputError, ranks
+from graph_opt import GraphOptConfigError, GraphOptInputError
+from graph_opt.capture import ranks
 
 
 class Scripted:

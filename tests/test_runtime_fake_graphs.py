@@ -11,10 +11,11 @@ import sys
 import numpy as np
 import pytest
 
-from graph_opt import GraphOptConfig, split
-from graph_opt.level0 import EagerStrategy
-from graph_opt.runner import GraphRunner
-from graph_opt.signature import REQUIRED
+from graph_opt import GraphOptConfig
+from graph_opt.capture import split
+from graph_opt.capture.level0 import EagerStrategy
+from graph_opt.replay.runner import GraphRunner
+from graph_opt.replay.signature import REQUIRED
 
 _capturing = []  # the FakeGraph being captured, if any
 
@@ -340,7 +341,7 @@ def test_one_memory_pool_per_model_only_when_configured(unique_pool):
 @pytest.mark.parametrize("keep", [True, False], ids=["keep_outputs", "no-keep_outputs"])
 def test_a_replay_reads_the_captured_buffers_and_hands_out_the_captured_memory(keep):
     """Each call's output is the graph's memory (no copy), in a tensor object of its own; a kept one gets
-    its values copied at the next replay (graph_opt/handed_outputs.py). keep_outputs=False: the stored
+    its values copied at the next replay (graph_opt/replay/handed_outputs.py). keep_outputs=False: the stored
     output itself, overwritten by the next call."""
     adapter = FakeAdapter()
     forward, _ = forward_calls()
@@ -362,9 +363,9 @@ def test_a_replay_reads_the_captured_buffers_and_hands_out_the_captured_memory(k
 
 @pytest.mark.parametrize("full", [True, False])
 def test_smaller_sizes_write_their_outputs_into_the_largest_sizes_storage(full):
-    """graph_opt.output_sharing: a smaller size's graph ends with a copy of its batch-major outputs into
+    """graph_opt.replay.output_sharing: a smaller size's graph ends with a copy of its batch-major outputs into
     the rows of the largest size's output, and returns views of those; a fixed-shape output keeps its own."""
-    from graph_opt.output_sharing import shares_storage
+    from graph_opt.replay.output_sharing import shares_storage
 
     adapter = FakeAdapter()
 

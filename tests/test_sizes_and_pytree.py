@@ -5,7 +5,7 @@ from collections import namedtuple
 import pytest
 
 from graph_opt.pytree import TENSOR, flatten, objects_holding_tensors, shallow_copier, tensor_leaf_owners, unflatten
-from graph_opt.sizes import PaddingTable, default_capture_sizes
+from graph_opt.replay.sizes import PaddingTable, default_capture_sizes
 
 
 def test_default_sizes_are_dense_then_coarse_and_include_the_max():

@@ -13,7 +13,7 @@ import math
 import paddle
 from paddle.device.cuda import graphs as _graphs
 
-from ...static_address import MARK
+from ...replay.static_address import MARK
 from .host_copies import PaddleHostCopies
 from .layer_counters import (
     _attribute_sets, _conversions, _hook_changes, _install_hook_counter, _install_mode_counter,
@@ -209,7 +209,7 @@ class PaddleAdapter(PaddleHostCopies):
         return paddle.where(_equal_elements(before, want), got, want)
 
     def alias(self, t):
-        """A new tensor object over t's memory: what a replay hands out (graph_opt/handed_outputs.py).
+        """A new tensor object over t's memory: what a replay hands out (graph_opt/replay/handed_outputs.py).
         A view, not detach(): a detached tensor or a slice shares t's own storage object, which set_
         (keep_values) would move too."""
         return t.view(t.shape)
@@ -283,7 +283,7 @@ class PaddleAdapter(PaddleHostCopies):
         casts = [f"paddle.amp.auto_cast (level {a}, dtype {b})" for a, b in ambient if a != "default dtype"]
         return f"{' and '.join(casts) or 'no auto_cast'} and paddle.set_default_dtype({(dtype or ['float32'])[0]!r})"
 
-    # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
+    # -- the model as a replay sees it (graph_opt.watch.replay_guards) ----------------------------------
     static_follows_ambient = False  # SOT, as graph_opt runs it, keeps a translation made under another default dtype
     static_makes_python_stores = False  # its captures check what the forward binds and sets, as level 0
     static_reads_replaced_tensors = False  # SOT replays run on the parameters captured

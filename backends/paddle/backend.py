@@ -31,7 +31,7 @@ def static_strategy(model, forward_fn, config, selection):
 
 
 def rank_group():
-    """The job's ranks for graph_opt.ranks, or None in a single process."""
+    """The job's ranks for graph_opt.capture.ranks, or None in a single process."""
     from .ranks import rank_group as find
 
     return find()

@@ -1,4 +1,4 @@
-"""Device-to-host copies the host does not wait for (graph_opt.host_outputs): the contract's HostCopies
+"""Device-to-host copies the host does not wait for (graph_opt.replay.host_outputs): the contract's HostCopies
 group of the Paddle adapter. The CUDA path is written against Paddle 3.2+ and is not run here (no
 Paddle GPU build); on CPU the copies are made at once."""
 from __future__ import annotations

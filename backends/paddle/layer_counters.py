@@ -2,7 +2,7 @@
 HookRemoveHelper, EagerParamBase): parameters, buffers and sublayers set (Paddle has no registration
 hooks), attributes set, train()/eval(), hooks registered or removed, _apply conversions and
 parameters' `.data` assigned. A replay compares one integer and looks at the model only after a bump
-(graph_opt.module_watch, through the adapter).
+(graph_opt.watch.module_watch, through the adapter).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ranks of a paddle.distributed job, for graph_opt.ranks: a gloo group of their own.
+"""The ranks of a paddle.distributed job, for graph_opt.capture.ranks: a gloo group of their own.
 
 As on torch, the exchange runs on a separate gloo group made once per job (a collective call, which
 every rank reaches together), so it never interleaves with the model's collectives. Where Paddle

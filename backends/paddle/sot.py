@@ -39,15 +39,15 @@ from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecu
 from paddle.jit.sot.utils import StepInfoManager
 from paddle.jit.sot.utils.exceptions import InnerError
 
-from ... import split
+from ...capture import split
 from .. import frame_locals as frame_of, private_copy
-from ...captured_size import Captured
+from ...replay.captured_size import Captured
 from ...contracts import StrategyTraits
 from ...errors import CaptureError, GraphOptError, GuardFailed, ReplayDivergence
-from ...failures import describe
-from ...fallbacks import Fallback, Reason
+from ...capture.failures import describe
+from ...watch.fallbacks import Fallback, Reason
 from ...guards import as_captured
-from ...host_graphs import graphs_for
+from ...recorders.host_graphs import graphs_for
 from ...pytree import flatten
 from .run_program_hook import ProgramHook, SizeRecord
 from .sot_guards import _argument_key, _failed_guard, _FrameView, _guard_of

@@ -9,7 +9,8 @@ from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer
 from paddle.jit.sot import psdb
 from paddle.jit.sot.utils.envs import ENV_MIN_GRAPH_SIZE
 
-from ... import guards, split
+from ... import guards
+from ...capture import split
 
 _STATE_LOCK = guards.state_lock
 

@@ -23,7 +23,7 @@ import warnings
 import torch
 from torch.nn.modules import module as _module_mod
 
-from ...static_address import MARK
+from ...replay.static_address import MARK
 from . import math_mode
 from .host_copies import TorchHostCopies, device_alias
 from .module_counters import (
@@ -206,7 +206,7 @@ class TorchAdapter(TorchHostCopies):
         return torch.where(_equal_elements(before, want), got, want)
 
     def alias(self, t):
-        """A new tensor object over t's memory: what a replay hands out (graph_opt/handed_outputs.py)."""
+        """A new tensor object over t's memory: what a replay hands out (graph_opt/replay/handed_outputs.py)."""
         return t.detach()
 
     def keep_values(self, t) -> None:
@@ -279,7 +279,7 @@ class TorchAdapter(TorchHostCopies):
         casts = [f"torch.autocast({device!r}, dtype={d})" for device, d in ambient if device != "default dtype"]
         return f"{' and '.join(casts) or 'no autocast'} and torch.set_default_dtype({(dtype or [torch.float32])[0]})"
 
-    # -- the model as a replay sees it (graph_opt.replay_guards) ----------------------------------
+    # -- the model as a replay sees it (graph_opt.watch.replay_guards) ----------------------------------
     static_follows_ambient = True  # Dynamo guards autocast and the default dtype
     static_makes_python_stores = True  # Dynamo's transformed code makes the stores
     static_reads_replaced_tensors = True  # level >= 1: a replaced parameter reaches the graph (dynamo.py)

@@ -17,7 +17,7 @@ import torch
 import torch._dynamo
 
 from ...errors import ReplayDivergence
-from ...module_watch import Registrations
+from ...watch.module_watch import Registrations
 from .adapter import ADAPTER
 from .module_counters import module_state
 
@@ -27,7 +27,7 @@ class _ModuleTensors:
 
     The graphs read the captured tensors' memory. Replacing one goes through torch's registration
     hooks, which bump a process-wide count: a replay compares one integer, and only after a registration
-    anywhere looks at the model's tensors again (the Registrations part of graph_opt/module_watch.py, as
+    anywhere looks at the model's tensors again (the Registrations part of graph_opt/watch/module_watch.py, as
     the inference check at level 0 has it). Not replayed (ReplayDivergence, until put back):
     - a parameter or buffer replaced by another object. Copying its values into the captured one, where
       the graph reads, would change a tensor the user may still hold and put back (an EMA swap: the

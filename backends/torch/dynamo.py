@@ -40,16 +40,16 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from ... import split
+from ...capture import split
 from ...guards import as_captured
 from .. import frame_locals as frame_of, private_copy
-from ...captured_size import Captured
+from ...replay.captured_size import Captured
 from ...contracts import StrategyTraits
 from ...errors import CaptureError
-from ...fallbacks import Fallback, Reason
-from ...host_graphs import graphs_for
+from ...watch.fallbacks import Fallback, Reason
+from ...recorders.host_graphs import graphs_for
 from ...pytree import flatten
-from ...signature import as_made, forward_params
+from ...replay.signature import as_made, forward_params
 from . import fx_split
 from .host_constants import fold_host_constants
 from .direct_replay import _ModuleTensors, _tensors_only, constant_stores, pure_replay_code, replay_stores, stores_names

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch.fx.passes.split_module import split_module
 
-from ... import split as split_mod
+from ...capture import split as split_mod
 
 _GRAPH, _EAGER = "graph", "eager"
 

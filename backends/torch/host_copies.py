@@ -1,4 +1,4 @@
-"""Device-to-host copies the host does not wait for (graph_opt.host_outputs): the contract's HostCopies
+"""Device-to-host copies the host does not wait for (graph_opt.replay.host_outputs): the contract's HostCopies
 group of the torch adapter. A copy stream after the producing stream's work; pinned rings a captured
 kernel writes through, where the device can address pinned memory."""
 from __future__ import annotations
@@ -42,7 +42,7 @@ class TorchHostCopies:
         producer.wait_event(done)
         return done
 
-    # -- host_outputs copied inside the replayed graph (graph_opt.host_outputs.GraphCopies) ----------
+    # -- host_outputs copied inside the replayed graph (graph_opt.replay.host_outputs.GraphCopies) ----------
     def pinned_like_ring(self, t, depth: int):
         return torch.zeros((depth, *t.shape), dtype=t.dtype, pin_memory=t.is_cuda)
 

@@ -1,7 +1,7 @@
 """The math mode torch's CUDA kernels run in: TF32 for float32 matmuls and convolutions, reduced-precision
 reductions in half-precision matmuls, deterministic algorithms, cuDNN on or off, and which attention
 kernels scaled_dot_product_attention may pick. A graph replays the
-kernels its capture chose, so a replay must run in the mode of its capture (graph_opt.replay_guards).
+kernels its capture chose, so a replay must run in the mode of its capture (graph_opt.watch.replay_guards).
 
 Reading every flag costs about 0.5 us, too much for every replay. Every Python way of setting one goes
 through a torch._C setter looked up at call time (torch.backends.cuda.matmul, set_float32_matmul_precision,

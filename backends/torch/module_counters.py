@@ -1,7 +1,7 @@
 """Process-wide counters of changes to torch modules, each installed once by patching nn.Module (or
 RemovableHandle, nn.Parameter): parameter, buffer and submodule registrations, train()/eval(), hook
 handles made or removed, _apply conversions and parameters' `.data` assigned, and attributes set. A replay compares one integer and looks at the model only after a
-bump (graph_opt.replay_guards, through the adapter; dynamo.py for the registrations).
+bump (graph_opt.watch.replay_guards, through the adapter; dynamo.py for the registrations).
 """
 from __future__ import annotations
 

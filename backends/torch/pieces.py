@@ -25,11 +25,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ...static_address import overlaps
+from ...replay.static_address import overlaps
 from ...errors import CaptureError, ReplayDivergence
-from ...output_sharing import SharedOutputs
+from ...replay.output_sharing import SharedOutputs
 from ...pytree import flatten, unflatten
-from ...static_address import same_memory
+from ...replay.static_address import same_memory
 
 
 class Mode(enum.Enum):
@@ -256,7 +256,7 @@ class CapturablePiece:
 
     def _sharing(self) -> Optional[SharedOutputs]:
         """Outputs of this piece that a larger size kept owned (the forward's outputs) take this size's
-        outputs into their first rows (graph_opt/output_sharing.py)."""
+        outputs into their first rows (graph_opt/replay/output_sharing.py)."""
         state = self.state
         larger = self.entries.get(state.share_key) if state.share_key is not None else None
         if larger is None or larger.owned is None or not any(larger.owned):

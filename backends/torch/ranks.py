@@ -1,4 +1,4 @@
-"""The ranks of a torch.distributed job, for graph_opt.ranks: a gloo group of their own.
+"""The ranks of a torch.distributed job, for graph_opt.capture.ranks: a gloo group of their own.
 
 The exchange runs on a separate gloo group, created once per default group (a collective call: every
 rank reaches it together, in capture_model or a lazy capture), so it never interleaves with the

@@ -1,4 +1,4 @@
-"""cudagraph_mode "full_and_piecewise" (graph_opt.dispatch), run on each framework through the fixture `D`
+"""cudagraph_mode "full_and_piecewise" (graph_opt.replay.dispatch), run on each framework through the fixture `D`
 (tests/both/conftest.py): `D.demo` is the framework's demo module (benchmarks/torch_demo.py or
 paddle_demo.py: DemoDecoder, whose attention is a splitting op), `D.simulated()` where captures run.
 tests/gpu/test_gpu_dispatch.py runs them on real graphs."""

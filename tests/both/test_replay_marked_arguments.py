@@ -1,4 +1,4 @@
-"""Inference replays never silently wrong through the common call's shortcut (graph_opt/fast_replay.py) or
+"""Inference replays never silently wrong through the common call's shortcut (graph_opt/replay/fast_replay.py) or
 arguments read in place (graph_opt.mark_static_address): a marked cache written once per call and left as
 found by the capture, another tensor in a marked argument answered without graphs, memory shared with a
 marked cache never taking the shortcut. On both frameworks (the fixture `fw`), graphs simulated on CPU.

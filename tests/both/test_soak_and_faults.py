@@ -17,8 +17,9 @@ import time
 import pytest
 
 import graph_opt
-from graph_opt import split, testing
-from graph_opt.level0 import EagerStrategy
+from graph_opt import testing
+from graph_opt.capture import split
+from graph_opt.capture.level0 import EagerStrategy
 from soak_support import (BLOCK_GROWTH_BOUND, CALLS, FAULT, FAULT_MODES, HIDDEN, MODES, ROW_TOLERANCE,
                           RSS_GROWTH_BOUND, SIZES, WARNINGS, leftover_capture_state)
 

@@ -1,5 +1,5 @@
 """Host (CPU) tensor arguments of a training block on the device, on real graphs: a capture bakes in
-what it reads of one, so a block must key its graphs by the value (graph_opt/arguments.py), never
+what it reads of one, so a block must key its graphs by the value (graph_opt/watch/arguments.py), never
 replay another call's. tests/test_host_arguments.py shows the classification with the stand-in, which
 bakes nothing. Skipped without a CUDA device."""
 import copy

@@ -1,4 +1,4 @@
-"""Two Paddle ranks on CPU (gloo, paddle.distributed.spawn), for the rank agreement of graph_opt.ranks.
+"""Two Paddle ranks on CPU (gloo, paddle.distributed.spawn), for the rank agreement of graph_opt.capture.ranks.
 
 The model all-reduces in its forward, so ranks that captured different graphs would mismatch their
 collectives. Both ranks run every scenario in order; each returns a dict or fails with its

@@ -1,4 +1,4 @@
-"""graph_opt.ranks on Paddle: two CPU ranks (gloo, paddle.distributed.spawn), level 0, simulated graphs,
+"""graph_opt.capture.ranks on Paddle: two CPU ranks (gloo, paddle.distributed.spawn), level 0, simulated graphs,
 a paddle.distributed.all_reduce in every forward. One spawn for the module, under a hard deadline."""
 import pytest
 

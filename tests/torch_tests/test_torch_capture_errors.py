@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import graph_opt  # noqa: E402
 from source_lines import line_of  # noqa: E402
-from graph_opt.failures import describe, remedy_for  # noqa: E402
+from graph_opt.capture.failures import describe, remedy_for  # noqa: E402
 
 
 def _line_of(marker: str) -> int:

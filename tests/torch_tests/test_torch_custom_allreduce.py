@@ -61,4 +61,4 @@ def test_an_unregistered_communicator_stays_on_the_fallback_path_while_graphs_ar
 def test_a_single_rank_exchanges_nothing(one_rank):
     from graph_opt.backends.torch.adapter import ADAPTER
 
-    assert graph_opt.ranks.group_for(ADAPTER) is None
+    assert graph_opt.capture.ranks.group_for(ADAPTER) is None

@@ -213,10 +213,10 @@ def test_pure_replay_code_refuses_stores_and_foreign_calls():
 
 @pytest.mark.parametrize("full", [True, False])
 def test_level_1_sizes_write_their_outputs_into_the_largest_sizes_storage(full):
-    """graph_opt.output_sharing at level >= 1: the last piece's capture of a smaller size copies the
+    """graph_opt.replay.output_sharing at level >= 1: the last piece's capture of a smaller size copies the
     forward's outputs into the rows of the largest size's (owned) outputs. Size 1 is traced apart by
     Dynamo (it specialises sizes 0 and 1), so it keeps its own."""
-    from graph_opt.output_sharing import shares_storage
+    from graph_opt.replay.output_sharing import shares_storage
 
     torch.manual_seed(0)
     m = Stack(graph_opt_config=_cfg(1, full=full))

@@ -5,7 +5,7 @@ import torch
 from torch.fx.passes.shape_prop import ShapeProp
 
 import graph_opt
-from graph_opt import split
+from graph_opt.capture import split
 from graph_opt.backends.torch import fx_split
 from torch_zoo.small import mix  # noqa: F401  (registers the custom op and the splitting op)
 

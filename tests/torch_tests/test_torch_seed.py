@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import graph_opt
-from graph_opt.signature import Signature
+from graph_opt.replay.signature import Signature
 from graph_opt.backends.torch.adapter import ADAPTER
 from graph_opt.backends.torch.dynamo import DynamoStrategy, graphs_compiled
 from torch_zoo.small import COMM, SIZES, Reduced, make_x

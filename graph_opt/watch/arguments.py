@@ -11,8 +11,8 @@ import inspect
 import re
 from typing import List, Sequence, Tuple
 
-from .pytree import TENSOR, leaf_paths
-from .host_graphs import HOST_MARK, simulation_enabled
+from ..pytree import TENSOR, leaf_paths
+from ..recorders.host_graphs import HOST_MARK, simulation_enabled
 
 # A host tensor argument of at most this many elements is a key by its value (a scale, a temperature,
 # a batch's lengths); a larger one, whose value a graph cannot be keyed by, runs its calls eagerly.

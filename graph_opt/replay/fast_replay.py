@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 from .captured_size import CapturedSize
-from .guards import capture_phase_in_this_thread
+from ..guards import capture_phase_in_this_thread
 from .host_outputs import pending_copies as _pending_host_copies, land_pending_copies
 
 MISS = object()  # the plan does not answer this call: take the full path

@@ -26,7 +26,7 @@ def optimize_program(program, passes: Optional[Sequence[str]] = None, semantics:
     loop operand the loop writes is copied (with static semantics); with it, only those something
     can still see.
     """
-    from .backends.paddle import passes as impl
+    from ..backends.paddle import passes as impl
 
     names = list(KNOWN_PASSES if passes is None else passes)
     for name in names:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Optional
 
-from .errors import GraphOptInputError
-from .stats import Counters
+from ..errors import GraphOptInputError
+from ..stats import Counters
 
 KINDS = ("full", "piecewise")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .static_address import overlaps
-from .pytree import flatten, unflatten
+from ..pytree import flatten, unflatten
 
 
 class SharedOutputs:

@@ -19,7 +19,7 @@ import sys
 import types
 from typing import Any, List, Tuple
 
-from .pytree import holds_tensor, value_key
+from ..pytree import holds_tensor, value_key
 
 _DEPTH = 6  # containers followed below a module's attribute
 _OPAQUE = (str, bytes, int, float, complex, bool, type, types.FunctionType, types.BuiltinFunctionType,

@@ -19,21 +19,22 @@ import logging
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import ranks, static_address
-from .capture_phase import Capturer
-from .lazy_capture import CallCaptures
+from ..capture import ranks
+from . import static_address
+from ..capture.capture_phase import Capturer
+from ..capture.lazy_capture import CallCaptures
 from .captured_size import _ALIASED, _HOST_VALUE, _MISMATCH, _MOVED, in_place
-from .errors import GraphOptError, GuardFailed, ReplayDivergence
-from .fallbacks import Fallback, Reason
-from .guards import capture_phase_in_this_thread
+from ..errors import GraphOptError, GuardFailed, ReplayDivergence
+from ..watch.fallbacks import Fallback, Reason
+from ..guards import capture_phase_in_this_thread
 from .fast_replay import MISS, FastReplay, plan_for
 from .handed_outputs import HandedOutputs
 from .host_outputs import HostRingFull
-from .pytree import flatten
-from .replay_guards import ModelState, Unwatched
+from ..pytree import flatten
+from ..watch.replay_guards import ModelState, Unwatched
 from .signature import Signature, SignatureTable
 from .sizes import PaddingTable
-from .stats import Counters
+from ..stats import Counters
 
 logger = logging.getLogger("graph_opt")
 
@@ -68,20 +69,20 @@ class GraphRunner:
         self.fallback_reasons: Dict[str, int] = {}  # why calls ran without graphs, by kind
         self.disabled_reason: Optional[str] = None
         self.capture_model_done = False
-        self.group = None  # the ranks that agree on every replay (graph_opt.ranks), set when capturing
+        self.group = None  # the ranks that agree on every replay (graph_opt.capture.ranks), set when capturing
         self._warned: set = set()
         self._is_tensor = adapter.is_tensor
         # Held by the call (and capture_model, clear_graphs) using the static buffers. Calls from two
         # threads at once would copy into and replay from the same buffers, and each returns views of
         # the same output tensors: the second one is refused (non-blocking acquire: no waiting, no
         # allocation). Re-entrant, so the forward or make_inputs may call the model on the same thread.
-        # Runners of one model's graph kinds (graph_opt.dispatch) share one.
+        # Runners of one model's graph kinds (graph_opt.replay.dispatch) share one.
         self.guard = guard if guard is not None else threading.RLock()
         self._acquire = self.guard.acquire
         self._release = self.guard.release
         self.shortcut: Optional[FastReplay] = None  # the common call's shortcut, once one of its sizes replayed
         self.fast: Optional[Callable] = None  # its call(args), or None
-        # The other graph kind of the same model (graph_opt.dispatch): it shares this runner's model state,
+        # The other graph kind of the same model (graph_opt.replay.dispatch): it shares this runner's model state,
         # which a failure here releases, so it stops with this one (disable()).
         self.siblings: List["GraphRunner"] = []
         # The outputs of earlier replays a caller may still hold (shared with the siblings: one pool).
@@ -89,7 +90,7 @@ class GraphRunner:
         self.capturer = Capturer(self)
         self.at_calls = CallCaptures(self.capturer)  # sizes captured at a call, not by capture_model
 
-    # -- capture (the capturer's; the interface capture_model and graph_opt.dispatch use) --------------
+    # -- capture (the capturer's; the interface capture_model and graph_opt.replay.dispatch use) --------------
     def capture(self, args, kwargs, size: int):
         return self.capturer.capture(args, kwargs, size)
 

@@ -22,7 +22,7 @@ import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .static_address import overlaps
-from .pytree import shallow_copier
+from ..pytree import shallow_copier
 
 
 class HandedOutputs:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Optional, Tuple
 
-from . import capture_checks, failures, ranks, static_address
+from . import capture_checks, failures, ranks
+from ..replay import static_address
 from .capture_phase import paused_gc
-from .captured_size import CapturedSize
-from .static_address import overlaps
-from .errors import CaptureError
-from .fallbacks import Fallback, Reason
-from .signature import Signature
+from ..replay.captured_size import CapturedSize
+from ..replay.static_address import overlaps
+from ..errors import CaptureError
+from ..watch.fallbacks import Fallback, Reason
+from ..replay.signature import Signature
 
 logger = logging.getLogger("graph_opt")
 

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from . import output_layout
 from .static_address import overlaps
-from .errors import GraphOptConfigError, GraphOptInputError
-from .fallbacks import Fallback, Reason
+from ..errors import GraphOptConfigError, GraphOptInputError
+from ..watch.fallbacks import Fallback, Reason
 from .padding import Padding
-from .pytree import TENSOR, flatten, leaf_paths, strict_key, tensor_leaf_owners
+from ..pytree import TENSOR, flatten, leaf_paths, strict_key, tensor_leaf_owners
 
 if TYPE_CHECKING:
     from .captured_size import CapturedSize

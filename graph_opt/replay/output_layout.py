@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
-from .pytree import TENSOR, flatten, leaf_paths, unflatten
+from ..pytree import TENSOR, flatten, leaf_paths, unflatten
 
 
 @dataclass

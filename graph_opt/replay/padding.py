@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional
 
-from .errors import GraphOptConfigError
+from ..errors import GraphOptConfigError
 
 _NUMBER = (bool, int, float)
 

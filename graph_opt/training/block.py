@@ -11,20 +11,20 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import backends, env, guards
-from .backends import patches
-from .arguments import TooLarge, argument_names, host_positions, tensors_by_value, too_large_message
-from .capture_phase import paused_gc
-from .errors import CaptureError, GraphOptError, GraphOptInputError
-from .fallbacks import Reason, reason_counts
-from .failures import describe
-from .held_state import HeldState
-from .host_graphs import graphs_for, simulation_enabled
-from .host_outputs import pending_copies as _pending_host_copies, land_pending_copies
-from .pytree import flatten, unflatten
-from .stats import TrainingCounters, TrainingStats
-from .training_graphs import KeyState, PartialBackward, PendingBackward, StepGraphs, _capture_key, _record_partial
-from .training_watch import TrainingWatch, framework_of_call
+from .. import backends, env, guards
+from ..backends import patches
+from ..watch.arguments import TooLarge, argument_names, host_positions, tensors_by_value, too_large_message
+from ..capture.capture_phase import paused_gc
+from ..errors import CaptureError, GraphOptError, GraphOptInputError
+from ..watch.fallbacks import Reason, reason_counts
+from ..capture.failures import describe
+from ..watch.held_state import HeldState
+from ..recorders.host_graphs import graphs_for, simulation_enabled
+from ..replay.host_outputs import pending_copies as _pending_host_copies, land_pending_copies
+from ..pytree import flatten, unflatten
+from ..stats import TrainingCounters, TrainingStats
+from .graphs import KeyState, PartialBackward, PendingBackward, StepGraphs, _capture_key, _record_partial
+from .watch import TrainingWatch, framework_of_call
 
 logger = logging.getLogger("graph_opt")
 

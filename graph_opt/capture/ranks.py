@@ -28,9 +28,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, List, Optional, Protocol, Sequence, Type
 
-from .errors import GraphOptConfigError, GraphOptError
+from ..errors import GraphOptConfigError, GraphOptError
 from .failures import describe
-from .fallbacks import Fallback, Reason
+from ..watch.fallbacks import Fallback, Reason
 
 
 _enabled = True
@@ -61,7 +61,7 @@ def group_for(adapter) -> Optional[RankGroup]:
     name = getattr(adapter, "name", None)
     if name not in ("torch", "paddle"):
         return None
-    from . import backends
+    from .. import backends
 
     find = getattr(backends.load(name), "rank_group", None)
     return find() if find is not None else None

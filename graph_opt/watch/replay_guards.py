@@ -35,7 +35,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Dict, List, Optional, Tuple
 
-from .backends import patches
+from ..backends import patches
 from .fallbacks import Fallback, Reason
 from .held_state import NOTHING_HELD, HeldState, state_key
 from .module_watch import GONE, Attributes, Conversions, Hooks, Registrations, TrainingFlags

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, List
 
 from . import static_address
-from .errors import GraphOptInputError
+from ..errors import GraphOptInputError
 from .padding import Padding
 from .static_address import same_memory
 

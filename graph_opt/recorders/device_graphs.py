@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
-from .pytree import flatten
+from ..pytree import flatten
 
 
 class DeviceGraphs:

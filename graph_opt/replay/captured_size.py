@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .errors import ReplayDivergence
+from ..errors import ReplayDivergence
 from .host_outputs import SizeCopies, pending_copies as _pending_host_copies, land_pending_copies
-from .pytree import flatten, shallow_copier, unflatten
+from ..pytree import flatten, shallow_copier, unflatten
 from .static_address import overlaps, same_memory
 
 if TYPE_CHECKING:
-    from .fallbacks import Fallback
+    from ..watch.fallbacks import Fallback
     from .handed_outputs import HandedOutputs
     from .signature import Signature
 

@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from .pytree import flatten
+from ..pytree import flatten
 
 # name -> the wrapper returned by @splitting_op
 _REGISTRY: Dict[str, Callable] = {}

@@ -13,15 +13,17 @@ import logging
 import time
 from typing import List, Optional
 
-from . import capture_checks, failures, guards, output_layout, output_sharing, static_address, static_inputs, writes
-from .arguments import entry_host_values
-from .captured_size import Captured, CapturedSize, returned_inputs
-from .errors import CaptureError, GraphOptInputError
+from . import capture_checks, failures, writes
+from .. import guards
+from ..replay import output_layout, output_sharing, static_address, static_inputs
+from ..watch.arguments import entry_host_values
+from ..replay.captured_size import Captured, CapturedSize, returned_inputs
+from ..errors import CaptureError, GraphOptInputError
 from .failures import describe
-from .host_graphs import graphs_for
-from .host_outputs import SizeCopies
-from .pytree import flatten, holding_tensors_message, objects_holding_tensors, unflatten
-from .signature import Signature, _opaque_message, mapping_note
+from ..recorders.host_graphs import graphs_for
+from ..replay.host_outputs import SizeCopies
+from ..pytree import flatten, holding_tensors_message, objects_holding_tensors, unflatten
+from ..replay.signature import Signature, _opaque_message, mapping_note
 
 logger = logging.getLogger("graph_opt")
 
@@ -150,7 +152,7 @@ class Capturer:
 
     def capture_failed(self, exc: Optional[BaseException], size: int, across_ranks: Optional[str] = None) -> None:
         """Drop every graph and run without them. across_ranks: why, when the ranks agreed on it
-        (graph_opt.ranks); exc is then this rank's own error, or None where only a peer failed."""
+        (graph_opt.capture.ranks); exc is then this rank's own error, or None where only a peer failed."""
         self.counters.capture_failures += 1
         self.adapter.after_failed_capture()
         self.runner.disable(across_ranks or f"capture of size {size} failed: {describe(exc)}")

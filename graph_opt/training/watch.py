@@ -18,10 +18,10 @@ import operator
 import sys
 from typing import Any, Callable, Dict, List, Tuple
 
-from .errors import GraphOptInputError
-from .module_watch import Attributes, Hooks, Registrations, TrainingFlags, plain_attributes
-from .held_state import state_key
-from .pytree import flatten
+from ..errors import GraphOptInputError
+from ..watch.module_watch import Attributes, Hooks, Registrations, TrainingFlags, plain_attributes
+from ..watch.held_state import state_key
+from ..pytree import flatten
 
 _UNSET = object()
 _GONE = object()

@@ -26,12 +26,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from . import output_layout, static_inputs
+from ..replay import output_layout, static_inputs
 from .writes import buffer_snapshot, buffers_changed, changed, snapshot, written
-from .captured_size import _MISMATCH, _MOVED
-from .errors import CaptureError
-from .host_outputs import HostRingFull
-from .pytree import TENSOR, flatten, leaf_paths, unflatten
+from ..replay.captured_size import _MISMATCH, _MOVED
+from ..errors import CaptureError
+from ..replay.host_outputs import HostRingFull
+from ..pytree import TENSOR, flatten, leaf_paths, unflatten
 
 logger = logging.getLogger("graph_opt")
 
@@ -424,7 +424,7 @@ def _rows_alike(adapter, sig, probe) -> bool:
 
 
 def _read_futures(tree) -> None:
-    from .host_outputs import HostFuture
+    from ..replay.host_outputs import HostFuture
 
     for _, leaf in leaf_paths(flatten(tree, lambda x: False)[1]):
         value = getattr(leaf, "value", getattr(leaf, "obj", None))

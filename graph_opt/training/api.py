@@ -36,8 +36,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional
 
-from .errors import GraphOptInputError
-from .training_block import GraphedBlock, _module_framework
+from ..errors import GraphOptInputError
+from .block import GraphedBlock, _module_framework
 
 _STATE_ATTR = "_graph_opt_training"
 
@@ -89,7 +89,7 @@ def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Option
     gradients within rounding of eager's). At levels 1 and 2 a key's first call runs eagerly, then
     `warmup_steps` traced calls (the first compiles), then the capture.
 
-    GRAPH_OPT_DISABLE=1 makes every call plain eager. See graph_opt.training for the guarantees.
+    GRAPH_OPT_DISABLE=1 makes every call plain eager. See graph_opt.training.api for the guarantees.
     """
     if target is None:
         return lambda t: autocudagraph(t, warmup_steps=warmup_steps, dispatch_key_fn=dispatch_key_fn,

@@ -12,12 +12,13 @@ import contextlib
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import output_sharing, split
-from .captured_size import Captured
-from .contracts import StrategyTraits
-from .errors import ReplayDivergence
-from .host_graphs import graphs_for
-from .pytree import TENSOR, flatten, unflatten
+from ..replay import output_sharing
+from . import split
+from ..replay.captured_size import Captured
+from ..contracts import StrategyTraits
+from ..errors import ReplayDivergence
+from ..recorders.host_graphs import graphs_for
+from ..pytree import TENSOR, flatten, unflatten
 
 
 class _SplitStep:

@@ -27,10 +27,11 @@ import contextlib
 import threading
 from typing import Any, Callable, List
 
-from . import env, guards, split
-from .captured_size import Captured
+from .. import env, guards
+from ..capture import split
+from ..replay.captured_size import Captured
 from .device_graphs import DeviceGraphs
-from .pytree import flatten
+from ..pytree import flatten
 
 _simulating = False
 

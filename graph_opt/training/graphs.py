@@ -8,13 +8,13 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from .arguments import argument_names
-from .writes import changed, snapshot
-from .errors import CaptureError
-from .pytree import flatten, holding_tensors_message, objects_holding_tensors, unflatten
+from ..watch.arguments import argument_names
+from ..capture.writes import changed, snapshot
+from ..errors import CaptureError
+from ..pytree import flatten, holding_tensors_message, objects_holding_tensors, unflatten
 
 if TYPE_CHECKING:
-    from .training_block import GraphedBlock
+    from .block import GraphedBlock
 
 
 # -- one captured key ------------------------------------------------------------------------------

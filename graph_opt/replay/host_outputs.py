@@ -32,8 +32,8 @@ import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from .errors import GraphOptError, GraphOptInputError
-from .pytree import TENSOR, flatten, unflatten
+from ..errors import GraphOptError, GraphOptInputError
+from ..pytree import TENSOR, flatten, unflatten
 
 
 class HostRingFull(GraphOptError):
@@ -157,7 +157,7 @@ _default_rings: Dict[int, HostRings] = {}
 def to_host_async(tree, depth: int = 2) -> HostFuture:
     """Copy the tensor leaves of `tree` (nested dict/list/tuple) to pinned host memory without blocking
     the host; returns a HostFuture. `depth`: buffers per shape and dtype in the process-wide rings."""
-    from . import backends
+    from .. import backends
 
     leaves, _ = flatten(tree, _is_any_tensor)
     if not leaves:
