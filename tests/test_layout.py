@@ -69,3 +69,9 @@ def test_the_graph_sees_imports():
     edges = _graph()
     assert "graph_opt.capture.capture_phase" in edges["graph_opt.replay.runner"]
     assert "graph_opt.replay.signature" in edges["graph_opt.replay.runner"]
+
+
+def test_no_runtime_file_is_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for folder in RUNTIME for p in (ROOT / folder).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"runtime files over {MAX_LINES} lines: {long}"

@@ -30,6 +30,7 @@ from ...errors import CaptureError, ReplayDivergence
 from ...replay.output_sharing import SharedOutputs
 from ...pytree import flatten, unflatten
 from ...replay.static_address import same_memory
+from .replay_plan import EagerCall, ReplayPlan, memory_of
 
 
 class Mode(enum.Enum):
@@ -55,7 +56,7 @@ class GraphState:
     strong_of: Dict[int, Any] = field(default_factory=dict)
     # capture: the pieces' calls in order, for CompiledForward's replay plan (kept past end(), as strong_of)
     calls: List[Any] = field(default_factory=list)
-    made: Dict[int, tuple] = field(default_factory=dict)  # id(eager result) -> (weakref, _EagerCall, leaf, in place)
+    made: Dict[int, tuple] = field(default_factory=dict)  # id(eager result) -> (weakref, EagerCall, leaf, in place)
     plannable: bool = True  # no eager piece reads another's result, and none returns a non-tensor
     adapter: Any = None  # the framework adapter: where a tensor's bytes are, whether two read the same
 
@@ -86,7 +87,7 @@ class GraphState:
         return alias
 
     def made_by_eager(self, t) -> Optional[tuple]:
-        """(the _EagerCall, leaf index, whether t is its argument's memory) that returned t in this
+        """(the EagerCall, leaf index, whether t is its argument's memory) that returned t in this
         capture, or None."""
         hit = self.made.get(id(t))
         return hit[1:] if hit is not None and hit[0]() is t else None
@@ -193,7 +194,7 @@ class CapturablePiece:
             # One memory at capture must be one now, and other memory other. Only inputs that are fresh,
             # were over src's storage at capture, or met i at capture can differ; the rest are the captured
             # tensors, away from src's storage.
-            near = set(fresh).union(entry.by_memory.get(_memory(src), ()),
+            near = set(fresh).union(entry.by_memory.get(memory_of(src), ()),
                                     *(pair for pair in entry.overlapping if i in pair))
             for k in near:
                 if k != i and (captured[k] is dst and args[k] is not src or captured[k] is not dst and
@@ -241,7 +242,7 @@ class CapturablePiece:
         entry = PieceGraph(graph, held, slots, unflatten(spec, [state.alias(t, self.adapter) for t in leaves]),
                            written=written,
                            in_place=tuple(i for i, where in made.items() if where is not None and where[2]),
-                           overlapping=overlapping, by_memory=_by_memory(inputs, slots))
+                           overlapping=overlapping, by_memory=_bymemory_of(inputs, slots))
         self.entries[state.key] = entry
         for i, where in made.items():  # for the replay plan: an eager piece's result lands in entry.inputs[i]
             if where is not None:
@@ -331,9 +332,9 @@ class EagerPiece:
             if any(state.made_by_eager(a) is not None for a in flatten(args, _is_tensor)[0]) or \
                     not _tensors_or_none(out):
                 state.plannable = False
-            call = _EagerCall(self.fn, [state.known_alias(a) for a in args])
+            call = EagerCall(self.fn, [state.known_alias(a) for a in args])
             tensor_args = flatten(args, _is_tensor)[0]
-            held = {_memory(a) for a in tensor_args}
+            held = {memory_of(a) for a in tensor_args}
             first: Dict[int, int] = {}
             for j, t in enumerate(leaves):
                 if id(t) in first:  # one tensor twice in the result: each replay checks it is again
@@ -349,7 +350,7 @@ class EagerPiece:
                 # Its argument or a view of it (an identity op, out=) is no fresh memory to land where the
                 # graph reads: the next graph reads and writes that very memory, or writes through one name
                 # would miss the other (x * c after op(c).add_(1)). Each replay checks it is that memory.
-                state.made[id(t)] = (weakref.ref(t), call, j, _memory(t) in held)
+                state.made[id(t)] = (weakref.ref(t), call, j, memory_of(t) in held)
             state.calls.append(call)
         return out
 
@@ -374,16 +375,11 @@ def _spans_meet(adapter, a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(a.numel() and b.numel()) and overlaps((adapter.extent(a),), adapter.extent(b))
 
 
-def _by_memory(inputs, slots) -> Dict[Any, tuple]:
+def _bymemory_of(inputs, slots) -> Dict[Any, tuple]:
     out: Dict[Any, list] = {}
     for k in slots:
-        out.setdefault(_memory(inputs[k]), []).append(k)
+        out.setdefault(memory_of(inputs[k]), []).append(k)
     return {m: tuple(ks) for m, ks in out.items()}
-
-
-def _memory(t: torch.Tensor):
-    """Where t's elements live: tensors with one storage share it (a view, or the tensor itself)."""
-    return t.untyped_storage().data_ptr() if t.numel() else ("empty", id(t))
 
 
 def _tensors_or_none(value) -> bool:
@@ -392,87 +388,8 @@ def _tensors_or_none(value) -> bool:
     return isinstance(value, (tuple, list)) and all(_tensors_or_none(v) for v in value)
 
 
-@dataclass
-class _EagerCall:
-    fn: Callable
-    args: List[Any]  # as held for replays: graph-written tensors through their aliases
-    dests: List[tuple] = field(default_factory=list)  # (leaf index of the result, where a graph reads it, in place)
-    same: List[tuple] = field(default_factory=list)  # (leaf, earlier leaf): one tensor at capture
-    passed: List[tuple] = field(default_factory=list)  # (leaf, tensor argument): its argument at capture
-
-
-class ReplayPlan:
-    """One size's piecewise replay without the split module: each piece's graph.replay() and each eager
-    piece's function on the arguments it got at capture, in the captured order; an eager piece's fresh
-    results are copied where the graphs that read them read (vLLM's piecewise backend does the same).
-
-    Sound where every argument of an eager piece is the same object at every replay: the inputs the
-    transformed code gathers (checked pure by the caller) and graph-written tensors. Where an eager
-    piece reads another eager piece's result, or returns anything but tensors and None, the split
-    module's forward keeps running (it passes each replay's values).
-    """
-
-    def __init__(self, steps: List[Callable]):
-        self.steps = tuple(steps)
-
-    def __call__(self) -> None:
-        for step in self.steps:
-            step()
-
-    @staticmethod
-    def build(state: GraphState, owners: Dict[int, torch.Tensor]) -> Optional["ReplayPlan"]:
-        """The plan of the capture that just ended, or None where it would not be sound (see above)."""
-        if not state.plannable:
-            return None
-        steps: List[Callable] = []
-        for call in state.calls:
-            if isinstance(call, _EagerCall):
-                steps.append(_eager_step(state.adapter, call.fn, [owners.get(id(a), a) for a in call.args],
-                                         call.dests, call.same, call.passed))
-            else:
-                steps.append(call.replay)
-        return ReplayPlan(steps)
-
-
-def _eager_step(adapter, fn: Callable, args: List[Any], dests: List[tuple], same=(), passed=()) -> Callable:
-    if not dests and not same and not passed:
-        return functools.partial(fn, *args)
-
-    tensor_args = flatten(args, _is_tensor)[0]
-
-    def step():
-        leaves, _ = flatten(fn(*args), _is_tensor)
-        if any(leaves[j] is not leaves[j0] for j, j0 in same) or \
-                any(leaves[j] is not tensor_args[k] for j, k in passed):
-            raise ReplayDivergence("an eager piece returned other tensors than at capture, where one tensor "
-                                   "reached the graphs after it through two names")
-        held = None
-        for j, dst, in_place in dests:
-            src = leaves[j]
-            if in_place:
-                if not same_memory(adapter, src, dst):
-                    raise ReplayDivergence(_NOT_IN_PLACE)
-                continue
-            if held is None:
-                held = {_memory(a) for a in tensor_args}
-            if _memory(src) in held:
-                raise ReplayDivergence("an eager piece returned its argument or a view of it, where at capture it "
-                                       "returned a new tensor that the graphs after it read from a copy")
-            if src.shape != dst.shape:
-                raise ReplayDivergence(f"an eager piece returned shape {tuple(src.shape)} at replay where the "
-                                       f"capture had {tuple(dst.shape)}; the graphs after it baked that shape")
-            dst.copy_(src)
-
-    return step
-
-
 def _is_tensor(x) -> bool:
     return isinstance(x, torch.Tensor)
-
-
-# An eager piece returned its argument's memory at capture; at replay it must again.
-_NOT_IN_PLACE = ("an eager piece returned a new tensor where at capture it returned its argument or a view of it, "
-                 "whose memory the graphs after it read")
 
 
 class CompiledForward:

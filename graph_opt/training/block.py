@@ -1,8 +1,8 @@
 """GraphedBlock: the state of one autocudagraph target (its keys' graphs, one memory pool, counters),
 its call (warm up, capture, replay, or run eagerly) and the replays autograd runs through the bridges.
 
-It holds the watch of its module (training_watch.py, `block.watch`); how a key's graphs are recorded
-is training_graphs.py's. The guarantees are stated in training.py.
+It holds the watch of its module (watch.py, `block.watch`) and the capture of its keys (key_capture.py,
+`block.capturer`); how a key's graphs are recorded is graphs.py's. The guarantees are stated in api.py.
 """
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from .. import backends, env, guards
 from ..backends import patches
 from ..watch.arguments import TooLarge, argument_names, host_positions, tensors_by_value, too_large_message
 from ..capture.capture_phase import paused_gc
-from ..errors import CaptureError, GraphOptError, GraphOptInputError
+from ..errors import GraphOptError, GraphOptInputError
 from ..watch.fallbacks import Reason, reason_counts
 from ..capture.failures import describe
-from ..watch.held_state import HeldState
 from ..recorders.host_graphs import graphs_for, simulation_enabled
 from ..replay.host_outputs import pending_copies as _pending_host_copies, land_pending_copies
 from ..pytree import flatten, unflatten
 from ..stats import TrainingCounters, TrainingStats
-from .graphs import KeyState, PartialBackward, PendingBackward, StepGraphs, _capture_key, _record_partial
+from .graphs import KeyState, PartialBackward, PendingBackward, StepGraphs, _record_partial
+from .key_capture import KeyCapturer
 from .watch import TrainingWatch, framework_of_call
 
 logger = logging.getLogger("graph_opt")
@@ -65,7 +65,8 @@ class GraphedBlock:
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
         self.lazy = False  # the module had lazy parameters when bound: graphs wait until they are made
         self.disabled_reason: Optional[str] = None
-        self._warned: set = set()
+        self.warned: set = set()
+        self.capturer = KeyCapturer(self)
 
     def __deepcopy__(self, memo):
         """A deep copy of a graphed Layer / Module (an EMA twin, say) gets a block of its own, with no
@@ -140,7 +141,7 @@ class GraphedBlock:
         graphs = state.graphs
         if graphs is not None:
             if self.watch is not None and self.watch.moved():
-                self._recapture()
+                self.recapture()
                 graphs = None
             elif self.pending:
                 return self._fallback(Reason.BACKWARD_PENDING, args, kwargs, _PENDING_WARNING.format(name=self.name))
@@ -165,7 +166,7 @@ class GraphedBlock:
             return self._eager(state.run, args, kwargs)
         if self.pending:
             return self._fallback(Reason.BACKWARD_PENDING, args, kwargs, _PENDING_WARNING.format(name=self.name))
-        graphs = self._capture(state, leaves, spec, args, kwargs, needs_grad=key[1])
+        graphs = self.capturer.capture(state, leaves, spec, args, kwargs, needs_grad=key[1])
         if graphs is None:
             return self._eager(self.call, args, kwargs)
         return self._replay(graphs, leaves, key[1])
@@ -179,8 +180,8 @@ class GraphedBlock:
         outs = self._eager(self.call, args, kwargs)
         diff = sum(map(self.bridge.requires_grad, flatten(outs, self.bridge.is_tensor)[0])) if needs_grad else 0
         state.run = self.traced if diff <= 1 else self.call
-        if diff > 1 and "several_outputs" not in self._warned:
-            self._warned.add("several_outputs")
+        if diff > 1 and "several_outputs" not in self.warned:
+            self.warned.add("several_outputs")
             logger.info("%s: %d outputs carry gradients; calls with them are captured from the eager forward "
                         "(level 0), since a traced backward cannot leave an unused output out", self.name, diff)
         return outs
@@ -210,7 +211,7 @@ class GraphedBlock:
         """Copy the inputs in, replay the forward graph, return copies of the outputs (a caller may keep
         them; the next replay rewrites the buffers)."""
         if self.lent:
-            self._reclaim()
+            self.reclaim()
         if _pending_host_copies:
             land_pending_copies()
         copy_ = self.adapter.copy_
@@ -260,7 +261,7 @@ class GraphedBlock:
                 "forward and its backward, which eager autograd refuses too. Run the backward before the "
                 "parameters change")
         if self.lent:
-            self._reclaim()
+            self.reclaim()
         copy_ = self.adapter.copy_
         part = None
         left_out = graphs.reached_from is not None and any(g is None for g in grads)  # not `None in`: == per tensor
@@ -312,7 +313,7 @@ class GraphedBlock:
         self.counters.capture_seconds += time.perf_counter() - start
         return part
 
-    def _reclaim(self) -> None:
+    def reclaim(self) -> None:
         """Give leaves still holding a lent gradient buffer as .grad a copy of their own, before a replay
         (of any key: they share the pool) rewrites it."""
         data_ptr = self.adapter.data_ptr
@@ -327,12 +328,12 @@ class GraphedBlock:
             return run(*args, **kwargs)
         return self.watch.eager(run, args, kwargs)
 
-    def _recapture(self, quiet: bool = False) -> None:
+    def recapture(self, quiet: bool = False) -> None:
         """quiet: nothing was captured yet, so only what is watched changes (no warning, no count)."""
         if not quiet:
             self.counters.recaptures += 1
-            if "recapture" not in self._warned:
-                self._warned.add("recapture")
+            if "recapture" not in self.warned:
+                self.warned.add("recapture")
                 logger.warning("%s: a parameter, buffer or submodule was replaced or added after capture (a new "
                                "tensor, its data swapped, a new submodule), a parameter frozen or unfrozen, a plain "
                                "attribute of the module or a submodule set to another value (a dropout's p), or a "
@@ -383,114 +384,18 @@ class GraphedBlock:
         c = self.counters
         c.fallbacks += 1
         c.fallback_reasons[reason] = c.fallback_reasons.get(reason, 0) + 1
-        if warning is not None and reason not in self._warned:
-            self._warned.add(reason)
+        if warning is not None and reason not in self.warned:
+            self.warned.add(reason)
             logger.warning(warning)
         return self._eager(self.call, args, kwargs)
 
     def _graphs_available(self) -> bool:
         return graphs_for(self.adapter).available()
 
-    # -- capture -----------------------------------------------------------------------------------
-    def _capture(self, state: KeyState, leaves, spec, args, kwargs, needs_grad: bool) -> Optional[StepGraphs]:
-        bridge, adapter = self.bridge, self.adapter
-        recorder = graphs_for(adapter)
-        if self.lent:  # a leaf still holding a lent buffer keeps a copy: the capture may reuse the memory
-            self._reclaim()
-        buffers = None
-        if self.watch is not None and self.watch.armed and self.watch.moved():
-            # Changed since the graphs of other keys were captured: theirs are as stale as a replay would be.
-            # Before any capture (a buffer the forward registers at its first call) nothing is stale.
-            run = state.run
-            self._recapture(quiet=not any(k.graphs is not None for k in self.keys.values()))
-            state.run = run  # this key's outputs were counted at its first call, after the change
-        held = None
-        if self.module is not None:  # what the graphs will read: parameters as they are now
-            self.lazy = False
-            self.params = bridge.trainable_parameters(self.module)
-            self.watch.arm()
-            # Tensors the module holds in other attributes (a count of rows seen, a cache object's): the
-            # capture's runs must not advance them.
-            held = HeldState(adapter, self.module, [], adapter.framework_attributes | {"forward"})  # this block
-            with adapter.no_grad():  # not parameters of modules held unregistered: the optimizer's to write
-                kept = [(t, adapter.clone(t)) for _, t in held.tensors if not bridge.requires_grad(t)]
-            buffers = bridge.snapshot_buffers(self.module) + self.watch.written_parameters() + kept
-        watch = self.watch
-        before = watch.before_run() if watch is not None else None
-        targets = [t for t in leaves if bridge.requires_grad(t)] + self.params
-        grads_before = bridge.snapshot_grads(targets)
-        rng = bridge.rng_state(self.module)
-        start = time.perf_counter()
-        mem_before = recorder.memory_in_use()
-        try:
-            if self.pool is None:
-                self.pool = recorder.new_pool()
-            with guards.state_lock, paused_gc(collect=False), guards.capture_custom_allreduce(), adapter.capture_stream():
-                graphs = _capture_key(self, recorder, state.run, leaves, spec, needs_grad, rng, (args, kwargs))
-            advanced = held.advanced() if held is not None else None
-            if advanced:
-                held.put_back_values()  # the eager call that answers instead sets them once
-                if state.warmups or state.retried:
-                    raise CaptureError(_ADVANCES.format(", ".join(advanced[:3])))
-                # warmup_steps=0: the capture was this key's first run, and what it sets once (a flag, the
-                # key's own `self.rows`) is the forward's own; this call runs eagerly, the next captures
-                state.retried = True
-                graphs.release()
-                bridge.set_rng_state(rng)
-                graphs = None
-        except Exception as exc:  # noqa: BLE001 - any failure leaves the key eager, with one warning
-            bridge.set_rng_state(rng)
-            self._capture_failed(state, exc)
-            return None
-        finally:
-            bridge.restore_grads(grads_before)
-            if buffers is not None:
-                # The capture ran the forward (a private warmup, or the stand-in's capture): its in-place
-                # updates of buffers (batch norm's running stats) are undone; the replay that follows
-                # makes this call's.
-                # Only those it changed: putting back the same values would still move their version
-                # counters, and an eager call earlier in this step that saved one for its backward
-                # (a frozen weight of a tower applied twice) would refuse its backward.
-                same = adapter.same_values
-                bridge.restore_buffers([(t, saved) for t, saved in buffers if not same(t, saved)])
-        if graphs is None:
-            self.counters.warmups += 1
-            return None
-        recorder.after_capture(bridge, rng)
-        after = recorder.memory_in_use()
-        if mem_before is not None and after is not None:
-            self.memory_bytes = (self.memory_bytes or 0) + max(0, after - mem_before)
-        if watch is not None:  # what the capture's forward wrote is the forward's own
-            watch.after_run(before)
-            state.attrs = watch.attributes_now()
-        state.graphs = graphs
-        patches.depend(self)  # its replays rely on the change counters (backends/patches.py)
-        self.counters.captures += 1
-        self.counters.capture_seconds += time.perf_counter() - start
-        return graphs
-
-    def _capture_failed(self, state: KeyState, exc: BaseException) -> None:
-        self.adapter.after_failed_capture()  # the CUDA generators must leave capture mode
-        # The failed graph gave its hold on the pool back: with no graph of another key holding it, torch
-        # has retired the pool, and a capture into it would fail an internal assert. The next one takes a
-        # pool of its own.
-        self.pool = None
-        why = describe(exc)
-        state.failed = why
-        self.disabled_reason = why
-        self.counters.capture_failures += 1
-        self.counters.fallbacks += 1
-        reasons = self.counters.fallback_reasons
-        reasons[Reason.CAPTURE_FAILED] = reasons.get(Reason.CAPTURE_FAILED, 0) + 1
-        kind = ("capture_failed", why.split(" (")[0])  # once per kind: each key of a forward that counts fails so
-        log = logger.info if kind in self._warned else logger.warning
-        self._warned.add(kind)
-        log("%s: capture failed, this key runs eagerly: %s", self.name, why)
-
     # -- lifecycle ---------------------------------------------------------------------------------
     def release(self, keep_warmups: bool = False) -> None:
         if self.lent:
-            self._reclaim()
+            self.reclaim()
         for state in self.keys.values():
             if state.graphs is not None:
                 state.graphs.release()
@@ -534,11 +439,6 @@ _OWN_WARNING = ("{name}: an attribute the forward writes itself holds another va
 _PENDING_WARNING = ("{name}: called again while the previous graphed forward's backward has not run; the "
                     "replay would overwrite the activations it reads, so this call runs eagerly. Run backward "
                     "(or drop the outputs) before the next forward, or call under no_grad")
-
-
-_ADVANCES = ("the forward sets Python state as it runs ({}), as `self.t += 1` or a list appended to do; a replay "
-             "runs no Python, so it would neither set it nor compute with the new value. Keep such a value in a "
-             "tensor the forward updates in place (a buffer: self.t.add_(1)), or set it outside the block")
 
 
 def _rebuilt_block(module, warmup_steps, dispatch_key_fn, max_graphs, level=0) -> "GraphedBlock":
