@@ -18,13 +18,13 @@ if "torch" in frameworks:
         "Module.train": (torch.nn.Module, "train", torch.nn.Module.__dict__["train"]),
         "Module._apply": (torch.nn.Module, "_apply", torch.nn.Module.__dict__["_apply"]),
         "Module.register_parameter": (torch.nn.Module, "register_parameter", torch.nn.Module.__dict__["register_parameter"]),
-        "Module.__setattr__": (torch.nn.Module, "__setattr__", torch.nn.Module.__dict__["__setattr__"]),
         "Parameter.data": (torch.nn.Parameter, "data", torch.nn.Parameter.__dict__.get("data")),
         "RemovableHandle.__init__": (RemovableHandle, "__init__", RemovableHandle.__dict__["__init__"]),
         "torch.utils.swap_tensors": (torch.utils, "swap_tensors", torch.utils.swap_tensors),
         "torch._C._set_cublas_allow_tf32": (torch._C, "_set_cublas_allow_tf32", torch._C._set_cublas_allow_tf32),
     })
     hooks_before = len(module_mod._global_parameter_registration_hooks)
+    unpatched_setattr = torch.nn.Module.__dict__["__setattr__"]  # never patched (docs/patches.md)
 if "paddle" in frameworks:
     import paddle
 
@@ -115,6 +115,8 @@ report["installed"] = [(p.group, p.where, p.why) for p in patches.installed()]
 for key, (owner, name, original) in originals.items():
     if getattr(owner, name) is original:
         report["problems"].append(f"{key} was not patched")
+if "torch" in frameworks and torch.nn.Module.__dict__["__setattr__"] is not unpatched_setattr:
+    report["problems"].append("Module.__setattr__ was patched: Dynamo then refuses forwards that set attributes")
 report["bumps_before"] = bumps()
 report["removed"] = patches.remove_all()
 for key, (owner, name, original) in originals.items():

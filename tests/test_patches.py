@@ -32,7 +32,9 @@ def test_removal_restores_every_original_and_the_next_use_installs_them_again(re
     assert report["removed"] == len(report["installed"]) > 0 and report["left"] == 0
     assert report["reinstalled"] == report["removed"]
     for fw in FRAMEWORKS:  # train()/eval(), a registration, an attribute set and a parameter's .data assigned
-        assert report["bumps_before"][fw] == [True] * 4 and report["bumps_after"][fw] == [True] * 4, fw
+        # (modes, registrations, attributes, conversions): torch does not count attributes (docs/patches.md)
+        want = [True, True, fw == "paddle", True]
+        assert report["bumps_before"][fw] == want and report["bumps_after"][fw] == want, fw
 
 
 def test_nothing_is_patched_at_import():

@@ -182,7 +182,7 @@ class PaddleAutogradBridge:
 
     @staticmethod
     def traced(fn, level: int, name: str):
-        from ...training.autocudagraph import _PADDLE_LEVEL
+        from ...training.api import _PADDLE_LEVEL
 
         raise GraphOptInputError(f"{name}: " + _PADDLE_LEVEL.format(level=level))
 

@@ -27,11 +27,12 @@ from ...replay.static_address import MARK
 from . import math_mode
 from .host_copies import TorchHostCopies, device_alias
 from .module_counters import (
-    _attribute_sets, _conversions, _hook_changes, _install_attribute_counter, _install_conversion_counter,
+    _conversions, _hook_changes, _install_conversion_counter,
     _install_hook_counter, _install_mode_counter, _install_registration_hooks, _mode_changes, _registrations,
     module_fingerprint, tensor_layout,
 )
 logger = logging.getLogger("graph_opt")
+_NO_COUNT = [0]  # attribute_counter(): never bumped
 
 
 class TorchGraph:
@@ -324,10 +325,12 @@ class TorchAdapter(TorchHostCopies):
         return _conversions
 
     def attribute_counter(self) -> list:
-        """[count] that Module.__setattr__ and __delattr__ bump (a dropout's p set), process-wide: a level-0
-        replay compares the submodules' attributes with those at capture only after a bump."""
-        _install_attribute_counter()
-        return _attribute_sets
+        """A count that never moves: nn.Module.__setattr__ is not patched to count, because Dynamo then no
+        longer traces any module whose forward sets an attribute ("UnspecializedNNModuleVariable missing
+        method __setattr__": plain torch.compile, and graph_opt's level 1, would fail or break the graph in
+        every process that captured a level-0 model). So a level-0 replay does not see a submodule's plain
+        attribute set after capture (docs/replay-assumptions.md); Paddle's Layer.__setattr__ is counted."""
+        return _NO_COUNT
 
     def tensor_fingerprint(self, model):
         """(id, address, dtype, device, shape, strides) of every parameter and buffer: where and how the

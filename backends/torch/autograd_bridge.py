@@ -1,7 +1,7 @@
 """PyTorch side of graph_opt.autocudagraph: autograd, parameters, autocast and random state.
 
 The replayed forward enters autograd as a torch.autograd.Function whose backward replays the backward
-graph; this follows torch.cuda.make_graphed_callables, with the differences graph_opt.training.autocudagraph lists
+graph; this follows torch.cuda.make_graphed_callables, with the differences graph_opt.training.api lists
 (outputs copied, leaves' first gradients copied, no second forward before a pending backward).
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Process-wide counters of changes to torch modules, each installed once by patching nn.Module (or
 RemovableHandle, nn.Parameter): parameter, buffer and submodule registrations, train()/eval(), hook
-handles made or removed, _apply conversions and parameters' `.data` assigned, and attributes set. A replay compares one integer and looks at the model only after a
+handles made or removed, _apply conversions and parameters' `.data` assigned. A replay compares one
+integer and looks at the model only after a
 bump (graph_opt.watch.replay_guards, through the adapter; dynamo.py for the registrations).
 """
 from __future__ import annotations
@@ -124,13 +125,3 @@ def _install_conversion_counter() -> None:
                         where="torch.nn.Parameter.data")
 
     patches.once("torch.conversions", install)
-
-
-_attribute_sets = [0]  # attributes of modules set or deleted in this process
-
-
-def _install_attribute_counter() -> None:
-    patches.once("torch.attributes", lambda: count_calls(
-        torch.nn.Module, ("__setattr__", "__delattr__"), _attribute_sets,
-        "a level-0 replay compares the submodules' attributes with those at capture only after one was set",
-        unless=torch.compiler.is_compiling))

@@ -16,7 +16,7 @@ import traceback
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # graph_opt/, whose code is not the model's
 
 # (pattern of the framework's message, remedy). First match wins.
 _REMEDIES: List[Tuple[re.Pattern, str]] = [

@@ -99,7 +99,7 @@ class KeyCapturer:
             watch.after_run(before)
             state.attrs = watch.attributes_now()
         state.graphs = graphs
-        patches.depend(self)  # its replays rely on the change counters (backends/patches.py)
+        patches.depend(block)  # its replays rely on the change counters (backends/patches.py)
         block.counters.captures += 1
         block.counters.capture_seconds += time.perf_counter() - start
         return graphs

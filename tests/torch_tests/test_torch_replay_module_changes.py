@@ -181,6 +181,7 @@ def test_names_holding_objects_with_the_captured_ids_but_other_memory_are_never_
         m, twin = pair(F, _WithActivation2, level)
         capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
         captured = [id(t) for t in (m.block[0].weight, m.block[1])]
+        weight_at_capture = m.block[0].weight.data_ptr()
         for model in (m, twin):
             torch.manual_seed(4)
             change(model)
@@ -192,7 +193,12 @@ def test_names_holding_objects_with_the_captured_ids_but_other_memory_are_never_
     with torch.no_grad():
         assert torch.equal(m(x), twin(x))
         assert torch.equal(m(x), twin(x))
-    assert graph_opt.stats(m).replays == 0, graph_opt.stats(m)
+    # On a device a freed parameter's memory may go to the next tensor of its size: a new Parameter with
+    # the captured id at the captured address, dtype and strides is what the graph reads, and a replay of
+    # it is eager's (asserted above). Only other memory must never replay.
+    if not (change is _freed_parameters_id_reused and graph_opt.stats(m).replays and
+            m.block[0].weight.data_ptr() == weight_at_capture):
+        assert graph_opt.stats(m).replays == 0, graph_opt.stats(m)
 
 
 # Level 2 checks nothing more here; on an H200 (torch 2.11) Inductor's Triton compile of this model failed
@@ -388,3 +394,27 @@ def test_an_object_attribute_replaced_at_level_0_is_named_in_one_line_by_type_an
     (message,) = warned(logs, "settings")
     assert "\n" not in message
     assert f"a _Settings at 0x{id(new):x} (was a _Settings at 0x{id(old):x} at capture)" in message, message
+
+
+class _CountsCalls(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls = self.calls + 1  # an attribute the forward sets: Dynamo traces the store
+        return self.lin(x)
+
+
+def test_a_level_0_capture_leaves_dynamo_able_to_trace_a_forward_that_sets_an_attribute(F):
+    """graph_opt's patches must not change what torch.compile can trace in the same process: a patched
+    nn.Module.__setattr__ made Dynamo refuse every forward that sets an attribute (docs/patches.md)."""
+    m, _ = pair(F, Scaled, 0)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    other = _CountsCalls()
+    compiled = torch.compile(other, backend="eager", fullgraph=True)
+    x = F.randn(3, HIDDEN, seed=2)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), torch.nn.functional.linear(x, other.lin.weight, other.lin.bias))
+    assert other.calls == 1
