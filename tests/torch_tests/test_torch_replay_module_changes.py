@@ -412,9 +412,9 @@ def test_a_level_0_capture_leaves_dynamo_able_to_trace_a_forward_that_sets_an_at
     nn.Module.__setattr__ made Dynamo refuse every forward that sets an attribute (docs/patches.md)."""
     m, _ = pair(F, Scaled, 0)
     capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
-    other = _CountsCalls()
-    compiled = torch.compile(other, backend="eager", fullgraph=True)
     x = F.randn(3, HIDDEN, seed=2)
+    other = _CountsCalls().to(x.device)
+    compiled = torch.compile(other, backend="eager", fullgraph=True)
     with torch.no_grad():
         assert torch.equal(compiled(x), torch.nn.functional.linear(x, other.lin.weight, other.lin.bias))
     assert other.calls == 1
