@@ -70,7 +70,7 @@ def test_the_traits_are_data_the_core_reads_not_probes():
 def test_both_recorders_have_every_declared_member_with_its_parameters(recorder):
     """The device's graphs and the host stand-in's are called alike: same members, same parameters."""
     module, name = recorder.split(":")
-    cls = importlib.import_module(f"graph_opt.{module}").__dict__[name]
+    cls = importlib.import_module(f"graph_opt.recorders.{module}").__dict__[name]
     missing = sorted(declared(contracts.Recorder) - _members(cls))
     assert not missing, f"{name} lacks {missing}"
     differ = [m for m in declared(contracts.Recorder)

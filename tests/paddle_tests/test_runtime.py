@@ -9,7 +9,8 @@ import pytest
 paddle = pytest.importorskip("paddle")
 
 import graph_opt  # noqa: E402
-from graph_opt import guards, split  # noqa: E402
+from graph_opt import guards  # noqa: E402
+from graph_opt.capture import split  # noqa: E402
 from graph_opt.backends.paddle.sot import translate_count  # noqa: E402
 from paddle_zoo.small import SIZES, capture, config, decoder, inputs, max_diff, same  # noqa: E402
 
