@@ -71,6 +71,7 @@ class GraphRunner:
         self.capture_model_done = False
         self.group = None  # the ranks that agree on every replay (graph_opt.capture.ranks), set when capturing
         self._warned: set = set()
+        self._above_max_fallback: Optional[Fallback] = None
         self._is_tensor = adapter.is_tensor
         # Held by the call (and capture_model, clear_graphs) using the static buffers. Calls from two
         # threads at once would copy into and replay from the same buffers, and each returns views of
@@ -181,7 +182,7 @@ class GraphRunner:
                 if not sig.entries:  # nothing captured with it: the next call may define it afresh
                     del self.signatures[spec]
                 raise self.signatures.bad_call(sig, leaves, self.signatures.misfit(sig, leaves, "argument"))
-            return self._fallback(args, kwargs, None)
+            return self._fallback(args, kwargs, self._above_max(real) if real > self.max_size else None)
         if self.adapter.grad_enabled():
             return self._fallback(args, kwargs, _GRAD)
         state = self.model_state
@@ -247,6 +248,15 @@ class GraphRunner:
         if positional and real not in sig.plans:
             self._keep_plan(sig, entry, real)
         return out
+
+    def _above_max(self, real: int) -> Fallback:
+        """A call of more rows than the largest capture size: one warning per model, naming the first such size."""
+        if self._above_max_fallback is None:
+            self._above_max_fallback = Fallback(
+                Reason.ABOVE_MAX, f"a call of {real} rows is above the largest capture size, {self.max_size} "
+                "(max_capture_size): calls above it run without graphs. If they are common, capture larger sizes "
+                "(max_capture_size or cudagraph_capture_sizes in graph_opt_config)", (Reason.ABOVE_MAX,))
+        return self._above_max_fallback
 
     def _moved(self, sig: Signature, leaves) -> str:
         names = self.signatures.leaf_names(sig.spec)

@@ -18,6 +18,7 @@ class Reason(str, enum.Enum):
     # inference (capture_model / a decorated model's call)
     GRAD = "grad"  # autograd on
     NO_BATCH = "no_batch"  # no tensor with a batch dimension
+    ABOVE_MAX = "above_max"  # more rows than the largest capture size
     MISMATCH = "mismatch"  # a non-batch shape (or address) other than captured
     HOST_ARGUMENT = "host_argument"  # a host tensor's value other than baked in; or too large to key (training)
     ALIASED = "aliased"  # an argument written in place shares memory with another

@@ -266,3 +266,20 @@ def test_without_copied_inputs_a_transposed_view_of_the_buffer_does_not_replay(F
         assert F.close(m(transposed), twin(transposed))
     s = graph_opt.stats(m)
     assert s.replays == 1 and s.fallback_reasons == {"mismatch": 1}
+
+
+def test_a_call_above_the_largest_capture_size_warns_once_and_counts(F, M, level, logs):
+    """More rows than the largest size: eager's answer, counted under "above_max", one warning per model
+    naming the size and the setting to raise."""
+    m, twin = pair(F, M.Scaled, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.no_grad():
+        for rows in (SIZES[-1] + 3, SIZES[-1] + 7):
+            x = F.randn(rows, HIDDEN, seed=rows)
+            assert F.close(m(x), twin(x))
+        x = F.randn(SIZES[-1], HIDDEN, seed=1)
+        assert same(F, level, m(x), eager_padded(F, twin, x))
+    s = graph_opt.stats(m)
+    assert s.fallback_reasons == {"above_max": 2} and s.replays == 1, s
+    (message,) = warned(logs, "above the largest capture size")
+    assert f"{SIZES[-1] + 3} rows" in message and "max_capture_size" in message, message
