@@ -54,7 +54,8 @@ class GraphOptState:
         # Without the framework's guards a level >= 1 replay keeps level 0's watch of the model's attributes.
         self.model_state = ModelState(self.adapter, model, self.name,
                                       watch_attributes=level0 or not cfg.guarded_replays,
-                                      watch_replacements=level0 or not self.adapter.static_reads_replaced_tensors)
+                                      watch_replacements=level0 or not self.adapter.static_reads_replaced_tensors,
+                                      reads_recorded=level0)
         self.disabled = env.disabled()
         self.runner: Optional[GraphRunner] = None
         self.plain: Optional[Callable] = None  # the path without graphs, once chosen

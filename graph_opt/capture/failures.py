@@ -165,6 +165,12 @@ class _Places:
         return not (self.stdlib and path.startswith(self.stdlib) and "-packages" + os.sep not in path)
 
 
+def model_code():
+    """A test of a file name: whether it is model code (not graph_opt's, a framework's or the standard
+    library's), with the frameworks loaded now."""
+    return _Places.now().is_model_code
+
+
 def _folders(paths) -> Tuple[str, ...]:
     return tuple(os.path.abspath(p).rstrip(os.sep) + os.sep for p in paths)
 

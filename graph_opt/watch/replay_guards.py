@@ -33,9 +33,11 @@ an object a submodule holds, a closure) is the user's contract; see the README, 
 from __future__ import annotations
 
 import operator
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..backends import patches
+from ..capture.failures import model_code
 from .fallbacks import Fallback, Reason
 from .held_state import NOTHING_HELD, HeldState, state_key
 from .module_watch import GONE, Attributes, Conversions, Hooks, Registrations, TrainingFlags
@@ -49,7 +51,8 @@ class ModelState:
     """The model's state at capture, and the check a replay makes against it (see the module doc). The
     module's parts are module_watch.py's, as a training block's watch has them."""
 
-    def __init__(self, adapter, model, name: str, watch_attributes: bool, watch_replacements: bool):
+    def __init__(self, adapter, model, name: str, watch_attributes: bool, watch_replacements: bool,
+                 reads_recorded: bool = False):
         self.adapter = adapter
         self.model = model
         self.name = name
@@ -60,6 +63,12 @@ class ModelState:
         self.watch_replacements = watch_replacements
         self.captured = False
         self._paused = False
+        # level 0: the model's own attributes its forward read in the capture phases since the first capture;
+        # one set after capture stops replays only if it is among them (a step counter, a name set on the
+        # model, torch.compile's marker are not). None: every attribute counts (a translator traces the
+        # forward in the capture phase, and must not trace the recording wrapper)
+        self.read: Optional[set] = set() if reads_recorded else None
+        self._stop_reading = None
         self.flags = TrainingFlags(adapter)
         self.registrations = Registrations(adapter)
         self.conversions = Conversions(adapter)
@@ -115,12 +124,20 @@ class ModelState:
 
     @paused.setter
     def paused(self, value: bool) -> None:
+        if value and not self._paused and self.watch_attributes and self.read is not None:
+            self._stop_reading = _record_reads(self.model, self.read)
         self._paused = value
-        if not value and self.captured:
-            self._watch_attributes()
+        if not value:
+            if self._stop_reading is not None:
+                self._stop_reading()
+                self._stop_reading = None
+            if self.captured:
+                self._watch_attributes()
 
     def release(self) -> None:
         self.captured = False
+        if self.read is not None:
+            self.read.clear()
         patches.release(self)
         self.flags = TrainingFlags(self.adapter)
         self.hooks = Hooks(self.adapter)
@@ -172,7 +189,8 @@ class ModelState:
     def after_set(self, name: str) -> None:
         new = getattr(self.model, name, _MISSING)
         key, old = self.original[name]
-        if state_key(new) == key:
+        read = self.read
+        if state_key(new) == key or read is not None and name not in read and "__dict__" not in read:
             self.changed.pop(name, None)
         else:
             self.changed[name] = (old, new)
@@ -317,6 +335,36 @@ class ModelState:
             return False
         dicts = [d for _, d in self.adapter.module_dicts(self.model)]
         return len(dicts) == len(self.flags.dicts) and all(map(operator.is_, dicts, self.flags.dicts))
+
+
+def _record_reads(model, names: set):
+    """Until the returned function is called, the names of the attributes read on `model` (its class's
+    __getattribute__ wrapped: instances of the class other than `model` pass through) go into `names`.
+    Dunder names are left out, but for `__dict__` read by model code (`vars(self)`, `self.__dict__[k]`):
+    then every attribute counts (graph_opt's and the framework's own reads of it do not)."""
+    cls = type(model)
+    own = cls.__dict__.get("__getattribute__")
+    base = cls.__getattribute__
+    is_model_code = model_code()
+    frame = sys._getframe
+
+    def __getattribute__(self, name):
+        if self is model:
+            if name[:2] != "__":
+                names.add(name)
+            elif name == "__dict__" and is_model_code(frame(1).f_code.co_filename):
+                names.add(name)
+        return base(self, name)
+
+    cls.__getattribute__ = __getattribute__
+
+    def stop() -> None:
+        if own is None:
+            del cls.__getattribute__
+        else:
+            cls.__getattribute__ = own
+
+    return stop
 
 
 def _show(value) -> str:

@@ -301,3 +301,19 @@ def test_a_parameter_s_data_assigned_after_capture_is_never_replayed_stale(F, M,
     with F.no_grad():
         assert same(F, level, m(x), eager_padded(F, twin, x))
     assert graph_opt.stats(m).replays >= 1
+
+
+def test_an_attribute_the_forward_never_reads_set_after_capture_keeps_the_replays(F, M, level, logs):
+    """A step counter or a run name set on the model (torch.compile(m) sets a marker too) is nothing the
+    graphs read: replays go on. One the forward reads (temperature) still stops them."""
+    m, twin = pair(F, M.Scaled, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    with F.no_grad():
+        for step in range(3):
+            m.step, m.run_name = step, f"run-{step}"
+            assert same(F, level, m(x), eager_padded(F, twin, x))
+        assert graph_opt.stats(m).replays == 3 and graph_opt.stats(m).fallbacks == 0
+        m.temperature = twin.temperature = 2.0
+        assert F.close(m(x), twin(x)) and graph_opt.stats(m).replays == 3
+    assert not warned(logs, "step") and len(warned(logs, "temperature")) == 1

@@ -418,3 +418,30 @@ def test_a_level_0_capture_leaves_dynamo_able_to_trace_a_forward_that_sets_an_at
     with torch.no_grad():
         assert torch.equal(compiled(x), torch.nn.functional.linear(x, other.lin.weight, other.lin.bias))
     assert other.calls == 1
+
+
+def test_making_torch_compile_of_a_captured_model_keeps_its_replays(F):
+    """torch.compile(m) sets a marker on m (never read by its forward): level-0 replays go on."""
+    m, twin = pair(F, Scaled, 0)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    torch.compile(m)  # made, never called
+    with torch.no_grad():
+        assert torch.equal(m(x), eager_padded(F, twin, x))
+    assert graph_opt.stats(m).replays == 1 and graph_opt.stats(m).fallbacks == 0
+
+
+class _ScaledThroughDict(Scaled):
+    def forward(self, x):
+        return self.lin(x) / vars(self)["temperature"]  # read past __getattribute__
+
+
+def test_an_attribute_read_through_the_model_s_dict_still_stops_the_replays(F, logs):
+    """A forward that reads its own __dict__ can read any attribute: every one set after capture counts."""
+    m, twin = pair(F, _ScaledThroughDict, 0)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    x = F.randn(3, HIDDEN, seed=1)
+    with torch.no_grad():
+        m.temperature = twin.temperature = 2.0
+        assert F.close(m(x), twin(x))
+    assert graph_opt.stats(m).replays == 0 and len(warned(logs, "temperature")) == 1
