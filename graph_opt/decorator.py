@@ -146,13 +146,14 @@ class GraphOptState:
             return None
         if cfg.graph_mode == "full_and_piecewise":
             guard = threading.RLock()  # a call of either kind is refused while another thread uses the other
-            full, pieces = self._new_runner(None, guard), self._new_runner(self.selection, guard)
+            warned: set = set()  # one model: each warning once, whichever kind hits it
+            full, pieces = self._new_runner(None, guard, warned), self._new_runner(self.selection, guard, warned)
             self.runner = dispatch.KindDispatch(full, pieces, self.dispatch_key_fn, self.name)
         else:
             self.runner = self._new_runner(self.selection)
         return self.runner
 
-    def _new_runner(self, selection, guard=None) -> GraphRunner:
+    def _new_runner(self, selection, guard=None, warned=None) -> GraphRunner:
         """A runner of one kind of graph: full (selection None) or split at the selected ops."""
         cfg = self.config
         if cfg.graph_opt_level == 0:
@@ -163,7 +164,7 @@ class GraphOptState:
             adapter=self.adapter, config=cfg, strategy=strategy, eager=self.forward_call,
             dynamic_arg_dims=self.dynamic_arg_dims,
             params=forward_params(self.forward_fn), keyword_defaults=_keyword_defaults(self.forward_fn), name=self.name,
-            host_outputs=self.host_outputs, guard=guard,
+            host_outputs=self.host_outputs, guard=guard, warned=warned,
             model_state=self.model_state, pad_values=self.pad_values,
         )
 

@@ -43,7 +43,7 @@ class GraphRunner:
     """Dispatch, pad, copy and replay for one model; capture sizes on demand (its Capturer)."""
 
     def __init__(self, *, adapter, config, strategy, eager: Callable, dynamic_arg_dims,
-                 params: Sequence[Tuple[str, Any]], name: str, host_outputs=None, guard=None,
+                 params: Sequence[Tuple[str, Any]], name: str, host_outputs=None, guard=None, warned=None,
                  keyword_defaults: Sequence[Tuple[str, Any]] = (),
                  model_state: Optional[ModelState] = None, pad_values: Optional[Dict[str, Any]] = None):
         self.adapter = adapter
@@ -70,8 +70,7 @@ class GraphRunner:
         self.disabled_reason: Optional[str] = None
         self.capture_model_done = False
         self.group = None  # the ranks that agree on every replay (graph_opt.capture.ranks), set when capturing
-        self._warned: set = set()
-        self._above_max_fallback: Optional[Fallback] = None
+        self._warned: set = warned if warned is not None else set()  # warnings said; a model's kinds share one
         self._is_tensor = adapter.is_tensor
         # Held by the call (and capture_model, clear_graphs) using the static buffers. Calls from two
         # threads at once would copy into and replay from the same buffers, and each returns views of
@@ -250,13 +249,14 @@ class GraphRunner:
         return out
 
     def _above_max(self, real: int) -> Fallback:
-        """A call of more rows than the largest capture size: one warning per model, naming the first such size."""
-        if self._above_max_fallback is None:
-            self._above_max_fallback = Fallback(
-                Reason.ABOVE_MAX, f"a call of {real} rows is above the largest capture size, {self.max_size} "
-                "(max_capture_size): calls above it run without graphs. If they are common, capture larger sizes "
-                "(max_capture_size or cudagraph_capture_sizes in graph_opt_config)", (Reason.ABOVE_MAX,))
-        return self._above_max_fallback
+        """A call of more rows than the largest capture size: one warning per model (until clear_graphs),
+        naming the size of the call it is said at; the text is made only then."""
+        if _ABOVE_MAX_KEY in self._warned:
+            return _ABOVE_MAX_SAID
+        return Fallback(
+            Reason.ABOVE_MAX, f"a call of {real} rows is above the largest capture size, {self.max_size}: capture "
+            "larger sizes if such calls are common (max_capture_size or cudagraph_capture_sizes in "
+            "graph_opt_config); calls above it run without graphs", _ABOVE_MAX_KEY)
 
     def _moved(self, sig: Signature, leaves) -> str:
         names = self.signatures.leaf_names(sig.spec)
@@ -408,6 +408,8 @@ class GraphRunner:
 
 
 _WARNINGS_PER_KIND = 3
+_ABOVE_MAX_KEY = (Reason.ABOVE_MAX,)
+_ABOVE_MAX_SAID = Fallback(Reason.ABOVE_MAX, "", _ABOVE_MAX_KEY)  # counted; its warning was said
 # The plain forward answers these: model changes (the static path would not see them), and aliased
 # arguments (rare; a translator would compile the forward once more for the aliasing, and Inductor
 # has failed to do so: an IndexError building its shape guards, measured on an H100).

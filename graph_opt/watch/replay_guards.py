@@ -19,10 +19,11 @@ while the Python state the forward read at capture is unchanged. What is checked
 - hooks of submodules and global module hooks registered or removed (a counter that making or removing
   a hook handle bumps; after a bump the hooks are compared with those at capture). The model's own
   hooks run around the plugin at every call;
-- level 0 only: every attribute of the decorated model set after capture, compared with its value at
-  capture (type and value for plain values, identity for objects), and the public plain values of its
-  submodules (`model.head.drop.p = 0.2`), compared after any module attribute was set (a counter that
-  Module.__setattr__ / Layer.__setattr__ bumps). At level >= 1 the framework's own guards (Dynamo's
+- level 0 only: an attribute of the decorated model set after capture that its forward read in a
+  capture phase (recorded then: _record_reads), compared with its value at capture (type and value for
+  plain values, identity for objects); on Paddle also the public plain values of its submodules
+  (`model.head.drop.p = 0.2`), compared after any layer attribute was set (a counter that
+  Layer.__setattr__ bumps; torch's Module.__setattr__ is not counted: docs/patches.md). At level >= 1 the framework's own guards (Dynamo's
   guard manager, SOT's guard functions) check what the forward read, anywhere.
 Each of these is a part of module_watch.py, which a training block's watch is made of too.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import operator
 import sys
+import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..backends import patches
@@ -68,6 +70,7 @@ class ModelState:
         # model, torch.compile's marker are not). None: every attribute counts (a translator traces the
         # forward in the capture phase, and must not trace the recording wrapper)
         self.read: Optional[set] = set() if reads_recorded else None
+        self._read_before: frozenset = frozenset()
         self._stop_reading = None
         self.flags = TrainingFlags(adapter)
         self.registrations = Registrations(adapter)
@@ -125,14 +128,29 @@ class ModelState:
     @paused.setter
     def paused(self, value: bool) -> None:
         if value and not self._paused and self.watch_attributes and self.read is not None:
+            self._read_before = frozenset(self.read)
             self._stop_reading = _record_reads(self.model, self.read)
         self._paused = value
         if not value:
             if self._stop_reading is not None:
                 self._stop_reading()
                 self._stop_reading = None
+                self._rebase_newly_read()
             if self.captured:
                 self._watch_attributes()
+
+    def _rebase_newly_read(self) -> None:
+        """An attribute set after an earlier capture that no graph read then, and that this capture phase
+        read: this size's graphs bake its value now, and the earlier ones never read it, so now is its
+        value at capture."""
+        newly = self.read - self._read_before
+        if not newly or not self.original:
+            return
+        every = "__dict__" in newly
+        for name in [n for n in self.original if every or n in newly]:
+            now = getattr(self.model, name, _MISSING)
+            self.original[name] = (state_key(now), now)
+            self.changed.pop(name, None)
 
     def release(self) -> None:
         self.captured = False
@@ -338,33 +356,50 @@ class ModelState:
 
 
 def _record_reads(model, names: set):
-    """Until the returned function is called, the names of the attributes read on `model` (its class's
-    __getattribute__ wrapped: instances of the class other than `model` pass through) go into `names`.
-    Dunder names are left out, but for `__dict__` read by model code (`vars(self)`, `self.__dict__[k]`):
-    then every attribute counts (graph_opt's and the framework's own reads of it do not)."""
+    """Until the returned function is called, the names of the attributes read on `model` through its
+    class's __getattribute__ go into `names`. Dunder names are left out, but for `__dict__` read by model
+    code (`vars(self)`, `self.__dict__[k]`): then every attribute counts (graph_opt's and the framework's
+    own reads of it do not). Not seen: a read that skips the class's __getattribute__
+    (`object.__getattribute__(self, k)`). Models of one class may capture in several threads at once:
+    the class is wrapped once, while any of them records, and each model's reads go to its own set."""
     cls = type(model)
-    own = cls.__dict__.get("__getattribute__")
-    base = cls.__getattribute__
-    is_model_code = model_code()
+    with _recording_lock:
+        recorders = _recording.get(cls)
+        if recorders is None:
+            recorders = _recording[cls] = ({}, cls.__dict__.get("__getattribute__"))
+            cls.__getattribute__ = _reads_recorded(cls.__getattribute__, recorders[0], model_code())
+        recorders[0][id(model)] = names
+
+    def stop() -> None:
+        with _recording_lock:
+            recorders[0].pop(id(model), None)
+            if not recorders[0]:
+                del _recording[cls]
+                if recorders[1] is None:
+                    del cls.__getattribute__
+                else:
+                    cls.__getattribute__ = recorders[1]
+
+    return stop
+
+
+def _reads_recorded(base, by_model: dict, is_model_code):
     frame = sys._getframe
 
     def __getattribute__(self, name):
-        if self is model:
+        names = by_model.get(id(self))
+        if names is not None:
             if name[:2] != "__":
                 names.add(name)
             elif name == "__dict__" and is_model_code(frame(1).f_code.co_filename):
                 names.add(name)
         return base(self, name)
 
-    cls.__getattribute__ = __getattribute__
+    return __getattribute__
 
-    def stop() -> None:
-        if own is None:
-            del cls.__getattribute__
-        else:
-            cls.__getattribute__ = own
 
-    return stop
+_recording: Dict[type, tuple] = {}  # class -> ({id(model): its read names}, the class's own __getattribute__)
+_recording_lock = threading.Lock()
 
 
 def _show(value) -> str:

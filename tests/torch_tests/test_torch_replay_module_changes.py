@@ -445,3 +445,51 @@ def test_an_attribute_read_through_the_model_s_dict_still_stops_the_replays(F, l
         m.temperature = twin.temperature = 2.0
         assert F.close(m(x), twin(x))
     assert graph_opt.stats(m).replays == 0 and len(warned(logs, "temperature")) == 1
+
+
+class _ScalesLargeBatches(Scaled):
+    def forward(self, x):
+        y = self.lin(x)
+        return y * self.temperature if x.shape[0] > 2 else y  # read only by the sizes above 2
+
+
+def test_an_attribute_first_read_by_a_later_capture_is_compared_with_its_value_then(F):
+    """Size 2 never reads temperature, so setting it keeps size 2's replays; size 4, captured at a call
+    after that, bakes the new value: setting it back to the first value must stop size 4's replays."""
+    m, twin = pair(F, _ScalesLargeBatches, 0)
+    with F.graphs(), torch.no_grad():
+        for rows, value in ((1, 1.0), (1, 1.0), (3, 5.0), (3, 5.0)):
+            m.temperature = twin.temperature = value
+            x = F.randn(rows, HIDDEN, seed=rows)
+            assert F.close(m(x), twin(x))
+        assert graph_opt.stats(m).captured_sizes == [2, 4] and graph_opt.stats(m).fallbacks == 0
+        m.temperature = twin.temperature = 1.0  # size 4's graph baked 5.0
+        x = F.randn(3, HIDDEN, seed=3)
+        assert F.close(m(x), twin(x))
+    assert graph_opt.stats(m).fallback_reasons == {"attribute": 1}, graph_opt.stats(m)
+
+
+def test_models_of_one_class_capturing_in_two_threads_each_record_their_reads(F):
+    """The class is wrapped while either records; each model's reads are its own, and nothing stays."""
+    import threading
+
+    models = [pair(F, Scaled, 0) for _ in range(2)]
+    reports = []
+
+    def capture_one(m):
+        reports.append(graph_opt.capture_model(m, lambda n: F.randn(n, HIDDEN, seed=n), progress=False))
+
+    threads = [threading.Thread(target=capture_one, args=(m,)) for m, _ in models]
+    with F.graphs():  # one switch for both threads: it is process-wide
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(reports) == 2 and all(r.failed is None for r in reports), reports
+    assert "__getattribute__" not in vars(type(models[0][0]))
+    x = F.randn(3, HIDDEN, seed=1)
+    with torch.no_grad():
+        for m, twin in models:
+            m.temperature = twin.temperature = 9.0
+            assert F.close(m(x), twin(x))
+            assert graph_opt.stats(m).fallback_reasons == {"attribute": 1}, graph_opt.stats(m)
