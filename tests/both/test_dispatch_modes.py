@@ -135,3 +135,17 @@ def test_a_bad_key_and_a_missing_key_fn_are_named(D):
         cls(HIDDEN, LAYERS, graph_opt_config=graph_opt.GraphOptConfig(cudagraph_mode="full_and_piecewise"))
     with pytest.raises(graph_opt.GraphOptInputError, match=r"dispatch_key_fn='full'.*expected a callable"):
         graph_opt.support_graph_optimization(type("BadKey", (D.demo.DemoDecoder,), {}), dispatch_key_fn="full")
+
+
+def test_a_call_above_the_largest_size_warns_once_for_the_model_whichever_kind(D, caplog):
+    """The two kinds are one model: "above_max" is said once, and counted per call."""
+    caplog.set_level(logging.WARNING, logger="graph_opt")
+    model, reference, kind = _model(D)
+    _capture(D, model)
+    with D.demo.no_grad():
+        for k, bs in (("full", SIZES[-1] + 1), ("piecewise", SIZES[-1] + 9)):
+            kind.value = k
+            x = D.demo.make_inputs(bs, HIDDEN, seed=bs)["x"]
+            assert D.demo.compare(model(x), reference(x))[1] <= 1e-5
+    said = [r.getMessage() for r in caplog.records if "above the largest capture size" in r.getMessage()]
+    assert len(said) == 1 and graph_opt.stats(model).fallback_reasons == {"above_max": 2}, (said, graph_opt.stats(model))

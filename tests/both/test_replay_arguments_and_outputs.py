@@ -283,3 +283,9 @@ def test_a_call_above_the_largest_capture_size_warns_once_and_counts(F, M, level
     assert s.fallback_reasons == {"above_max": 2} and s.replays == 1, s
     (message,) = warned(logs, "above the largest capture size")
     assert f"{SIZES[-1] + 3} rows" in message and "max_capture_size" in message, message
+    graph_opt.clear_graphs(m)  # captured again: the next such call says so again, with its own size
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    with F.no_grad():
+        x = F.randn(SIZES[-1] + 5, HIDDEN, seed=5)
+        assert F.close(m(x), twin(x))
+    assert f"{SIZES[-1] + 5} rows" in warned(logs, "above the largest capture size")[-1]
