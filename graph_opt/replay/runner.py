@@ -306,13 +306,12 @@ class GraphRunner:
     def _fallback(self, args, kwargs, why: Optional[Fallback]):
         """Run this call without graphs. why: counted in stats().fallback_reasons under its reason, with
         one warning per warn_key (default: reason and message); None for the silent, expected cases (a
-        size above the max)."""
+        batch of 0 rows)."""
         self.counters.fallbacks += 1
         if why is not None:
             reason, message = why.reason, why.message
             self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
-            self._warn_once(why.warn_key or (reason, message),
-                            message if message.endswith("without graphs") else f"{message}; this call runs without graphs")
+            self._warn_once(why.warn_key or (reason, message), message)
             if self._eager_for(why):
                 return self.eager(*args, **kwargs)
         state = self.model_state
@@ -370,7 +369,8 @@ class GraphRunner:
         if per_kind >= _WARNINGS_PER_KIND:
             return
         self._warned.add(key)
-        logger.warning("%s: %s", self.name, message)
+        logger.warning("%s: %s%s", self.name, message,
+                       "" if message.endswith("without graphs") else "; this call runs without graphs")
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def captured_sizes(self) -> List[int]:

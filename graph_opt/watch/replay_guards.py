@@ -23,8 +23,9 @@ while the Python state the forward read at capture is unchanged. What is checked
   capture phase (recorded then: _record_reads), compared with its value at capture (type and value for
   plain values, identity for objects); on Paddle also the public plain values of its submodules
   (`model.head.drop.p = 0.2`), compared after any layer attribute was set (a counter that
-  Layer.__setattr__ bumps; torch's Module.__setattr__ is not counted: docs/patches.md). At level >= 1 the framework's own guards (Dynamo's
-  guard manager, SOT's guard functions) check what the forward read, anywhere.
+  Layer.__setattr__ bumps; torch's Module.__setattr__ is not counted: docs/patches.md). At level >= 1
+  the framework's own guards (Dynamo's guard manager, SOT's guard functions) check what the forward
+  read, anywhere.
 Each of these is a part of module_watch.py, which a training block's watch is made of too.
 
 A failed check is not an error: the call runs without graphs, with one warning naming what changed,
