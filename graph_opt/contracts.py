@@ -366,6 +366,8 @@ class AutogradBridge(Protocol):
     # levels 1 and 2
     def traced(self, fn, level: int, name: str): ...  # forward and backward graphs traced by the compiler
 
+    def root_output(self, outputs) -> Optional[int]: ...  # the output computed from all the others
+
 
 @dataclass(frozen=True)
 class StrategyTraits:

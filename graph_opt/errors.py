@@ -13,6 +13,11 @@ class CaptureError(GraphOptError, RuntimeError):
     """Capturing a graph failed; the model keeps running without graphs."""
 
 
+class TraceLimitReached(CaptureError):
+    """A traced level (autocudagraph(level=1 | 2)) could not trace a key: the compiler's limit of traces
+    per forward is spent. The block catches it and captures that key from the eager forward instead."""
+
+
 class ReplayDivergence(GraphOptError, RuntimeError):
     """A replay reached code that was not recorded at capture; the call runs without graphs."""
 

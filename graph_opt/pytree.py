@@ -257,6 +257,11 @@ def objects_holding_tensors(tree: Any, is_tensor: Callable[[Any], bool]) -> List
     return found
 
 
+def tensor_paths(spec: Any, root: str = "output") -> List[str]:
+    """The paths of a spec's tensor leaves, in flatten order."""
+    return [path for path, node in leaf_paths(spec, root) if node is TENSOR]
+
+
 def holding_tensors_message(held: List[str], when: str) -> str:
     """The capture error for objects_holding_tensors' findings; `when`: "call" or "step"."""
     return (f"forward returns {', '.join(held)}: an object graph_opt cannot rebuild, holding tensors; a replay "

@@ -117,6 +117,8 @@ class TrainingCounters:
     recaptures: int = 0  # graphs dropped because a parameter or buffer was replaced
     capture_seconds: float = 0.0
     fallback_reasons: Dict[str, int] = field(default_factory=dict)
+    untraced: int = 0  # keys of a traced level captured from the eager forward: the compiler's limit was spent
+    retraced: int = 0  # keys of level 0 traced at level 1: the eager forward's capture failed for a host copy
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,11 @@ class TrainingStats:
     graph_memory_bytes: Optional[int]  # device memory the pool grew by; None where not measurable
     static_buffer_bytes: int  # inputs, outputs and gradient buffers the graphs read and write
     disabled_reason: Optional[str]  # the last capture failure
+    # Keys with graphs by the level each was captured at ({0: 1, 1: 5}): a traced block's keys captured
+    # from the eager forward (untraced, or several outputs), a level-0 block's keys traced (retraced)
+    key_levels: Dict[int, int] = field(default_factory=dict)
+    untraced: int = 0
+    retraced: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -187,6 +187,10 @@ class PaddleAutogradBridge:
         raise GraphOptInputError(f"{name}: " + _PADDLE_LEVEL.format(level=level))
 
     @staticmethod
+    def root_output(outputs):
+        return None  # never asked: Paddle's blocks are not traced
+
+    @staticmethod
     def check_nested_grad() -> None:
         """A simulated backward replay, and a backward that leaves some outputs out before its graph is
         captured, run paddle.grad, and Paddle's autograd is not reentrant: inside an outer paddle.grad that

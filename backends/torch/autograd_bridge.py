@@ -12,7 +12,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import grad_hooks, math_mode
-from .grad_hooks import leaves_reached
+from .grad_hooks import graph_nodes, leaves_reached
+from ...errors import TraceLimitReached
 
 
 _data_ptr = torch.Tensor.data_ptr
@@ -144,6 +145,22 @@ class TorchAutogradBridge:
         reached = [{id(o)} if o.grad_fn is None else leaves_reached([o.grad_fn])[0].keys() for o in outputs]
         return [tuple(i for i, r in enumerate(reached) if id(t) in r) for t in leaves]
 
+    @staticmethod
+    def root_output(outputs):
+        """The index of the output whose autograd graph holds the node of every other output (a loss
+        computed from the logits it is returned with), or None. A traced backward gives the outputs a loss
+        leaves out zero gradients; where they all feed the one it uses, that adds zeros to gradients
+        computed anyway, and the backward is eager's."""
+        nodes = [o.grad_fn for o in outputs]
+        if any(n is None for n in nodes):
+            return None
+        keys = [(n.name(), n._sequence_nr()) for n in nodes]  # a node's Python object is made anew per access
+        for i in sorted(range(len(nodes)), key=lambda k: -keys[k][1]):  # the latest made first: the usual root
+            others = set(keys) - {keys[i]}
+            if others <= graph_nodes(nodes[i], others):
+                return i
+        return None
+
     def copy_detached(self, dst, src) -> None:
         with torch.no_grad():
             dst.copy_(src)
@@ -187,17 +204,31 @@ class TorchAutogradBridge:
 
         compiled = torch.compile(fn, backend="aot_eager" if level == 1 else "inductor", dynamic=False)
         import torch._dynamo.config as dynamo_config
+        from torch._dynamo.exc import FailOnRecompileLimitHit
 
-        if not hasattr(dynamo_config, "skip_nnmodule_hook_guards"):
-            return compiled
-        hook_guards = dynamo_config.patch(skip_nnmodule_hook_guards=False)
+        # Every key is a trace of its own (static shapes), and all blocks of a class share their forward's
+        # code, so Dynamo's limit of traces per code object (8) is spent by the keys of one or two blocks;
+        # past it Dynamo runs the forward untraced, saying so only in its log. Here the limit is raised,
+        # and hitting it raises (TraceLimitReached), so the block captures that key from the eager forward
+        # and says so. Dynamo's guards skip module hooks by default: with them, a hook a submodule gained
+        # or lost since is traced again, in every frame (one after a graph break too).
+        settings = {"recompile_limit": max(dynamo_config.recompile_limit, _TRACES_PER_FORWARD),
+                    "fail_on_recompile_limit_hit": True}
+        if hasattr(dynamo_config, "skip_nnmodule_hook_guards"):
+            settings["skip_nnmodule_hook_guards"] = False
+        patch = dynamo_config.patch(**settings)
 
         def traced_forward(*args, **kwargs):
-            # Dynamo's guards skip module hooks by default: with them, a hook a submodule gained or lost
-            # since is traced again, in every frame (one after a graph break too). Only a key's warm-ups
-            # and capture run this, never a replay.
-            with hook_guards:
-                return compiled(*args, **kwargs)
+            # The autocast cache is off in every traced run, as in the capture (amp_cache_disabled): its
+            # state is one of Dynamo's guards, and a capture seeing another state than the warmup traced
+            # would trace the key twice. Only a key's warm-ups and capture run this, never a replay.
+            with patch, _amp_cache_off():
+                try:
+                    return compiled(*args, **kwargs)
+                except FailOnRecompileLimitHit as exc:
+                    raise TraceLimitReached(
+                        f"{name}: Dynamo traced this forward {settings['recompile_limit']} times (one per key, of "
+                        "every block of its class), its limit (torch._dynamo.config.recompile_limit)") from None
 
         return traced_forward
 
@@ -355,17 +386,11 @@ class TorchAutogradBridge:
         return (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
                 torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), self._math_id, default)
 
-    @contextlib.contextmanager
     def amp_cache_disabled(self):
         """Autocast caches the low-precision copies of weights for the length of a region. A graph that
         read a copy cached before its capture would keep reading it after the weights changed, so the
         cache is off while capturing: the casts become part of the graph."""
-        enabled = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)
-        try:
-            yield
-        finally:
-            torch.set_autocast_cache_enabled(enabled)
+        return _amp_cache_off()
 
     def rng_state(self, module=None):
         """The default generators' states, and those of generators the module's submodules hold
@@ -417,3 +442,16 @@ _MODULE_KEYS = frozenset(torch.nn.Module().__dict__)
 
 
 BRIDGE = TorchAutogradBridge()
+
+
+@contextlib.contextmanager
+def _amp_cache_off():
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
+_TRACES_PER_FORWARD = 64

@@ -34,6 +34,24 @@ def leaves_reached(roots, mark=None):
     return found, older
 
 
+def graph_nodes(root, wanted) -> set:
+    """The (name, sequence number) keys among `wanted` of the nodes the autograd graph from `root` reaches;
+    the walk stops once all are found."""
+    stack, seen, found = [root], {}, set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node  # held: an id freed with a node could come back for another
+        key = (node.name(), node._sequence_nr())
+        if key in wanted:
+            found.add(key)
+            if len(found) == len(wanted):
+                break
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return found
+
+
 class _HooksWithoutGrad:
     """One tensor's hooks, held for the rest of a backward that gives it no gradient: tensor hooks run only
     on a defined gradient (one that came from another use of the tensor), post-accumulate-grad hooks only

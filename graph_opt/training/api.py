@@ -55,10 +55,11 @@ def _check_arguments(target, warmup_steps, dispatch_key_fn, max_graphs, level) -
         raise GraphOptInputError(f"autocudagraph(warmup_steps={warmup_steps!r}): expected an int >= 0")
     if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
         raise GraphOptInputError(f"autocudagraph(max_graphs={max_graphs!r}): expected an int >= 1")
-    if isinstance(level, bool) or level not in (0, 1, 2):
+    if level is not None and (isinstance(level, bool) or level not in (0, 1, 2)):
         raise GraphOptInputError(
             f"autocudagraph(level={level!r}): expected 0 (capture the eager forward, bitwise eager), 1 (trace it "
-            "with Dynamo and AOTAutograd, eager kernels) or 2 (trace it and compile with Inductor)")
+            "with Dynamo and AOTAutograd, eager kernels), 2 (trace it and compile with Inductor), or None (the "
+            "default: 0, and a key whose eager capture a tensor made from host data stops traced at 1)")
     if dispatch_key_fn is not None and not callable(dispatch_key_fn):
         raise GraphOptInputError(
             f"autocudagraph(dispatch_key_fn=...): expected a callable (*args, **kwargs) -> hashable or None, "
@@ -70,7 +71,7 @@ _PADDLE_LEVEL = ("autocudagraph(level={level}): traced training graphs are torch
 
 
 def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Optional[Callable] = None,
-                  max_graphs: int = 8, level: int = 0):
+                  max_graphs: int = 8, level: Optional[int] = None):
     """Capture the forward and the backward of `target` as CUDA graphs and replay them every step.
 
     target: a function of tensors, or a paddle.nn.Layer / torch.nn.Module instance (that instance is
@@ -87,7 +88,9 @@ def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Option
     graphs of eager kernels (constants a forward makes from Python numbers are folded in, so a forward
     that copies them to the device captures). 2: those graphs compiled by Inductor (fused kernels;
     gradients within rounding of eager's). At levels 1 and 2 a key's first call runs eagerly, then
-    `warmup_steps` traced calls (the first compiles), then the capture.
+    `warmup_steps` traced calls (the first compiles), then the capture. None (the default): level 0, and
+    a key whose eager capture fails on a tensor made from host data (Hugging Face's eager attention mask)
+    is traced at level 1, with one warning (graph_opt.training.levels).
 
     GRAPH_OPT_DISABLE=1 makes every call plain eager. See graph_opt.training.api for the guarantees.
     """

@@ -24,6 +24,7 @@ from ..pytree import flatten, unflatten
 from ..stats import TrainingCounters, TrainingStats
 from .graphs import KeyState, PartialBackward, PendingBackward, StepGraphs, _record_partial
 from .key_capture import KeyCapturer
+from .levels import KeyLevels
 from .watch import TrainingWatch, framework_of_call
 
 logger = logging.getLogger("graph_opt")
@@ -33,11 +34,10 @@ class GraphedBlock:
     """State of one autocudagraph target: its keys' graphs, one memory pool, counters."""
 
     def __init__(self, target, call: Callable, module, framework: Optional[str], warmup_steps: int,
-                 dispatch_key_fn: Optional[Callable], max_graphs: int, level: int = 0):
+                 dispatch_key_fn: Optional[Callable], max_graphs: int, level: Optional[int] = 0):
         self.target = target
         self.call = call  # the eager forward
-        self.level = level
-        self.traced: Optional[Callable] = None  # levels 1 and 2: the forward compiled, made at binding
+        self.level = level or 0  # None: the default, 0 with keys traced where a host copy stops a capture
         self.module = module  # the Layer / Module, or None for a function
         self.name = getattr(target, "__qualname__", None) or type(target).__name__
         self.warmup_steps = warmup_steps
@@ -66,6 +66,7 @@ class GraphedBlock:
         self.lazy = False  # the module had lazy parameters when bound: graphs wait until they are made
         self.disabled_reason: Optional[str] = None
         self.warned: set = set()
+        self.levels = KeyLevels(self, level)
         self.capturer = KeyCapturer(self)
 
     def __deepcopy__(self, memo):
@@ -78,7 +79,7 @@ class GraphedBlock:
             raise GraphOptError(f"{self.name}: copy the graphed {type(self.module).__name__} itself, not its forward")
         eager = type(twin).forward.__get__(twin)
         block = GraphedBlock(twin, eager, twin, self.framework, self.warmup_steps, self.dispatch_key_fn,
-                             self.max_graphs, self.level)
+                             self.max_graphs, self.levels.requested)
         memo[id(self)] = block
         return block
 
@@ -86,7 +87,8 @@ class GraphedBlock:
         """Pickling a graphed Layer / Module (torch.save): the copy is graphed, with no graphs yet."""
         if self.module is None:
             raise TypeError(f"{self.name}: a graphed function cannot be pickled; pickle the function it wraps")
-        return _rebuilt_block, (self.module, self.warmup_steps, self.dispatch_key_fn, self.max_graphs, self.level)
+        return _rebuilt_block, (self.module, self.warmup_steps, self.dispatch_key_fn, self.max_graphs,
+                                self.levels.requested)
 
     def _bind(self, args, kwargs) -> None:
         """At the first call: the framework of the tensors, its bridges, and the watch of the module."""
@@ -95,8 +97,7 @@ class GraphedBlock:
         self.framework = framework
         self.adapter = backend.ADAPTER
         self.bridge = backend.autograd_bridge()
-        if self.level:
-            self.traced = self.bridge.traced(self.call, self.level, self.name)
+        self.levels.bind()
         if self.module is not None:
             self.watch = TrainingWatch(self.adapter, self.bridge, self.module)
             self.lazy = self.bridge.uninitialized(self.module)
@@ -156,35 +157,22 @@ class GraphedBlock:
                                   f"{self.name}: CUDA graphs are unavailable here ({self.adapter.name} without "
                                   "a CUDA device); autocudagraph runs eagerly")
         if state.run is None:
-            if self.traced is None:
+            if self.levels.eager_only(state):
                 state.run = self.call
             else:
-                return self._first_call(state, key[1], args, kwargs)
+                return self.levels.first_call(state, key[1], args, kwargs)
         if state.warmups < self.warmup_steps:
             state.warmups += 1
             self.counters.warmups += 1
-            return self._eager(state.run, args, kwargs)
+            if state.level:
+                return self.levels.warm_up(state, args, kwargs)
+            return self._eager(self.call, args, kwargs)
         if self.pending:
             return self._fallback(Reason.BACKWARD_PENDING, args, kwargs, _PENDING_WARNING.format(name=self.name))
         graphs = self.capturer.capture(state, leaves, spec, args, kwargs, needs_grad=key[1])
         if graphs is None:
             return self._eager(self.call, args, kwargs)
         return self._replay(graphs, leaves, key[1])
-
-    def _first_call(self, state: KeyState, needs_grad: bool, args, kwargs):
-        """Levels 1 and 2: a key's first call runs eagerly and shows its outputs. A key with several
-        differentiable outputs is captured from the eager forward: a traced backward (AOTAutograd's) gives
-        an output the loss leaves out a zero gradient, not none, so a parameter only it reaches would get
-        zeros where eager gives None, and its backward could make NaN (0 * inf)."""
-        self.counters.warmups += 1
-        outs = self._eager(self.call, args, kwargs)
-        diff = sum(map(self.bridge.requires_grad, flatten(outs, self.bridge.is_tensor)[0])) if needs_grad else 0
-        state.run = self.traced if diff <= 1 else self.call
-        if diff > 1 and "several_outputs" not in self.warned:
-            self.warned.add("several_outputs")
-            logger.info("%s: %d outputs carry gradients; calls with them are captured from the eager forward "
-                        "(level 0), since a traced backward cannot leave an unused output out", self.name, diff)
-        return outs
 
     def _own_changed_call(self, state: KeyState, args, kwargs):
         """An attribute the forward writes itself holds another value than at this key's capture: this
@@ -254,6 +242,8 @@ class GraphedBlock:
                 f"{self.name}: backward through a graphed forward whose activations a later forward replay "
                 "overwrote (or whose graphs were cleared); run each step's backward before the next forward "
                 "of this block")
+        if graphs.root is not None and grads[graphs.root] is None:
+            self._root_left_out(graphs)
         if sum(map(self.adapter.version, self.params)) != pending.versions:
             raise RuntimeError(
                 f"{self.name}: one of the variables needed for gradient computation has been modified by an inplace "
@@ -291,6 +281,22 @@ class GraphedBlock:
         if not self.bridge.keeps_graph():  # retain_graph=True: a second backward may read the activations
             pending.release()
         return self.bridge.hand_out(buffers, pending.inputs, self.lent)
+
+    def _root_left_out(self, graphs: StepGraphs) -> None:
+        """A loss that leaves out the output computed from all the others, at a traced level: the traced
+        backward would run the root's backward on zeros too, which is eager's only where it makes no
+        0 * inf. Refused; that key's next call is captured from the eager forward."""
+        for state in self.keys.values():
+            if state.graphs is graphs:
+                state.graphs = None
+                state.run, state.level, state.root = self.call, 0, None
+        graphs.release()
+        raise GraphOptError(
+            f"{self.name}: this backward leaves out the output the others feed (output {graphs.root} of those "
+            "carrying gradients: a loss computed inside the block), which the traced backward would run on zero "
+            "gradients, where eager runs nothing (NaN where that makes 0 * inf). Return only what the loss uses "
+            "(a Hugging Face model: call it without labels= when the loss is yours), or use level=0; this key's "
+            "next call is captured from the eager forward")
 
     def _capture_partial(self, graphs: StepGraphs, used) -> Optional["PartialBackward"]:
         """Capture, inside the first backward that leaves some outputs out, a backward graph of the used
@@ -387,6 +393,10 @@ class GraphedBlock:
         if warning is not None and reason not in self.warned:
             self.warned.add(reason)
             logger.warning(warning)
+        if self.watch is not None and not any(s.graphs is not None for s in self.keys.values()):
+            # No graphs to keep true to what the forward writes (a capture notes its own run's writes):
+            # the call costs what eager costs, as a refused key's calls should
+            return self.call(*args, **kwargs)
         return self._eager(self.call, args, kwargs)
 
     def _graphs_available(self) -> bool:
@@ -427,7 +437,9 @@ class GraphedBlock:
             warmups=c.warmups, captures=c.captures, replays=c.replays, backward_replays=c.backward_replays,
             fallbacks=c.fallbacks, fallback_reasons=reason_counts(c.fallback_reasons), capture_failures=c.capture_failures,
             recaptures=c.recaptures, capture_seconds=c.capture_seconds, graph_memory_bytes=self.memory_bytes,
-            static_buffer_bytes=sum(g.buffer_bytes for g in held), disabled_reason=self.disabled_reason)
+            static_buffer_bytes=sum(g.buffer_bytes for g in held), disabled_reason=self.disabled_reason,
+            key_levels=_count(s.level for s in self.keys.values() if s.graphs is not None),
+            untraced=c.untraced, retraced=c.retraced)
 
 
 _LEVEL_NAMES = {0: "", 1: ", level 1 (traced: Dynamo and AOTAutograd)", 2: ", level 2 (traced, Inductor)"}
@@ -441,7 +453,14 @@ _PENDING_WARNING = ("{name}: called again while the previous graphed forward's b
                     "(or drop the outputs) before the next forward, or call under no_grad")
 
 
-def _rebuilt_block(module, warmup_steps, dispatch_key_fn, max_graphs, level=0) -> "GraphedBlock":
+def _count(values) -> Dict[Any, int]:
+    out: Dict[Any, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _rebuilt_block(module, warmup_steps, dispatch_key_fn, max_graphs, level=None) -> "GraphedBlock":
     """The block of an unpickled graphed module: its forward graphed again, nothing captured."""
     eager = type(module).forward.__get__(module)
     return GraphedBlock(module, eager, module, _module_framework(module), warmup_steps, dispatch_key_fn, max_graphs,

@@ -45,6 +45,10 @@ class StepGraphs:
     kept_outs: Optional[List[Any]] = None
     partial: Dict[Tuple[bool, ...], Optional["PartialBackward"]] = field(default_factory=dict)  # None: failed
     recorder: Any = None  # the graphs that recorded them (contracts.Recorder): its partial backwards' too
+    # A traced key with several differentiable outputs: the one computed from all the others. Its backward
+    # (AOTAutograd's) takes zeros for the outputs a loss leaves out, which is eager's where they all feed
+    # the root and the loss uses it; a loss that leaves the root out is refused (block.backward_replay).
+    root: Optional[int] = None
 
     def release(self) -> None:
         for graph in (self.forward, self.backward, *(p.graph for p in self.partial.values() if p is not None)):
@@ -70,6 +74,11 @@ class KeyState:
     graphs: Optional[StepGraphs] = None
     failed: Optional[str] = None
     run: Optional[Callable] = None  # the forward its calls and capture run: eager, or traced (levels 1, 2)
+    level: int = 0  # what `run` is: 0 the eager forward, 1 or 2 traced
+    # A traced key with several outputs carrying gradients: the one computed from all the others (a loss
+    # from the logits), so a backward that uses it and leaves the others out is eager's (see graphs.root)
+    root: Optional[int] = None
+    retrace: bool = False  # the eager forward's capture failed for a cause tracing removes: trace at level 1
     # the module's plain attributes at capture ((id of a __dict__, name) -> key): those the forward writes
     # itself must hold these values for a replay to be what the forward would do (training_watch)
     attrs: Optional[dict] = None
@@ -106,17 +115,18 @@ class PendingBackward:
         self.release()
 
 
-def _capture_key(block: GraphedBlock, recorder, run: Callable, leaves, spec, needs_grad: bool, rng,
+def _capture_key(block: GraphedBlock, recorder, state: KeyState, leaves, spec, needs_grad: bool, rng,
                  template=None) -> StepGraphs:
     """Record one key's graphs with `recorder` (contracts.Recorder): its warmup of forward and backward
     (a device's private one), then the forward graph, then the backward graph."""
     with recorder.capturing_parameters(block.bridge, block.module, block.params) as p:
-        return _record(block, recorder, run, leaves, spec, needs_grad, rng, p, template)
+        return _record(block, recorder, state, leaves, spec, needs_grad, rng, p, template)
 
 
-def _record(block: GraphedBlock, recorder, run: Callable, leaves, spec, needs_grad: bool, rng,
+def _record(block: GraphedBlock, recorder, state: KeyState, leaves, spec, needs_grad: bool, rng,
             params, template) -> StepGraphs:
     bridge, adapter = block.bridge, block.adapter
+    run, traced = state.run, state.level > 0
     # One static copy per distinct tensor: code may test `query is key` (attention takes another path)
     copies, static_inputs, first = {}, [], []  # first: False for a repeat, which gets no gradient of its own
     for t in leaves:
@@ -174,10 +184,11 @@ def _record(block: GraphedBlock, recorder, run: Callable, leaves, spec, needs_gr
     out_template = unflatten(out_spec, [_PLACEHOLDER] * len(out_leaves), template=outs)
     differentiable = [needs_grad and bridge.requires_grad(o) for o in out_leaves]
     diff_outs = [o for o, d in zip(out_leaves, differentiable) if d]
-    if run is not block.call and len(diff_outs) > 1:
-        raise CaptureError(f"{block.name}: the traced forward now has {len(diff_outs)} outputs that carry gradients; "
-                           "a traced backward would give one the loss leaves out a zero gradient (graph_opt.clear_graphs "
-                           "counts them again and captures such a key from the eager forward)")
+    if traced and len(diff_outs) > 1 and state.root is None:
+        raise CaptureError(f"{block.name}: the traced forward now has {len(diff_outs)} outputs that carry gradients, "
+                           "none computed from all the others; a traced backward would give one the loss leaves out a "
+                           "zero gradient (graph_opt.clear_graphs counts them again and captures such a key from the "
+                           "eager forward)")
     outside = []
     if needs_grad and diff_outs:
         # Tensors the block reads without receiving them (a closure's, a global's, another module's
@@ -218,7 +229,7 @@ def _record(block: GraphedBlock, recorder, run: Callable, leaves, spec, needs_gr
         it = iter(grads)
         grad_buffers = [next(it) if f else None for f in flows]
         grad_buffers = [None if g is None else bridge.detach(g) for g in grad_buffers]
-        if len(diff_outs) > 1:
+        if len(diff_outs) > 1 and not traced:
             it = iter(bridge.reached_from(diff_outs, grad_inputs))
             reached_from = [next(it) if f else () for f in flows]
             kept_outs = recorder.kept_outputs(diff_outs)
@@ -236,7 +247,7 @@ def _record(block: GraphedBlock, recorder, run: Callable, leaves, spec, needs_gr
                       grad_out_buffers=grad_out_buffers,
                       grad_buffers=grad_buffers, buffer_bytes=buffer_bytes, outside=outside,
                       reached_from=reached_from, grad_inputs=grad_inputs if needs_grad else [], flows=flows,
-                      kept_outs=kept_outs, recorder=recorder)
+                      kept_outs=kept_outs, recorder=recorder, root=state.root if traced else None)
 
 
 def _record_partial(block: GraphedBlock, graphs: StepGraphs, used) -> "PartialBackward":

@@ -11,7 +11,7 @@ from .. import guards
 from ..backends import patches
 from ..capture.capture_phase import paused_gc
 from ..capture.failures import describe
-from ..errors import CaptureError
+from ..errors import CaptureError, TraceLimitReached
 from ..recorders.host_graphs import graphs_for
 from ..watch.fallbacks import Reason
 from ..watch.held_state import HeldState
@@ -61,7 +61,7 @@ class KeyCapturer:
             if block.pool is None:
                 block.pool = recorder.new_pool()
             with guards.state_lock, paused_gc(collect=False), guards.capture_custom_allreduce(), adapter.capture_stream():
-                graphs = _capture_key(block, recorder, state.run, leaves, spec, needs_grad, rng, (args, kwargs))
+                graphs = _capture_key(block, recorder, state, leaves, spec, needs_grad, rng, (args, kwargs))
             advanced = held.advanced() if held is not None else None
             if advanced:
                 held.put_back_values()  # the eager call that answers instead sets them once
@@ -111,7 +111,12 @@ class KeyCapturer:
         # has retired the pool, and a capture into it would fail an internal assert. The next one takes a
         # pool of its own.
         block.pool = None
-        why = describe(exc)
+        if isinstance(exc, TraceLimitReached):
+            block.levels.untraced(state, str(exc))  # the next call captures from the eager forward
+            return
+        if block.levels.after_failure(state, exc):
+            return
+        why = describe(exc, traced=state.level > 0)
         state.failed = why
         block.disabled_reason = why
         block.counters.capture_failures += 1

@@ -111,25 +111,72 @@ from test_torch_training_levels import (  # noqa: E402,F401
     test_a_traced_block_with_several_outputs_is_captured_from_its_eager_forward, test_traced_levels_train_as_eager_does)
 
 
-def test_the_eager_capture_of_a_device_constant_fails_and_the_traced_one_replays():
-    """The same forward at level 0: its capture is refused (a pageable host-to-device copy) and the key
-    runs eagerly, saying why, and so is a second key's (the failed capture's memory pool is not reused);
-    at level 1 both keys are graphed (the test above checks the gradients)."""
+class _Masked(torch.nn.Module):
+    """transformers' eager attention mask: `torch.tensor(0.0, device=...)` in the forward, a pageable
+    host-to-device copy that a capture of the eager forward refuses."""
 
-    class Masked(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(64, 64)
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
 
-        def forward(self, x):
-            h = self.lin(x)
-            return h + torch.where(h > 0, torch.tensor(0.0, device=h.device), -1.0)
+    def forward(self, x):
+        h = self.lin(x)
+        return h + torch.where(h > 0, torch.tensor(0.0, device=h.device), -1.0)
 
-    for level, captured in ((0, 0), (1, 2)):
-        m = graph_opt.autocudagraph(Masked().cuda(), level=level)
-        for rows in (4, 4, 4, 8, 8, 8):  # two keys: a second capture after a failed one fails the same way
+
+def test_the_eager_capture_of_a_device_constant_fails_and_the_key_is_traced():
+    """At the default level the eager forward's capture is refused, saying why, and the key is traced at
+    level 1 instead, as is the next key (without another failed capture: the failed capture's memory pool
+    is not reused); at level 1 both keys are traced from the start."""
+    for level, failures in ((0, 1), (1, 0)):
+        m = graph_opt.autocudagraph(_Masked().cuda(), level=level)
+        for rows in (4, 4, 4, 4, 8, 8, 8):
             m(torch.randn(rows, 64, device="cuda")).sum().backward()
         s = graph_opt.stats(m)
-        assert s.captures == captured and s.capture_failures == 2 - captured, s
-        if level == 0:
-            assert "Cannot copy between CPU and CUDA" in s.disabled_reason and "pin" in s.disabled_reason, s
+        assert s.captures == 2 and s.capture_failures == failures and s.key_levels == {1: 2}, s
+        assert s.retraced == (2 if level == 0 else 0) and s.fallbacks == 0, s
+
+
+def test_a_key_traced_after_its_eager_capture_failed_trains_as_eager_does(caplog):
+    """The default level on a forward that makes a device constant: one warning naming the line's cause and
+    level 1; outputs, gradients and parameters after each SGD step equal eager's (level 1 runs eager's
+    kernels)."""
+    import copy
+    torch.manual_seed(0)
+    ref = _Masked().cuda()
+    m = graph_opt.autocudagraph(copy.deepcopy(ref))
+    caplog.set_level("WARNING", logger="graph_opt")
+    opts = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (ref, m)]
+    for step in range(7):
+        x = torch.randn(4, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        outs = []
+        for model, opt in zip((ref, m), opts):
+            opt.zero_grad(set_to_none=True)
+            y = model(x)
+            y.pow(2).mean().backward()
+            opt.step()
+            outs.append(y)
+        assert torch.equal(*outs), f"step {step}"
+        for p_ref, p in zip(ref.parameters(), m.parameters()):
+            assert torch.equal(p, p_ref), f"step {step}"
+    s = graph_opt.stats(m)
+    assert s.key_levels == {1: 1} and s.replays >= 3, s
+    said = [r.getMessage() for r in caplog.records if r.name == "graph_opt"]
+    assert len(said) == 1 and "traced at level 1" in said[0] and "Cannot copy between CPU and CUDA" in said[0], said
+
+
+def test_each_key_is_traced_once_under_bf16_autocast():
+    """Six sequence lengths under bf16 autocast at level 1: six traces (the warm-up and the capture see the
+    same autocast cache state), all six keys captured traced, none past Dynamo's limit."""
+    import torch._dynamo.utils as dynamo_utils
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    m = graph_opt.autocudagraph(Block(64).cuda(), level=1)
+    for n in (3, 4, 5, 6, 7, 8):
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = m(torch.randn(2, n, 64, device="cuda"))
+            y.float().pow(2).mean().backward()
+    s = graph_opt.stats(m)
+    assert s.key_levels == {1: 6} and s.untraced == 0 and s.capture_failures == 0 and s.replays == 6, s
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 6
