@@ -128,13 +128,13 @@ def test_the_eager_capture_of_a_device_constant_fails_and_the_key_is_traced():
     """At the default level the eager forward's capture is refused, saying why, and the key is traced at
     level 1 instead, as is the next key (without another failed capture: the failed capture's memory pool
     is not reused); at level 1 both keys are traced from the start."""
-    for level, failures in ((0, 1), (1, 0)):
+    for level, failures in ((None, 1), (1, 0)):
         m = graph_opt.autocudagraph(_Masked().cuda(), level=level)
         for rows in (4, 4, 4, 4, 8, 8, 8):
             m(torch.randn(rows, 64, device="cuda")).sum().backward()
         s = graph_opt.stats(m)
         assert s.captures == 2 and s.capture_failures == failures and s.key_levels == {1: 2}, s
-        assert s.retraced == (2 if level == 0 else 0) and s.fallbacks == 0, s
+        assert s.retraced == (2 if level is None else 0) and s.fallbacks == 0, s
 
 
 def test_a_key_traced_after_its_eager_capture_failed_trains_as_eager_does(caplog):
