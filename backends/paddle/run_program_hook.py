@@ -28,7 +28,7 @@ class SubgraphRecord:
 class SizeRecord:
     key: int
     subgraphs: List[SubgraphRecord] = field(default_factory=list)
-    # (code, CustomCode, argument key) in the order SOT was asked; see sot_guards._argument_key
+    # (code, CustomCode, FrameArguments, guard) in the order SOT was asked; see sot_guards.FrameArguments
     frames: List[Any] = field(default_factory=list)
 
 
