@@ -260,7 +260,7 @@ class SotStrategy:
         self.hook.begin(state, record, recorder)
         try:
             with _Scope(self.hook, self.split_names, min_graph_size=True), self._blacklist_scope(), \
-                    _host_reads_noted(self.value_branches), \
+                    _host_reads_noted(self.value_branches, self.hook.shape_values), \
                     StepInfoManager().step_guard(self.forward_fn.__code__):
                 old = paddle.framework.core.set_eval_frame(callback)
                 try:
@@ -424,13 +424,15 @@ def _reader(frame):
 
 
 @contextlib.contextmanager
-def _host_reads_noted(seen: List[str]):
+def _host_reads_noted(seen: List[str], shape_values: Dict[int, Any]):
     """While the forward runs in the capture phase: each place outside Paddle and graph_opt that reads a
     tensor's value on the host (`if x.min() > 0` and `while` on a tensor, which SOT's code evaluates with
     bool(); `.item()`, `int(t)`, `all(t)`, a comprehension over a tensor) is added to `seen` as "file:line".
     The forward's Python then depends on the values, which a padded call decides over its padding rows
     too. Seen as it runs, in every frame SOT translated, reused from another model, or left to plain
-    Python. Installed around the warmups and the capture only (the state lock is held), and put back."""
+    Python; not a program's output made from its inputs' shapes alone (`shape_values`, the run_program
+    hook's: `if x.numel() == 0`). Installed around the warmups and the capture only (the state lock is
+    held), and put back."""
     tensor = paddle.Tensor
     real = {name: getattr(tensor, name) for name in _HOST_READS if hasattr(tensor, name)}
 
@@ -441,6 +443,8 @@ def _host_reads_noted(seen: List[str]):
             # batch size, when the forward unpacks x.shape): the padded size, which each graph holds anyway.
             if frame is not None and name != "__bool__" and frame.f_code.co_name[:1] in "#$" \
                     and not self.shape and self.dtype in _SHAPE_DTYPES:
+                frame = None
+            if frame is not None and shape_values.get(id(self)) is self:  # `if x.numel() == 0`: no data read
                 frame = None
             if frame is not None:
                 where = f"{frame.f_code.co_filename}:{frame.f_lineno}"

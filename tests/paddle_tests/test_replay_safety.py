@@ -383,6 +383,25 @@ def test_an_object_made_at_every_call_with_other_contents_runs_without_graphs_na
     assert warned(logs, "got another `holder` than at capture: a _Signed whose non-tensor contents")
 
 
+class _BranchesOnASize(Scaled):
+    def forward(self, x):
+        h = self.lin(x)
+        if x.numel() == 0:  # a tensor in SOT's program, made from x's shape alone
+            return h
+        return h * 2.0
+
+
+def test_a_branch_on_a_tensor_made_from_shapes_alone_lets_padded_calls_replay(logs):
+    m, twin = _level1(_BranchesOnASize)
+    with graph_opt.testing.simulate_cuda_graphs():
+        graph_opt.capture_model(m, lambda n: paddle.randn([n, HIDDEN]), progress=False)
+    with graph_opt.testing.simulate_cuda_graphs(), paddle.no_grad():
+        for real in (3, 5, 8):
+            x = paddle.randn([real, HIDDEN])
+            assert bool((m(x) == eager_padded(PaddleF(), twin, x)).all()), real
+    assert graph_opt.stats(m).replays == 3 and not warned(logs, "reads a tensor's value on the host")
+
+
 def test_objects_compared_by_content_must_be_shared_as_at_capture_and_hold_the_same_values():
     """Two arguments that were one object at capture must be one object again; a value inside differs."""
     from graph_opt.backends.paddle.sot_guards import FrameArguments
