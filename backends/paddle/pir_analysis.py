@@ -343,3 +343,41 @@ def _check(program, semantics: str) -> None:
         raise TypeError(f"expected a PIR program (paddle.pir.Program), got {type(program).__name__}")
     if semantics not in SEMANTICS:
         raise ValueError(f"semantics={semantics!r}: must be one of {', '.join(SEMANTICS)}")
+
+
+# -- values a program computes from its inputs' shapes alone -----------------------------------------
+
+_SHAPE_READS = frozenset({"pd_op.numel", "pd_op.shape", "pd_op.shape64"})
+_CONSTANTS = frozenset({"pd_op.full", "pd_op.full_int_array"})
+# Deterministic ops whose result depends on their operands' values only.
+_PURE = frozenset("pd_op." + name for name in (
+    "equal", "not_equal", "less_than", "less_equal", "greater_than", "greater_equal", "logical_and",
+    "logical_or", "logical_not", "logical_xor", "add", "subtract", "multiply", "divide", "floor_divide",
+    "remainder", "maximum", "minimum", "scale", "cast", "slice", "reshape", "squeeze", "unsqueeze", "stack",
+    "concat", "abs")) | {"builtin.combine", "builtin.slice", "builtin.split"}
+
+
+def shape_only_outputs(outputs) -> Tuple[int, ...]:
+    """Positions of `outputs` (a program's output values) that it computes from its inputs' shapes alone:
+    SOT keeps `x.numel() == 0` a tensor, and a Python branch on it depends on no tensor's data (the
+    replay checks each input's shape)."""
+    known: Dict[int, bool] = {}
+
+    def shape_only(value, depth: int) -> bool:
+        if value.id in known:
+            return known[value.id]
+        op = value.get_defining_op()
+        if op is None or depth > 64:
+            result = False
+        elif op.name() in _CONSTANTS:
+            result = True
+        elif op.name() in _SHAPE_READS:  # of an input only: an intermediate's shape may follow data (nonzero)
+            source = op.operand_source(0).get_defining_op()
+            result = source is not None and source.name() == _DATA
+        else:
+            result = op.name() in _PURE and op.num_operands() > 0 and all(
+                shape_only(op.operand_source(i), depth + 1) for i in range(op.num_operands()))
+        known[value.id] = result
+        return result
+
+    return tuple(i for i, value in enumerate(outputs) if shape_only(value, 0))

@@ -6,11 +6,12 @@ run_program op itself, told to; the host stand-in, as a graph that runs the prog
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from paddle.jit.dy2static.utils import CUDAGraphState
 
 from ...errors import ReplayDivergence
+from .pir_analysis import shape_only_outputs
 
 
 @dataclass
@@ -28,7 +29,7 @@ class SubgraphRecord:
 class SizeRecord:
     key: int
     subgraphs: List[SubgraphRecord] = field(default_factory=list)
-    # (code, CustomCode, argument key) in the order SOT was asked; see sot_guards._argument_key
+    # (code, CustomCode, FrameArguments, guard) in the order SOT was asked; see sot_guards.FrameArguments
     frames: List[Any] = field(default_factory=list)
 
 
@@ -45,6 +46,9 @@ class ProgramHook:
         self.call_index = 0
         self.off_record = False  # this replay ran a program the recording does not have at its place
         self.seen_layers: Dict[int, Any] = {}
+        self.shape_only: Dict[int, Tuple[int, ...]] = {}  # id(layer) -> its outputs made from input shapes alone
+        # Those outputs, as the warmups and the capture run: a host read of one decides nothing on data
+        self.shape_values: Dict[int, Any] = {}
 
     def begin(self, state, record: Optional[SizeRecord], recorder: Any = None) -> None:
         self.state = state
@@ -52,11 +56,13 @@ class ProgramHook:
         self.recorder = recorder
         self.call_index = 0
         self.off_record = False
+        self.shape_values.clear()
 
     def end(self) -> None:
         self.state = CUDAGraphState.DISABLE
         self.record = None
         self.recorder = None
+        self.shape_values.clear()
 
     def _first_sight(self, layer) -> None:
         # Passes rewrite the program before run_program builds an executor for it: after that the
@@ -69,6 +75,7 @@ class ProgramHook:
             # SOT traced this program from dygraph code: in-place writes are seen by later reads
             # of the same tensor, in program order, as run_program traces it.
             counts = run_passes(layer.program.forward_program, self.pass_names, semantics="eager").as_dict()
+        self.shape_only[id(layer)] = shape_only_outputs(layer.program.out_values)
         self.on_new_program(layer, counts)
 
     def __call__(self, run_impl, inputs, params, attrs):
@@ -102,7 +109,7 @@ class ProgramHook:
             return sub.outputs
         if state == CUDAGraphState.WARMUP:
             key = record.key if record is not None else 0
-            return run_impl(inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, key, index)))
+            return self._noted(layer, run_impl(inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, key, index))))
         # CAPTURE
         captured_inputs = list(inputs)
         disabled = (prog_attrs, _cg_attrs(cg_attrs, CUDAGraphState.DISABLE, 0, 0))
@@ -110,6 +117,12 @@ class ProgramHook:
             lambda: run_impl(captured_inputs, params, (prog_attrs, _cg_attrs(cg_attrs, state, record.key, index))),
             lambda: run_impl(captured_inputs, params, disabled))
         record.subgraphs.append(SubgraphRecord(layer, captured_inputs, outputs, replay, graph))
+        return self._noted(layer, outputs)
+
+    def _noted(self, layer, outputs):
+        for i in self.shape_only.get(id(layer), ()):
+            if i < len(outputs):
+                self.shape_values[id(outputs[i])] = outputs[i]
         return outputs
 
 

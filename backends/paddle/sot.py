@@ -50,7 +50,7 @@ from ...guards import as_captured
 from ...recorders.host_graphs import graphs_for
 from ...pytree import flatten
 from .run_program_hook import ProgramHook, SizeRecord
-from .sot_guards import _argument_key, _failed_guard, _FrameView, _guard_of
+from .sot_guards import FrameArguments, KnownTranslations, _failed_guard, _FrameView, _guard_of
 from .sot_scope import _Scope
 
 logger = logging.getLogger("graph_opt")
@@ -125,6 +125,7 @@ class SotStrategy:
         self._scope = None
         self._cache = OpcodeExecutorCache()
         self._forwards = _instance_forwards(model)  # what a failed SOT call must leave as it found
+        self._known = KnownTranslations()
         # "file:line" of each place the forward read a tensor's value on the host while captured (`if x.min()
         # > 0`, `while h.abs().max() > 1`, `.item()`): a padded call decides it over the padding rows too
         self.value_branches: List[str] = []
@@ -221,6 +222,7 @@ class SotStrategy:
             record.subgraphs.clear()
             record.frames.clear()
         self.records.clear()
+        self._known.clear()
 
     # -- internals ---------------------------------------------------------------------------------
     def _mark_dynamic(self, args, kwargs, sig) -> None:
@@ -238,20 +240,27 @@ class SotStrategy:
     def _translating_call(self, args, kwargs, state, record, frames, recorder=None):
         sot_kwargs = self.sot_kwargs
         guarded = self.config.guarded_replays
+        known = self._known
 
         def callback(frame):
-            custom = eval_frame_callback(frame, **sot_kwargs)
-            if frames is not None:
-                translated = custom.code is not None
-                frames.append((frame.f_code, custom, _argument_key(frame) if translated else None,
-                               _guard_of(frame.f_code, custom) if translated and guarded else None))
+            custom, guard = known.find(frame)
+            if custom is None:
+                custom = eval_frame_callback(frame, **sot_kwargs)
+            if custom.code is not None:
+                guard = guard or _guard_of(frame.f_code, custom)
+                arguments = FrameArguments(frame, guard)
+                known.add(frame, custom, arguments)
+                if frames is not None:
+                    frames.append((frame.f_code, custom, arguments, guard if guarded else None))
+            elif frames is not None:
+                frames.append((frame.f_code, custom, None, None))
             return custom
 
         before = translate_count()
         self.hook.begin(state, record, recorder)
         try:
             with _Scope(self.hook, self.split_names, min_graph_size=True), self._blacklist_scope(), \
-                    _host_reads_noted(self.value_branches), \
+                    _host_reads_noted(self.value_branches, self.hook.shape_values), \
                     StepInfoManager().step_guard(self.forward_fn.__code__):
                 old = paddle.framework.core.set_eval_frame(callback)
                 try:
@@ -285,15 +294,14 @@ class SotStrategy:
             code = frame.f_code
             i = position[0]
             while i < count:
-                recorded_code, custom, key, guard = frames[i]
+                recorded_code, custom, arguments, guard = frames[i]
                 if recorded_code is code:
                     position[0] = i + 1
-                    # A non-tensor argument that changed, such as the value of a tensor that decided
-                    # a Python branch before this frame.
-                    if key is not None and _argument_key(frame) != key:
-                        raise ReplayDivergence(
-                            f"{code.co_name} got other non-tensor arguments than at capture "
-                            "(a Python branch on a tensor value?)")
+                    # A non-tensor argument that changed (such as the value of a tensor that decided a Python
+                    # branch before this frame) raises; objects made at every call are compared by content.
+                    if arguments is not None:
+                        rebound = arguments.guard_for(frame)
+                        guard = rebound if guard is not None else None  # guarded_replays: false keeps None
                     # SOT's guards, with graph_opt's capture flags as at capture (the first frame's
                     # were checked before the replay: Captured.check).
                     if guard is not None and (i > 0 or not first_checked) and not as_captured(guard, frame):
@@ -416,13 +424,15 @@ def _reader(frame):
 
 
 @contextlib.contextmanager
-def _host_reads_noted(seen: List[str]):
+def _host_reads_noted(seen: List[str], shape_values: Dict[int, Any]):
     """While the forward runs in the capture phase: each place outside Paddle and graph_opt that reads a
     tensor's value on the host (`if x.min() > 0` and `while` on a tensor, which SOT's code evaluates with
     bool(); `.item()`, `int(t)`, `all(t)`, a comprehension over a tensor) is added to `seen` as "file:line".
     The forward's Python then depends on the values, which a padded call decides over its padding rows
     too. Seen as it runs, in every frame SOT translated, reused from another model, or left to plain
-    Python. Installed around the warmups and the capture only (the state lock is held), and put back."""
+    Python; not a program's output made from its inputs' shapes alone (`shape_values`, the run_program
+    hook's: `if x.numel() == 0`). Installed around the warmups and the capture only (the state lock is
+    held), and put back."""
     tensor = paddle.Tensor
     real = {name: getattr(tensor, name) for name in _HOST_READS if hasattr(tensor, name)}
 
@@ -433,6 +443,8 @@ def _host_reads_noted(seen: List[str]):
             # batch size, when the forward unpacks x.shape): the padded size, which each graph holds anyway.
             if frame is not None and name != "__bool__" and frame.f_code.co_name[:1] in "#$" \
                     and not self.shape and self.dtype in _SHAPE_DTYPES:
+                frame = None
+            if frame is not None and shape_values.get(id(self)) is self:  # `if x.numel() == 0`: no data read
                 frame = None
             if frame is not None:
                 where = f"{frame.f_code.co_filename}:{frame.f_lineno}"

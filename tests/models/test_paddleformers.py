@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-_CI_SECONDS = 19  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+_CI_SECONDS = 30  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 
 pytest.importorskip("paddle")
 
@@ -28,4 +28,4 @@ def test_paddleformers_llama_and_qwen2_at_levels_0_and_1_and_in_training_graphs(
     tail = "\n".join(run.stdout.splitlines()[-30:])
     assert run.returncode == 0, tail
     passed = re.search(r"(\d+) passed", run.stdout)
-    assert passed and int(passed.group(1)) == 14 and "skipped" not in run.stdout.splitlines()[-1], tail
+    assert passed and int(passed.group(1)) == 16 and "skipped" not in run.stdout.splitlines()[-1], tail

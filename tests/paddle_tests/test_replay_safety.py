@@ -305,3 +305,117 @@ def test_a_submodule_attribute_set_after_capture_runs_without_graphs_then_replay
         m.head.scale = twin.head.scale = 1.0  # back to the captured value: replays resume
         assert F.equal(m(x), eager_padded(F, twin, x))
         assert graph_opt.stats(m).replays == 2
+
+
+# -- level 1: an object the forward makes at every call (a KV cache built from the cache tensors) -------------
+class _Holder:
+    def __init__(self, k, scale):
+        self.k = k
+        self.scale = scale
+        self.place = k.place  # a new Place object at every read, equal by value
+
+
+@graph_opt.splitting_op
+def _attend(q, holder):
+    return q * holder.k.mean(-1, keepdim=True)
+
+
+class _MakesAHolder(Scaled):
+    """The holder reaches frames SOT translates on their own (its __init__, the frame after the splitting
+    op): each gets a new object at every call, which SOT's guards compare by identity."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin2 = paddle.nn.Linear(HIDDEN, HIDDEN)
+        self.scale = 2.0
+
+    def forward(self, x, k):
+        holder = _Holder(k, self.scale)
+        h = _attend(self.lin(x), holder)
+        return self.lin2(h) * holder.scale + holder.k
+
+
+def test_an_object_the_forward_makes_at_every_call_is_compared_by_content_and_replays():
+    m, twin = _level1(_MakesAHolder, config={"full_cuda_graph": False})
+    with graph_opt.testing.simulate_cuda_graphs():
+        graph_opt.capture_model(m, lambda n: (paddle.randn([n, HIDDEN]), paddle.randn([n, HIDDEN])),
+                                progress=False)
+    translated = graph_opt.stats(m).translations
+    with graph_opt.testing.simulate_cuda_graphs(), paddle.no_grad():
+        for real in (4, 2, 3, 8, 5):
+            x, k = paddle.randn([real, HIDDEN]), paddle.randn([real, HIDDEN])
+            assert bool((m(x, k) == eager_padded(PaddleF(), twin, x, k, batch=(0, 1))).all()), real
+    s = graph_opt.stats(m)
+    assert (s.replays, s.fallbacks, s.translations) == (5, 0, translated), s.fallback_reasons
+
+
+class _Signed:
+    def __init__(self, k):
+        self.k = k
+        self.positive = None
+
+
+@graph_opt.splitting_op
+def _attend_and_sign(q, holder):
+    holder.positive = bool(holder.k.mean() > 0)
+    return q * holder.k.mean(-1, keepdim=True)
+
+
+class _MakesASignedHolder(Scaled):
+    def forward(self, x, k):
+        holder = _Signed(k)
+        h = _attend_and_sign(self.lin(x), holder)
+        return h * (2.0 if holder.positive else -1.0)
+
+
+def test_an_object_made_at_every_call_with_other_contents_runs_without_graphs_naming_it(logs):
+    """What the object holds besides tensors is part of what the capture translated: a call whose object
+    holds another value (here decided by a tensor's value) runs without graphs, and the warning names it."""
+    m, twin = _level1(_MakesASignedHolder, config={"full_cuda_graph": False})
+    with graph_opt.testing.simulate_cuda_graphs():
+        graph_opt.capture_model(m, lambda n: (paddle.randn([n, HIDDEN]), paddle.randn([n, HIDDEN]).abs() + 0.1),
+                                progress=False)
+    with graph_opt.testing.simulate_cuda_graphs(), paddle.no_grad():
+        for sign in (1.0, -1.0, 1.0):
+            x, k = paddle.randn([4, HIDDEN]), sign * (paddle.randn([4, HIDDEN]).abs() + 0.1)
+            assert bool((m(x, k) == twin(x, k)).all()), sign
+    assert graph_opt.stats(m).replays == 2
+    assert warned(logs, "got another `holder` than at capture: a _Signed whose non-tensor contents")
+
+
+class _BranchesOnASize(Scaled):
+    def forward(self, x):
+        h = self.lin(x)
+        if x.numel() == 0:  # a tensor in SOT's program, made from x's shape alone
+            return h
+        return h * 2.0
+
+
+def test_a_branch_on_a_tensor_made_from_shapes_alone_lets_padded_calls_replay(logs):
+    m, twin = _level1(_BranchesOnASize)
+    with graph_opt.testing.simulate_cuda_graphs():
+        graph_opt.capture_model(m, lambda n: paddle.randn([n, HIDDEN]), progress=False)
+    with graph_opt.testing.simulate_cuda_graphs(), paddle.no_grad():
+        for real in (3, 5, 8):
+            x = paddle.randn([real, HIDDEN])
+            assert bool((m(x) == eager_padded(PaddleF(), twin, x)).all()), real
+    assert graph_opt.stats(m).replays == 3 and not warned(logs, "reads a tensor's value on the host")
+
+
+def test_objects_compared_by_content_must_be_shared_as_at_capture_and_hold_the_same_values():
+    """Two arguments that were one object at capture must be one object again; a value inside differs."""
+    from graph_opt.backends.paddle.sot_guards import FrameArguments
+    from graph_opt.errors import ReplayDivergence
+
+    def frame_of(a, b):
+        import sys
+        return sys._getframe()
+
+    one = _Holder(paddle.ones([2]), 2.0)
+    captured = FrameArguments(frame_of(one, one), None)
+    assert captured.guard_for(frame_of(one, one)) is None  # the very object
+    again = _Holder(paddle.zeros([2]), 2.0)  # other tensors, the same values
+    assert captured.guard_for(frame_of(again, again)) is None
+    for a, b in ((again, _Holder(paddle.zeros([2]), 2.0)), (_Holder(paddle.ones([2]), 3.0),) * 2):
+        with pytest.raises(ReplayDivergence, match="`a` than at capture: a _Holder|`b` than at capture: a _Holder"):
+            captured.guard_for(frame_of(a, b))

@@ -32,6 +32,7 @@ _without_paddlefleet()
 
 import graph_opt  # noqa: E402
 from paddleformers.transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config  # noqa: E402
+from paddleformers.transformers.cache_utils import DynamicCache  # noqa: E402
 from paddleformers.transformers.configuration_utils import PretrainedConfig  # noqa: E402
 from paddleformers.transformers.qwen2.modeling import Qwen2ForTokenClassification  # noqa: E402
 
@@ -130,6 +131,56 @@ def test_calls_with_autograd_on_at_level_1_have_eager_gradients(name, graphs):
     for (pname, p_ref), (_, p) in zip(twin.named_parameters(), m.named_parameters()):
         assert p.grad is not None and bool((p.grad == p_ref.grad).all()), f"gradient of {pname}"
     assert graph_opt.stats(m).fallback_reasons == ({"grad": 1} if graphs else {})
+
+
+class Decode(paddle.nn.Layer):
+    """A user's decode step with a KV cache: a token per row and the cache tensors in (the cache objects are
+    not tensors), PaddleFormers' DynamicCache built from them in forward, as one passes a cache to the model."""
+
+    def __init__(self, name, graph_opt_config=None):
+        super().__init__()
+        self.model = _model(name)
+
+    def forward(self, input_ids, keys, values):
+        cache = DynamicCache(list(zip(keys, values)))
+        return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)[0]
+
+
+def decode_inputs(n, seed, cached=5):
+    paddle.seed(seed)
+    kv = [[paddle.randn([n, 2, cached, 8]) for _ in range(2)] for _ in ("keys", "values")]  # 2 layers, 2 kv heads
+    return dict(input_ids=paddle.randint(0, VOCAB, [n, 1]), keys=kv[0], values=kv[1])
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_cache_object_built_in_forward_from_the_cache_tensors_replays(level):
+    """The DynamicCache is a new object at every call: compared by its content, not its identity, every
+    call replays (at level 1 SOT's guards compare it by identity: it used to run without graphs each call,
+    translated anew), bitwise equal to eager on the padded batch, with no translation after capture."""
+    paddle.seed(0)
+    twin = Decode("llama")
+    twin.eval()
+    cls = graph_opt.support_graph_optimization(type("GraphedDecode", (Decode,), {}))
+    m = cls("llama", graph_opt_config=graph_opt.GraphOptConfig(cudagraph_capture_sizes=[2, 4], graph_opt_level=level))
+    m.set_state_dict(twin.state_dict())
+    m.eval()
+    with graph_opt.testing.simulate_cuda_graphs():
+        report = graph_opt.capture_model(m, lambda n: decode_inputs(n, n), progress=False)
+        assert report.failed is None, report.failed
+        translated = graph_opt.stats(m).translations
+        with paddle.no_grad():
+            for n in (4, 3, 2, 4):
+                call = decode_inputs(n, 10 + n)
+                out = m(**call)
+                padded = call
+                if n == 3:  # the same rows, and a row of the pad value (0) after them
+                    padded = {k: [paddle.concat([t, paddle.zeros([1] + t.shape[1:], t.dtype)]) for t in v]
+                              if isinstance(v, list) else paddle.concat([v, paddle.zeros([1, 1], v.dtype)])
+                              for k, v in call.items()}
+                assert bool((out == twin(**padded)[:n]).all()), n
+    s = graph_opt.stats(m)
+    assert (s.replays, s.fallbacks) == (4, 0), s.fallback_reasons
+    assert s.translations == translated
 
 
 class Loss(paddle.nn.Layer):
