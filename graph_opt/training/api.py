@@ -34,10 +34,14 @@ of the module after capture (training_watch.py), one key's graphs and how they a
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Optional
 
+from .. import backends
 from ..errors import GraphOptInputError
 from .block import GraphedBlock, _module_framework
+
+logger = logging.getLogger("graph_opt")
 
 _STATE_ATTR = "_graph_opt_training"
 
@@ -98,6 +102,11 @@ def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Option
     framework = _module_framework(target)
     if framework == "paddle" and level:
         raise GraphOptInputError(_PADDLE_LEVEL.format(level=level))
+    if framework is not None and _STATE_ATTR not in target.__dict__:
+        wrapped = backends.load(framework).wrapped_module(target)
+        if wrapped is not None:
+            return _graph_wrapped(target, *wrapped, warmup_steps=warmup_steps, dispatch_key_fn=dispatch_key_fn,
+                                  max_graphs=max_graphs, level=level)
     if framework is not None:
         if getattr(type(target), "__graph_opt_decorated__", False):
             raise GraphOptInputError(
@@ -124,6 +133,18 @@ def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Option
 
     setattr(graphed, _STATE_ATTR, block)
     return graphed
+
+
+def _graph_wrapped(wrapper, inner, attr: str, **options):
+    """A data-parallel wrapper (DistributedDataParallel, paddle.DataParallel): its module is graphed and
+    the wrapper returned, so that its forward (buffer broadcast, the reducer's preparation) runs eagerly
+    around the block's replay, and the gradients the backward replay hands to autograd reach the
+    reducer's all-reduce hooks through autograd's own accumulation, as in eager."""
+    autocudagraph(inner, **options)
+    object.__setattr__(wrapper, _STATE_ATTR, state_of_training(inner))  # graph_opt.stats(wrapper) finds it
+    logger.info("autocudagraph(%s): graphed its wrapped %s (.%s); the wrapper's forward and its gradient "
+                "all-reduce stay outside the graphs", type(wrapper).__name__, type(inner).__name__, attr)
+    return wrapper
 
 
 def state_of_training(obj) -> Optional[GraphedBlock]:
