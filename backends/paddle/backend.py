@@ -47,3 +47,12 @@ def autograd_bridge():
 def tracing_hooks(fn):
     """No compiler traces around a graphed Paddle block: (None, fn)."""
     return None, fn
+
+
+def wrapped_module(model):
+    """(the layer, its attribute) of paddle.DataParallel, whose forward prepares the reducer that
+    all-reduces the gradients as autograd accumulates them: it stays outside the graphs. Else None."""
+    data_parallel = getattr(paddle, "DataParallel", None)
+    if data_parallel is not None and isinstance(model, data_parallel):
+        return model._layers, "_layers"
+    return None

@@ -2,7 +2,8 @@
 
 The replayed forward enters autograd as a torch.autograd.Function whose backward replays the backward
 graph; this follows torch.cuda.make_graphed_callables, with the differences graph_opt.training.api lists
-(outputs copied, leaves' first gradients copied, no second forward before a pending backward).
+(outputs copied, leaves' first gradients copied, a second forward before a pending backward replaying
+graphs of its own).
 """
 from __future__ import annotations
 

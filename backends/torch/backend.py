@@ -43,3 +43,13 @@ def tracing_hooks(fn):
     """(is Dynamo tracing now, fn hidden from it): a graphed block called inside code torch.compile traces
     breaks the graph there and runs as itself."""
     return torch.compiler.is_compiling, torch.compiler.disable(fn)
+
+
+def wrapped_module(model):
+    """(the module, its attribute) of a wrapper whose own forward and hooks must stay outside the graphs
+    (DistributedDataParallel: its forward syncs buffers and prepares the reducer, whose hooks all-reduce
+    the gradients as autograd accumulates them), or None."""
+    ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
+    if ddp is not None and isinstance(model, ddp):
+        return model.module, "module"
+    return None

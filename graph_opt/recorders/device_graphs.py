@@ -109,8 +109,8 @@ class DeviceGraphs:
 
     def weak_alias(self, t):
         # Outputs and gradients were allocated in the pool during capture. Holding them weakly lets the
-        # next key's capture reuse those blocks (calls never overlap: see backward_pending), so all keys
-        # together stay close to one key's memory.
+        # next key's capture reuse those blocks (calls in one pool never overlap: training/slots.py), so
+        # all keys together stay close to one key's memory.
         return self.adapter.weak_alias(t)
 
     def after_capture(self, bridge, rng) -> None:

@@ -12,9 +12,15 @@ gradients reach `.grad` through the framework's own accumulation, as in eager.
 
 What a replay may rely on, and what this module guarantees instead of assuming:
 - Outputs are copies: a caller may keep them across steps.
-- A forward replay overwrites the activations the previous replay's backward reads. While a backward
-  is pending (its autograd graph alive and not yet run), a new call runs eagerly (counted in
-  `fallbacks`, one warning). All keys of a block share one memory pool, so this holds across keys.
+- A forward replay overwrites the activations the previous replay's backward reads. A call made while
+  a backward is pending (its autograd graph alive and not yet run) replays a second set of graphs, in a
+  memory pool of its own, captured at the first such call (slots.py): the two backwards run in either
+  order or summed. A call while two are pending runs eagerly (counted in `fallbacks`, one warning). All
+  keys share a slot's memory pool, so this holds across keys; a backward checks that no replay in its
+  slot overwrote its activations.
+- A data-parallel wrapper (DistributedDataParallel, paddle.DataParallel) passed in has its module
+  graphed, and is returned: its forward and its all-reduce hooks stay outside the graphs, reached by
+  autograd's accumulation of the gradients the backward replay hands out.
 - Parameters and buffers are read by address. One replaced after capture (a new object, or `.data`
   swapped) is detected at the next call: the graphs are dropped and captured again.
 - Gradients handed to leaves that have none yet are copies (autograd would otherwise keep the
@@ -27,17 +33,21 @@ What it does not do: graph a block whose forward syncs with the host or changes 
 of one key (capture fails: the key runs eagerly, with one warning), or a second-order backward
 (`create_graph=True`: an error says so).
 
-Where the parts are: one block's state, call, capture and replay (training_block.py), what it watches
-of the module after capture (training_watch.py), one key's graphs and how they are recorded
-(training_graphs.py); its counters are in stats.py.
+Where the parts are: one block's state, call, capture and replay (block.py), what it watches of the
+module after capture (watch.py), one key's graphs and how they are recorded (graphs.py), its capture
+(key_capture.py), the slots of calls pending together (slots.py); its counters are in stats.py.
 """
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Optional
 
+from .. import backends
 from ..errors import GraphOptInputError
 from .block import GraphedBlock, _module_framework
+
+logger = logging.getLogger("graph_opt")
 
 _STATE_ATTR = "_graph_opt_training"
 
@@ -75,8 +85,9 @@ def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Option
     """Capture the forward and the backward of `target` as CUDA graphs and replay them every step.
 
     target: a function of tensors, or a paddle.nn.Layer / torch.nn.Module instance (that instance is
-    returned, its forward graphed; `type(layer).forward(layer, ...)` stays the eager forward). Also
-    usable as `@autocudagraph` or `@autocudagraph(warmup_steps=2)`.
+    returned, its forward graphed; `type(layer).forward(layer, ...)` stays the eager forward); for a
+    DistributedDataParallel / paddle.DataParallel, its wrapped module is graphed and the wrapper
+    returned. Also usable as `@autocudagraph` or `@autocudagraph(warmup_steps=2)`.
     warmup_steps: eager calls per dispatch key before its capture (0: capture on the first call).
     dispatch_key_fn(*args, **kwargs) -> hashable: picks the graph; the default key is the tensor
     leaves' shapes, dtypes and requires-grad flags plus the non-tensor values. No padding: shapes are
@@ -101,6 +112,11 @@ def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Option
     framework = _module_framework(target)
     if framework == "paddle" and level:
         raise GraphOptInputError(_PADDLE_LEVEL.format(level=level))
+    if framework is not None and _STATE_ATTR not in target.__dict__:
+        wrapped = backends.load(framework).wrapped_module(target)
+        if wrapped is not None:
+            return _graph_wrapped(target, *wrapped, warmup_steps=warmup_steps, dispatch_key_fn=dispatch_key_fn,
+                                  max_graphs=max_graphs, level=level)
     if framework is not None:
         if getattr(type(target), "__graph_opt_decorated__", False):
             raise GraphOptInputError(
@@ -127,6 +143,18 @@ def autocudagraph(target=None, *, warmup_steps: int = 1, dispatch_key_fn: Option
 
     setattr(graphed, _STATE_ATTR, block)
     return graphed
+
+
+def _graph_wrapped(wrapper, inner, attr: str, **options):
+    """A data-parallel wrapper (DistributedDataParallel, paddle.DataParallel): its module is graphed and
+    the wrapper returned, so that its forward (buffer broadcast, the reducer's preparation) runs eagerly
+    around the block's replay, and the gradients the backward replay hands to autograd reach the
+    reducer's all-reduce hooks through autograd's own accumulation, as in eager."""
+    autocudagraph(inner, **options)
+    object.__setattr__(wrapper, _STATE_ATTR, state_of_training(inner))  # graph_opt.stats(wrapper) finds it
+    logger.info("autocudagraph(%s): graphed its wrapped %s (.%s); the wrapper's forward and its gradient "
+                "all-reduce stay outside the graphs", type(wrapper).__name__, type(inner).__name__, attr)
+    return wrapper
 
 
 def state_of_training(obj) -> Optional[GraphedBlock]:

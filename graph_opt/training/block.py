@@ -25,6 +25,7 @@ from ..stats import TrainingCounters, TrainingStats
 from .graphs import KeyState, PartialBackward, PendingBackward, StepGraphs, _record_partial
 from .key_capture import KeyCapturer
 from .levels import KeyLevels
+from .slots import Slot, call_in_slot
 from .watch import TrainingWatch, framework_of_call
 
 logger = logging.getLogger("graph_opt")
@@ -55,10 +56,10 @@ class GraphedBlock:
         self.adapter = None
         self.keys: Dict[Any, KeyState] = {}
         self.counters = TrainingCounters()
-        self.pool = None
+        # Per depth of pending backwards: a memory pool, the pending backward, the forward replays (slots.py)
+        self.slots: List[Slot] = [Slot()]
+        self.slot_now = 0  # the slot a capture records into: `pool` is its pool
         self.memory_bytes: Optional[int] = None
-        self.pending = 0  # forward replays whose backward has not run yet
-        self.generation = 0  # forward replays so far: a backward checks its activations are still there
         self.epoch = 0  # releases of the graphs so far
         self.lent: List[Tuple[Any, Any]] = []  # (leaf, gradient buffer) handed out by the last backward
         self.watch: Optional[TrainingWatch] = None  # a module's: made at binding
@@ -68,6 +69,19 @@ class GraphedBlock:
         self.warned: set = set()
         self.levels = KeyLevels(self, level)
         self.capturer = KeyCapturer(self)
+
+    @property
+    def pool(self):
+        return self.slots[self.slot_now].pool
+
+    @pool.setter
+    def pool(self, value) -> None:
+        self.slots[self.slot_now].pool = value
+
+    @property
+    def pending(self) -> int:
+        """Forward replays whose backward has not run yet (one per slot at most)."""
+        return sum(s.pending for s in self.slots)
 
     def __deepcopy__(self, memo):
         """A deep copy of a graphed Layer / Module (an EMA twin, say) gets a block of its own, with no
@@ -139,17 +153,11 @@ class GraphedBlock:
             if len(self.keys) >= self.max_graphs:
                 return self._fallback(Reason.MAX_GRAPHS, args, kwargs, self._max_graphs_message(spec, hosts))
             state = self.keys[key] = KeyState()
-        graphs = state.graphs
-        if graphs is not None:
+        if state.graphs is not None or state.twins and state.all_graphs():
             if self.watch is not None and self.watch.moved():
                 self.recapture()
-                graphs = None
-            elif self.pending:
-                return self._fallback(Reason.BACKWARD_PENDING, args, kwargs, _PENDING_WARNING.format(name=self.name))
-            elif self.watch is not None and self.watch.own_at and not self.watch.own_as_captured(state):
-                return self._own_changed_call(state, args, kwargs)
-            else:
-                return self._replay(graphs, leaves, key[1])
+            else:  # replayed in a slot no pending backward holds (slots.py)
+                return call_in_slot(self, state, leaves, spec, args, kwargs, key[1])
         if state.failed is not None:
             return self._fallback(Reason.CAPTURE_FAILED, args, kwargs, None)
         if not self._graphs_available():
@@ -167,12 +175,7 @@ class GraphedBlock:
             if state.level:
                 return self.levels.warm_up(state, args, kwargs)
             return self._eager(self.call, args, kwargs)
-        if self.pending:
-            return self._fallback(Reason.BACKWARD_PENDING, args, kwargs, _PENDING_WARNING.format(name=self.name))
-        graphs = self.capturer.capture(state, leaves, spec, args, kwargs, needs_grad=key[1])
-        if graphs is None:
-            return self._eager(self.call, args, kwargs)
-        return self._replay(graphs, leaves, key[1])
+        return call_in_slot(self, state, leaves, spec, args, kwargs, key[1])
 
     def _own_changed_call(self, state: KeyState, args, kwargs):
         """An attribute the forward writes itself holds another value than at this key's capture: this
@@ -206,7 +209,7 @@ class GraphedBlock:
         for dst, src in zip(graphs.static_inputs, tensors):
             copy_(dst, src)
         graphs.forward.replay()
-        self.generation += 1
+        self.slots[graphs.slot].generation += 1
         self.counters.replays += 1
         clone = self.bridge.clone
         return [clone(b) for b in graphs.out_buffers]
@@ -217,7 +220,7 @@ class GraphedBlock:
         outs = self.forward_replay(graphs, tensors)
         ctx.set_materialize_grads(False)  # an output the loss does not use comes back None, not zeros
         ctx.block, ctx.graphs = self, graphs
-        ctx.pending = PendingBackward(self, tensors) if graphs.backward is not None else None
+        ctx.pending = PendingBackward(self, tensors, graphs.slot) if graphs.backward is not None else None
         fixed = [o for o, d in zip(outs, graphs.differentiable) if not d]
         if fixed:
             ctx.mark_non_differentiable(*fixed)
@@ -237,7 +240,7 @@ class GraphedBlock:
             raise
 
     def _backward_replay(self, graphs: StepGraphs, pending: PendingBackward, grads):
-        if pending.generation != self.generation or graphs.backward is None:
+        if pending.generation != pending.slot.generation or graphs.backward is None:
             raise GraphOptError(
                 f"{self.name}: backward through a graphed forward whose activations a later forward replay "
                 "overwrote (or whose graphs were cleared); run each step's backward before the next forward "
@@ -286,10 +289,14 @@ class GraphedBlock:
         """A loss that leaves out the output computed from all the others, at a traced level: the traced
         backward would run the root's backward on zeros too, which is eager's only where it makes no
         0 * inf. Refused; that key's next call is captured from the eager forward."""
-        for state in self.keys.values():
-            if state.graphs is graphs:
-                state.graphs = None
-                state.run, state.level, state.root = self.call, 0, None
+        for key_state in self.keys.values():
+            states = (key_state, *key_state.twins)
+            if any(st.graphs is graphs for st in states):
+                for st in states:  # every slot's graphs of the key: each would take the same zeros
+                    if st.graphs is not None and st.graphs is not graphs:
+                        st.graphs.release()
+                    st.graphs = None
+                key_state.run, key_state.level, key_state.root = self.call, 0, None
         graphs.release()
         raise GraphOptError(
             f"{self.name}: this backward leaves out the output the others feed (output {graphs.root} of those "
@@ -305,6 +312,7 @@ class GraphedBlock:
         adapter = self.adapter
         start = time.perf_counter()
         part = None
+        self.slot_now = graphs.slot  # into the pool of the slot whose forward it differentiates
         try:
             with guards.state_lock, paused_gc(collect=False), adapter.capture_stream():
                 part = _record_partial(self, graphs, used)
@@ -315,6 +323,8 @@ class GraphedBlock:
             logger.warning("%s: capturing the backward of a loss that leaves some outputs out failed; such "
                            "backwards replay the full graph with zero gradients for those outputs (NaN where "
                            "their backward makes 0 * inf): %s", self.name, describe(exc))
+        finally:
+            self.slot_now = 0
         graphs.partial[used] = part
         self.counters.capture_seconds += time.perf_counter() - start
         return part
@@ -406,19 +416,21 @@ class GraphedBlock:
     def release(self, keep_warmups: bool = False) -> None:
         if self.lent:
             self.reclaim()
-        for state in self.keys.values():
-            if state.graphs is not None:
-                state.graphs.release()
-            state.graphs = None
-            state.failed = None
-            state.run = None  # a traced level counts the outputs again (an unfrozen head may add one)
+        for key_state in self.keys.values():
+            for state in (key_state, *key_state.twins):
+                if state.graphs is not None:
+                    state.graphs.release()
+                state.graphs = None
+                state.failed = None
+                state.run = None  # a traced level counts the outputs again (an unfrozen head may add one)
         if not keep_warmups:
             self.keys.clear()
-        self.generation += 1  # a pending backward of a released graph must not replay
         self.epoch += 1
-        self.pending = 0
+        for slot in self.slots:
+            slot.generation += 1  # a pending backward of a released graph must not replay
+            slot.pending = 0
+            slot.pool = None  # a pool whose graphs are all gone is not captured into again
         self.disabled_reason = None
-        self.pool = None  # a pool whose graphs are all gone is not captured into again
         self.memory_bytes = None
         patches.release(self)
         if self.adapter is not None:
@@ -426,14 +438,15 @@ class GraphedBlock:
 
     def stats(self) -> TrainingStats:
         c = self.counters
-        held = [s.graphs for s in self.keys.values() if s.graphs is not None]
+        per_key = [s.all_graphs() for s in self.keys.values()]
+        held = [g for graphs in per_key for g in graphs]
         mode = ("disabled (GRAPH_OPT_DISABLE)" if self.disabled else
                 "training graphs" + _LEVEL_NAMES[self.level] +
                 (" (simulated)" if self.adapter is not None and
                  (simulation_enabled() or not self.adapter.graphs_supported()) else ""))
         graphs = sum(1 + (g.backward is not None) + sum(p is not None for p in g.partial.values()) for g in held)
         return TrainingStats(
-            mode=mode, keys=len(held), graphs=graphs,
+            mode=mode, keys=sum(map(bool, per_key)), graphs=graphs,
             warmups=c.warmups, captures=c.captures, replays=c.replays, backward_replays=c.backward_replays,
             fallbacks=c.fallbacks, fallback_reasons=reason_counts(c.fallback_reasons), capture_failures=c.capture_failures,
             recaptures=c.recaptures, capture_seconds=c.capture_seconds, graph_memory_bytes=self.memory_bytes,
@@ -448,9 +461,7 @@ _OWN_WARNING = ("{name}: an attribute the forward writes itself holds another va
                 "were captured ({what}): a replay would not be what the forward does now, so the call runs eagerly "
                 "(where that run leaves the value as it is, the graphs are captured again from it). Keep a value "
                 "that changes with the call in a tensor the forward updates in place, or out of the block")
-_PENDING_WARNING = ("{name}: called again while the previous graphed forward's backward has not run; the "
-                    "replay would overwrite the activations it reads, so this call runs eagerly. Run backward "
-                    "(or drop the outputs) before the next forward, or call under no_grad")
+
 
 
 def _count(values) -> Dict[Any, int]:

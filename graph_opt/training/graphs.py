@@ -49,6 +49,7 @@ class StepGraphs:
     # (AOTAutograd's) takes zeros for the outputs a loss leaves out, which is eager's where they all feed
     # the root and the loss uses it; a loss that leaves the root out is refused (block.backward_replay).
     root: Optional[int] = None
+    slot: int = 0  # the block's slot (slots.py) whose pool holds them
 
     def release(self) -> None:
         for graph in (self.forward, self.backward, *(p.graph for p in self.partial.values() if p is not None)):
@@ -83,6 +84,21 @@ class KeyState:
     # itself must hold these values for a replay to be what the forward would do (training_watch)
     attrs: Optional[dict] = None
     retried: bool = False  # a capture with no eager call before it set Python state: tried once more
+    # The key's graphs in the block's further slots (slots.py), each a KeyState of its own: made when a
+    # call of the key finds the slots before it holding pending backwards.
+    twins: List["KeyState"] = field(default_factory=list)
+
+    def in_slot(self, slot: int) -> "KeyState":
+        if not slot:
+            return self
+        while len(self.twins) < slot:  # the forward ran already: Python state it sets fails their capture
+            self.twins.append(KeyState(warmups=self.warmups, retried=True))
+        twin = self.twins[slot - 1]
+        twin.run, twin.level, twin.root = self.run, self.level, self.root
+        return twin
+
+    def all_graphs(self) -> List[StepGraphs]:
+        return [s.graphs for s in (self, *self.twins) if s.graphs is not None]
 
 
 _PLACEHOLDER = object()  # stands for an output tensor in the outputs' template
@@ -92,24 +108,25 @@ class PendingBackward:
     """Handed to the autograd node of one forward replay; released when its backward runs or its
     autograd graph is freed (the node drops it) without one."""
 
-    __slots__ = ("block", "generation", "epoch", "inputs", "open", "versions")
+    __slots__ = ("block", "slot", "generation", "epoch", "inputs", "open", "versions")
 
-    def __init__(self, block: "GraphedBlock", inputs):
+    def __init__(self, block: "GraphedBlock", inputs, slot: int = 0):
         self.block = block
-        self.generation = block.generation
+        self.slot = block.slots[slot]  # the Slot (slots.py) whose activations its backward reads
+        self.generation = self.slot.generation
         self.epoch = block.epoch
         self.inputs = inputs  # the apply() inputs: which leaves still have no .grad is read at backward
         self.open = True
         # The parameters' version counters, summed (they only grow): the backward replay reads the
         # parameters as they are then, where eager's saved-tensor checks refuse a changed one.
         self.versions = sum(map(block.adapter.version, block.params))
-        block.pending += 1
+        self.slot.pending += 1
 
     def release(self) -> None:
         if self.open:
             self.open = False
             if self.block.epoch == self.epoch:  # graphs released meanwhile: the count was reset
-                self.block.pending -= 1
+                self.slot.pending -= 1
 
     def __del__(self):
         self.release()

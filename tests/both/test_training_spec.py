@@ -241,25 +241,33 @@ def test_no_grad_uses_a_forward_graph_only(T):
     assert (s.keys, s.graphs, s.replays, s.backward_replays) == (1, 1, 2, 0)
 
 
-def test_a_forward_before_the_pending_backward_runs_eagerly(T, caplog):
+def test_two_calls_before_their_backwards_replay_and_a_third_runs_eagerly(T, caplog):
+    """A second call while the first one's backward is pending replays graphs of its own (a second slot,
+    captured then); a third would overwrite activations one of them reads, so it runs eagerly, once said."""
     ref, m = twins(T, warmup_steps=0, dropout=0.0)
-    x1, x2 = T.randn([4, 6, T.hidden], seed=1), T.randn([4, 6, T.hidden], seed=2)
-    y1 = m(T.leaf(x1, True))  # replayed: its backward is pending
-    caplog.clear()
-    y2 = m(T.leaf(x2, True))  # must not overwrite y1's activations
+    xs = [T.randn([4, 6, T.hidden], seed=i) for i in (1, 2, 3)]
+    y1 = m(T.leaf(xs[0], True))
     T.loss(y1).backward()
-    T.loss(y2).backward()
-    T.loss(ref(T.leaf(x1, True))).backward()
-    T.loss(ref(T.leaf(x2, True))).backward()
+    del y1
+    assert graph_opt.stats(m).graphs == 2  # no second slot until a second call is pending
+    T.zero_grads(m)
+    caplog.clear()
+    ys = [m(T.leaf(x, True)) for x in xs]  # replayed, replayed in slot 1, eager
+    for i in (1, 0, 2):  # backwards in another order than the calls
+        T.loss(ys[i]).backward()
+    for x in xs:
+        T.loss(ref(T.leaf(x, True))).backward()
     for (name, p_ref), (_, p) in zip(T.named_params(ref), T.named_params(m)):
         assert T.equal(T.grad(p), T.grad(p_ref)), f"grad of {name}"
     s = graph_opt.stats(m)
-    assert s.fallback_reasons == {"backward_pending": 1} and s.replays == 1
-    assert len(graph_warnings(caplog)) == 1
-    del y1, y2
-    y3 = m(T.leaf(x1, True))  # the pending backward ran: replays again
-    assert graph_opt.stats(m).replays == 2
-    del y3
+    assert s.fallback_reasons == {"backward_pending": 1} and s.replays == 3 and s.backward_replays == 3
+    assert (s.keys, s.graphs, s.captures) == (1, 4, 2)
+    warnings = graph_warnings(caplog)
+    assert len(warnings) == 1 and "its 2 previous graphed calls" in warnings[0].getMessage()
+    del ys
+    y4 = m(T.leaf(xs[0], True))  # the pending backwards ran: slot 0 replays again
+    assert graph_opt.stats(m).replays == 4
+    del y4
 
 
 def test_keys_beyond_max_graphs_run_eagerly_with_one_warning(T, caplog):

@@ -180,3 +180,31 @@ def test_each_key_is_traced_once_under_bf16_autocast():
     s = graph_opt.stats(m)
     assert s.key_levels == {1: 6} and s.untraced == 0 and s.capture_failures == 0 and s.replays == 6, s
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 6
+
+
+@pytest.mark.parametrize("how", ["summed", "fake_first"])
+def test_a_gan_discriminator_on_real_and_fake_images_replays_both_calls(how):
+    """D(real) and D(fake) in one loss on real graphs: the second call replays graphs of its own, in a
+    pool of their own (a replay in the first pool would overwrite the activations the first call's
+    backward reads), and training follows eager's to the stated bound."""
+    import copy
+
+    from torch_zoo.training import Discriminator, Generator, gan_steps
+
+    torch.manual_seed(0)
+    d_ref, g_ref = Discriminator().cuda(), Generator().cuda()
+    d, g = copy.deepcopy(d_ref), copy.deepcopy(g_ref)
+    graph_opt.autocudagraph(d, warmup_steps=1)
+    want = gan_steps(d_ref, g_ref, 4, how, device="cuda")
+    got = gan_steps(d, g, 4, how, device="cuda")
+    for step, (a, b) in enumerate(zip(got, want)):
+        for x, y in zip(a, b):
+            assert torch.allclose(x, y, rtol=0, atol=8 * torch.finfo(torch.float32).eps * y.abs().max().item()), step
+    for (name, p_ref), (_, p) in list(zip(d_ref.named_parameters(), d.named_parameters())) + \
+            list(zip(g_ref.named_parameters(), g.named_parameters())):
+        bound = 8 * torch.finfo(torch.float32).eps * p_ref.abs().max().item()
+        assert (p - p_ref).abs().max().item() <= bound, name
+    s = graph_opt.stats(d)
+    # two keys (fake's needs an input gradient in the generator's step), the second slot holding one
+    assert s.fallbacks == 0 and (s.keys, s.graphs) == (2, 6), s
+    assert s.backward_replays == s.replays and s.replays >= 9, s

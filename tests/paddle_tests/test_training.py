@@ -137,3 +137,23 @@ def test_a_backward_that_raised_does_not_keep_later_calls_eager(T):
         assert T.equal(outs[0], outs[1]), f"step {step}"
     s = graph_opt.stats(m)
     assert "backward_pending" not in s.fallback_reasons and s.backward_replays == 3, s
+
+
+def test_a_data_parallel_wrapper_graphs_its_layers_and_stays_eager_around_them(T, caplog):
+    """autocudagraph(paddle.DataParallel(layer)) graphs `_layers` and returns the wrapper, whose forward
+    (the reducer's preparation) runs around the replay; training is eager DataParallel's."""
+    import logging
+    import warnings
+
+    caplog.set_level(logging.INFO, logger="graph_opt")
+    ref = T.block()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The program will return to single-card operation"
+        dp_ref, dp = paddle.DataParallel(ref), paddle.DataParallel(T.copy_block(ref))
+    assert graph_opt.autocudagraph(dp, warmup_steps=0) is dp
+    assert any("graphed its wrapped Block (._layers)" in r.getMessage() for r in caplog.records)
+    for step in range(3):
+        T.zero_grads(ref), T.zero_grads(dp._layers)
+        assert_same_step(T, dp_ref, dp, T.randn([4, 6, T.hidden], seed=step), seed=step)
+    s = graph_opt.stats(dp)
+    assert s.replays == 3 and s.backward_replays == 3 and s.fallbacks == 0, s

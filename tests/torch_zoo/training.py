@@ -109,6 +109,62 @@ class Reads(torch.nn.Module):
         return torch.tanh(self.lin(x) + self.other.weight.sum(0))
 
 
+class Discriminator(torch.nn.Module):
+    """A GAN's discriminator: small images to one logit each (a convolution, a norm, a linear)."""
+
+    def __init__(self, channels=3, width=8, dropout=0.0):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, 8, 3, stride=2, padding=1)
+        self.norm = torch.nn.LayerNorm([8, width // 2, width // 2])
+        self.drop = torch.nn.Dropout(dropout)
+        self.head = torch.nn.Linear(8 * (width // 2) ** 2, 1)
+
+    def forward(self, img):
+        h = torch.nn.functional.leaky_relu(self.norm(self.conv(img)), 0.2)
+        return self.head(self.drop(h).flatten(1))
+
+
+class Generator(torch.nn.Module):
+    def __init__(self, latent=16, channels=3, width=8):
+        super().__init__()
+        self.shape = (channels, width, width)
+        self.lin = torch.nn.Linear(latent, channels * width * width)
+
+    def forward(self, z):
+        return torch.tanh(self.lin(z)).view(-1, *self.shape)
+
+
+def gan_steps(d, g, steps, how="summed", device="cpu", rows=4, fake_rows=None):
+    """`steps` GAN steps (SGD): the discriminator on real and fake images in one step (`how`: one summed
+    loss, or two backwards, real's or fake's first), then the generator through it. Returns the losses."""
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    opt_d, opt_g = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (d, g))
+    losses = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        real = torch.randn(rows, *g.shape, generator=gen).to(device)
+        z = torch.randn(fake_rows or rows, 16, generator=gen).to(device)
+        torch.manual_seed(step)
+        fake = g(z)
+        opt_d.zero_grad(set_to_none=True)
+        out_real, out_fake = d(real), d(fake.detach())
+        loss_real = bce(out_real, torch.ones_like(out_real))
+        loss_fake = bce(out_fake, torch.zeros_like(out_fake))
+        if how == "summed":
+            (loss_real + loss_fake).backward()
+        else:
+            for loss in ((loss_real, loss_fake) if how == "real_first" else (loss_fake, loss_real)):
+                loss.backward()
+        opt_d.step()
+        opt_g.zero_grad(set_to_none=True)
+        out = d(fake)
+        loss_g = bce(out, torch.ones_like(out))
+        loss_g.backward()
+        opt_g.step()
+        losses.append((loss_real.detach(), loss_fake.detach(), loss_g.detach()))
+    return losses
+
+
 class TorchShim:
     hidden = 16
 

@@ -1,0 +1,107 @@
+"""graph_opt.autocudagraph(DistributedDataParallel(...)), with simulated graphs on CPU and gloo: the wrapped
+module is graphed and the DDP object returned, so DDP's forward and its reducer's all-reduce hooks stay
+outside the graphs. One rank in this process; two ranks in spawned processes under a deadline."""
+import logging
+import os
+import pickle
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
+
+import graph_opt  # noqa: E402
+from torch_zoo import ddp as kit  # noqa: E402
+from training_support import graph_warnings  # noqa: E402
+
+_CI_SECONDS = 12  # the two spawned ranks import torch and graph_opt each
+
+DEADLINE_S = 120
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with graph_opt.testing.simulate_cuda_graphs():
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _same(a, b):
+    for (name, p_a), (_, p_b) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p_a, p_b), f"{name} differs by {(p_a - p_b).abs().max().item()}"
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_a_graphed_ddp_trains_as_eager_ddp_with_its_all_reduce_outside_the_graphs(one_rank, caplog, bucket_view):
+    caplog.set_level(logging.INFO, logger="graph_opt")
+    ref, m, (seen_ref, seen) = kit.twins(gradient_as_bucket_view=bucket_view)
+    said = [r.getMessage() for r in caplog.records if r.name == "graph_opt"]
+    assert any("graphed its wrapped Block (.module)" in s for s in said), said
+    kit.steps(ref, 4)
+    kit.steps(m, 4)
+    _same(ref, m)
+    # The reducer's hook ran per step, on eager's gradients (laid out in the order they became ready,
+    # which differs: the replay hands them all at once)
+    assert len(seen) == len(seen_ref) >= 4
+    assert all(torch.equal(a.sort().values, b.sort().values) for a, b in zip(seen, seen_ref))
+    s = graph_opt.stats(m)  # the DDP object finds the block of its module
+    assert s is not None and s.replays == 4 and s.backward_replays == 4 and s.fallbacks == 0, s
+    assert not graph_warnings(caplog)
+
+
+def test_no_sync_accumulates_micro_batches_as_eager_ddp(one_rank):
+    ref, m, (seen_ref, seen) = kit.twins()
+    kit.steps(ref, 3, accumulate=3)
+    kit.steps(m, 3, accumulate=3)
+    _same(ref, m)
+    assert len(seen) == len(seen_ref) == 3  # the all-reduce once per step, after the no_sync micro-batches
+    assert graph_opt.stats(m).backward_replays == 9
+
+
+def test_graphing_the_ddp_or_its_module_twice_is_refused(one_rank):
+    _, m, _ = kit.twins()
+    for again in (m, m.module):
+        with pytest.raises(graph_opt.GraphOptInputError, match="already graphed"):
+            graph_opt.autocudagraph(again)
+
+
+def test_two_ranks_keep_equal_parameters_and_match_eager_ddp(tmp_path):
+    """Each rank trains on data of its own: equal parameters across ranks show that the all-reduce
+    averaged the replayed gradients; each rank's equal the eager DDP's it trained beside. A rank still
+    running at the deadline (a hang) fails the test."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=kit.worker, args=(rank, 2, str(tmp_path), DEADLINE_S), daemon=True)
+             for rank in range(2)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(max(0.0, DEADLINE_S - (time.monotonic() - start)))
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    assert not hung, f"rank(s) {hung} still running after {DEADLINE_S} s: killed"
+    results = []
+    for rank in range(2):
+        with open(os.path.join(tmp_path, f"rank{rank}.pkl"), "rb") as f:
+            results.append(pickle.load(f))
+        assert results[rank]["ok"], f"rank {rank}:\n{results[rank]['error']}"
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["graphed"], r["ref"]))
+        assert r["buckets"][0] == r["buckets"][1] == 3
+        assert r["stats"]["replays"] == 4 and r["stats"]["fallbacks"] == 0, r["stats"]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["graphed"], results[1]["graphed"]))

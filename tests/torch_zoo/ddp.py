@@ -1,0 +1,76 @@
+"""DistributedDataParallel around a graphed Block (graph_opt.autocudagraph(ddp) graphs ddp.module), next to
+an eager twin: the SGD steps both take, and the worker of the two-process test (tests/torch_tests/
+test_torch_training_ddp.py), which runs in a spawned process of its own."""
+import contextlib
+import copy
+import os
+import pickle
+import traceback
+
+import torch
+
+import graph_opt
+from torch_zoo.training import Block
+
+
+def twins(**ddp_options):
+    """(eager DDP, graphed DDP, their comm hooks' records): equal Blocks, dropout off."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    block = Block(16)
+    models, seen = [], []
+    for _ in range(2):
+        ddp = DDP(copy.deepcopy(block), **ddp_options)
+        buckets = []
+
+        def hook(state, bucket, buckets=buckets):
+            buckets.append(bucket.buffer().clone())  # what reaches the all-reduce
+            return default_hooks.allreduce_hook(None, bucket)
+
+        ddp.register_comm_hook(None, hook)
+        models.append(ddp)
+        seen.append(buckets)
+    ref, m = models
+    assert graph_opt.autocudagraph(m, warmup_steps=0) is m
+    return ref, m, seen
+
+
+def steps(model, n, rank=0, accumulate=1):
+    """n SGD steps, each over `accumulate` micro-batches (all but the last under no_sync)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(n):
+        opt.zero_grad(set_to_none=True)
+        for micro in range(accumulate):
+            g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+            x = torch.randn(4, 6, 16, generator=g).requires_grad_(True)
+            with model.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
+                (model(x).float() ** 2).mean().backward()
+        opt.step()
+
+
+def worker(rank: int, world: int, folder: str, timeout_s: float) -> None:
+    """One rank: eager and graphed DDP, 3 steps each (the last with two micro-batches, one under no_sync),
+    on data of its own; writes its parameters and the graphed block's stats."""
+    import datetime
+
+    import torch.distributed as dist
+
+    out = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        with graph_opt.testing.simulate_cuda_graphs():
+            ref, m, seen = twins()
+            for model in (ref, m):
+                steps(model, 2, rank)
+                steps(model, 1, rank, accumulate=2)
+        out = {"ok": True, "ref": [p.detach().clone() for p in ref.parameters()],
+               "graphed": [p.detach().clone() for p in m.parameters()], "buckets": [len(s) for s in seen],
+               "stats": graph_opt.stats(m).as_dict()}
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        out = {"ok": False, "error": traceback.format_exc()}
+    with open(os.path.join(folder, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+    os._exit(0)  # no teardown: destroying a process group can hang
