@@ -155,7 +155,7 @@ class Capturer:
         (graph_opt.capture.ranks); exc is then this rank's own error, or None where only a peer failed."""
         self.counters.capture_failures += 1
         self.adapter.after_failed_capture()
-        self.runner.disable(across_ranks or f"capture of size {size} failed: {describe(exc)}")
+        self.runner.disable(across_ranks or f"capture of size {size} failed: {describe(exc, traced=self.config.graph_opt_level >= 1)}")
         logger.warning("%s: %s; running without graphs", self.name, self.runner.disabled_reason)
 
     def capture_size(self, sig: Signature, padded: int, leaves) -> CapturedSize:

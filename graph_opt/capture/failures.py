@@ -18,14 +18,14 @@ from typing import List, Optional, Tuple
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # graph_opt/, whose code is not the model's
 
+_HOST_DATA = re.compile(r"unless the CPU tensor is pinned|Cannot copy between CPU and CUDA|pageable", re.I)
+
 # (pattern of the framework's message, remedy). First match wins.
 _REMEDIES: List[Tuple[re.Pattern, str]] = [
-    (re.compile(r"unless the CPU tensor is pinned|Cannot copy between CPU and CUDA|pageable", re.I),
+    (_HOST_DATA,
      "a tensor made from host data inside the forward (torch.tensor(0.0, device=...), a CPU tensor moved "
      "to the device): make it once outside the forward (a buffer, or a module attribute on the device), "
-     "pin it, or pass the Python number to the op itself (torch.where(mask, 0.0, x), torch.full); at "
-     "graph_opt_level>=1 (autocudagraph(level=1) for training) a tensor made from Python numbers alone is "
-     "made once when the forward is traced"),
+     "pin it, or pass the Python number to the op itself (torch.where(mask, 0.0, x), torch.full)"),
     (re.compile(r"operation not permitted when stream is capturing|StreamCaptureUnsupported|"
                 r"StreamCaptureInvalidated|capture.*(sync|invalidated)|synchroniz", re.I),
      "the forward waits for the device (.item(), .cpu(), .tolist(), a Python bool of a tensor, printing a "
@@ -52,6 +52,10 @@ _REMEDIES: List[Tuple[re.Pattern, str]] = [
 ]
 
 
+# Added to a remedy where the level in use does not already do it
+_TRACING_HINTS = {id(_HOST_DATA): "; at graph_opt_level>=1 (autocudagraph(level=1) for training) a tensor made from "
+                                  "Python numbers alone is made once when the forward is traced"}
+
 _FRAME_TEXT = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n[ \t]*([^\n]*)')
 # CUDA's advice for kernel errors, which a refused capture is not
 _BOILERPLATE = re.compile(r"^(CUDA kernel errors might be asynchronously reported|For debugging consider passing|"
@@ -75,10 +79,16 @@ class Origin:
             f"{self.filename}:{self.lineno} in {self.name}"
 
 
-def describe(exc: BaseException) -> str:
+def made_from_host_data(exc: BaseException) -> bool:
+    """Whether a capture failed on a copy from host memory the forward made (a tensor of Python numbers)."""
+    return bool(_HOST_DATA.search(str(exc)))
+
+
+def describe(exc: BaseException, traced: bool = False) -> str:
     """`<Type>: <message>`, then `; raised at <file>:<line> in <function>: <source line>` where the
     traceback reaches model code, then `; fix: <remedy>` where the cause is a known one. A message of
-    several paragraphs (Dynamo's) keeps its first."""
+    several paragraphs (Dynamo's) keeps its first. traced: the failing forward was traced (level >= 1),
+    so the remedy does not advise tracing it."""
     message = _BOILERPLATE.sub("", str(exc)).strip()
     first = message.split("\n\n", 1)[0]
     if first.endswith(":"):  # a header whose substance follows (SOT's "In simulate execution:")
@@ -93,7 +103,7 @@ def describe(exc: BaseException) -> str:
     origin = origin_of(exc)
     if origin is not None:
         text += f"; raised at {origin}"
-    remedy = remedy_for(str(exc))
+    remedy = remedy_for(str(exc), traced)
     if remedy is not None:
         text += f"; fix: {remedy}"
     return text
@@ -125,10 +135,10 @@ def origin_of(exc: BaseException) -> Optional[Origin]:
     return None
 
 
-def remedy_for(message: str) -> Optional[str]:
+def remedy_for(message: str, traced: bool = False) -> Optional[str]:
     for pattern, remedy in _REMEDIES:
         if pattern.search(message):
-            return remedy
+            return remedy if traced else remedy + _TRACING_HINTS.get(id(pattern), "")
     return None
 
 
