@@ -103,11 +103,13 @@ def test_the_default_level_traces_at_level_1_when_the_eager_capture_fails_on_hos
     assert state_of(m).config.sources["graph_opt_level"].startswith("chosen automatically")
 
 
-@pytest.mark.parametrize("how", ["GraphOptConfig", "dict", "env"])
+@pytest.mark.parametrize("how", ["GraphOptConfig", "positional", "dict", "env"])
 def test_a_level_0_the_user_set_is_kept(how, caplog, monkeypatch):
     if how == "env":
         monkeypatch.setenv("GRAPH_OPT_LEVEL", "0")
         config = {"cudagraph_capture_sizes": SIZES}
+    elif how == "positional":
+        config = graph_opt.GraphOptConfig(0, cudagraph_capture_sizes=SIZES)
     else:
         config = {"graph_opt_level": 0, "cudagraph_capture_sizes": SIZES}
         config = graph_opt.GraphOptConfig(**config) if how == "GraphOptConfig" else config
