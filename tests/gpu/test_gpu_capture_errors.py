@@ -96,7 +96,9 @@ def test_the_default_level_traces_what_level_0_cannot_capture(fn, full, caplog):
     m = cls(fn, graph_opt_config={"cudagraph_capture_sizes": [2, 4], "full_cuda_graph": full}).cuda()
     report = graph_opt.capture_model(m, lambda n: (torch.randn(n, 16, device="cuda"),), progress=False)
     assert report.failed is None, report.failed
-    warned = [r.getMessage() for r in caplog.records if r.name == "graph_opt" and r.levelno >= logging.WARNING]
+    # (host_number_written reads every row: the check of a padded replay warns too, as at level 1 itself)
+    warned = [r.getMessage() for r in caplog.records if r.name == "graph_opt" and r.levelno >= logging.WARNING
+              and "size 4 failed" in r.getMessage()]
     assert len(warned) == 1 and "traced at level 1 (graph_opt_level=1)" in warned[0], warned
     assert "unless the CPU tensor is pinned" in warned[0] and (fn is not host_number or _where(fn) in warned[0])
     with torch.no_grad():
