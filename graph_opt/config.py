@@ -169,8 +169,9 @@ _dataclass_init = GraphOptConfig.__init__
 def _init(self, *args, **kwargs):
     # The generated __init__ would reject an unknown keyword with a bare TypeError; name the allowed keys.
     _check_keys([key for key in kwargs if key != "sources"], "GraphOptConfig()")
-    if "sources" not in kwargs and not args:  # where each value came from: errors and describe() say it
-        kwargs["sources"] = {key: "GraphOptConfig()" for key in kwargs}
+    names = field_names()
+    if "sources" not in kwargs and len(args) <= len(names):  # where each value came from: errors and describe() say it
+        kwargs["sources"] = {key: "GraphOptConfig()" for key in names[:len(args)] + list(kwargs)}
     _dataclass_init(self, *args, **kwargs)
 
 

@@ -270,6 +270,7 @@ class Adapter(Tensors, Values, Context, Graphs, HostCopies, Modules, Protocol):
     static_follows_ambient: bool  # the translated forward follows autocast/dtype changes (Dynamo) or not (SOT)
     static_makes_python_stores: bool  # the translated code around the graphs makes the forward's stores
     static_reads_replaced_tensors: bool  # the static path reads a replaced parameter anew
+    static_folds_host_constants: bool  # the tracer makes a tensor of Python numbers once (no host copy per call)
 
 
 class AutogradBridge(Protocol):

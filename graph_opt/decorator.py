@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from . import backends, config as config_mod, env
 from .replay import dispatch, padding
-from .capture import split
+from .capture import level_switch, split
 from .errors import GraphOptConfigError, GraphOptInputError
 from .replay.fast_replay import MISS
 from .replay.host_outputs import HostOutputs
@@ -34,7 +34,6 @@ class GraphOptState:
                  dispatch_key_fn: Optional[Callable] = None, pad_values: Optional[Dict[str, Any]] = None,
                  owner: Optional[type] = None):
         self.model = model
-        self.config = cfg
         self.dynamic_arg_dims = dynamic_arg_dims
         self.pad_values = pad_values
         self.owner = owner  # the decorated class whose options built this state (pickling rebuilds from it)
@@ -50,16 +49,10 @@ class GraphOptState:
         # The forward without the module's hooks: the decorated call runs the hooks around the plugin,
         # so that they run at every call, replays included (and not twice on a fallback).
         self.forward_call = _as_called(forward_fn, model, forward_params(forward_fn, for_call=True))
-        level0 = cfg.graph_opt_level == 0
-        # Without the framework's guards a level >= 1 replay keeps level 0's watch of the model's attributes.
-        self.model_state = ModelState(self.adapter, model, self.name,
-                                      watch_attributes=level0 or not cfg.guarded_replays,
-                                      watch_replacements=level0 or not self.adapter.static_reads_replaced_tensors,
-                                      reads_recorded=level0)
         self.disabled = env.disabled()
         self.runner: Optional[GraphRunner] = None
-        self.plain: Optional[Callable] = None  # the path without graphs, once chosen
-        self.selection = None if cfg.graph_mode == "full" else split.SplitSelection(cfg.cudagraph_splitting_ops)
+        self.use_config(cfg)
+        self.retraced_reason: Optional[str] = None  # why level 1 runs where the config left level 0 (level_switch.py)
         self.dispatch_key_fn = dispatch_key_fn
         if cfg.graph_mode == "full_and_piecewise" and dispatch_key_fn is None and cfg.use_cudagraph:
             raise GraphOptConfigError(
@@ -69,6 +62,22 @@ class GraphOptState:
                 "'full' or 'piecewise'")
         self.notes: list = []
         self.host_outputs: Optional[HostOutputs] = None
+
+    def use_config(self, cfg) -> None:
+        """Run with cfg, from construction or from the default level's switch to level 1 (level_switch.py):
+        what depends on the level (the watch of the model, the path without graphs, the runner) made anew."""
+        self.config = cfg
+        level0 = cfg.graph_opt_level == 0
+        # Without the framework's guards a level >= 1 replay keeps level 0's watch of the model's attributes.
+        self.model_state = ModelState(self.adapter, self.model, self.name,
+                                      watch_attributes=level0 or not cfg.guarded_replays,
+                                      watch_replacements=level0 or not self.adapter.static_reads_replaced_tensors,
+                                      reads_recorded=level0)
+        self.plain: Optional[Callable] = None  # the path without graphs, once chosen
+        self.selection = None if cfg.graph_mode == "full" else split.SplitSelection(cfg.cudagraph_splitting_ops)
+        if self.runner is not None:
+            self.runner = None
+            self.ensure_runner()
 
     # -- mode ----------------------------------------------------------------------------------
     @property
@@ -160,12 +169,14 @@ class GraphOptState:
             strategy = EagerStrategy(self.forward_call, self.adapter, selection)
         else:
             strategy = self.backend.static_strategy(self.model, self.forward_fn, cfg, selection)
+        retrace = level_switch.may_trace_instead(cfg, self.adapter)
         return GraphRunner(
             adapter=self.adapter, config=cfg, strategy=strategy, eager=self.forward_call,
             dynamic_arg_dims=self.dynamic_arg_dims,
             params=forward_params(self.forward_fn), keyword_defaults=_keyword_defaults(self.forward_fn), name=self.name,
             host_outputs=self.host_outputs, guard=guard, warned=warned,
             model_state=self.model_state, pad_values=self.pad_values,
+            on_capture_failure=functools.partial(level_switch.trace_instead, self) if retrace else None,
         )
 
     # -- the call --------------------------------------------------------------------------------

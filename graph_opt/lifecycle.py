@@ -101,10 +101,38 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
     if group is not None:
         report.rank, report.world_size = group.rank, group.world_size
     translations_before = _translations(state)
+    with paused_gc():
+        _capture_sizes(state, runner, order, make_inputs, report, progress)
+        if state.runner is not runner:
+            # The default level moved to level 1 (graph_opt.capture.level_switch): the failed capture and the
+            # sizes captured before it are dropped, and level 1 captures every size asked for.
+            runner = state.runner
+            runner.group = group
+            report.sizes.clear()
+            report.notes.append(state.retraced_reason)
+            _capture_sizes(state, runner, order, make_inputs, report, progress)
+    runner.capture_model_done = report.failed is None
+    report.notes.extend(note for note in runner.capture_notes if note not in report.notes)
+    report.mode = state.mode
+    report.seconds = time.perf_counter() - start
+    report.translations = _translations(state) - translations_before
+    if state.selection is not None:
+        missing = state.selection.never_seen()
+        if missing and report.failed is None:
+            msg = f"splitting ops never seen in any captured graph: {', '.join(missing)}"
+            logger.warning("%s: %s", state.name, msg)
+            report.notes.append(msg)
+    return report
+
+
+def _capture_sizes(state: GraphOptState, runner, order, make_inputs, report: CaptureReport, progress: bool) -> None:
+    """Capture each size in order into report; at a failure, run without graphs (report.failed), or stop
+    where the model took the failure over (a runner of another level is then state.runner)."""
     from tqdm import tqdm
 
-    with _guarded(runner), paused_gc(), tqdm(total=len(order), desc=f"graph_opt capture {state.name}", unit="size",
-                           disable=not progress, leave=False) as bar:
+    group = runner.group
+    with _guarded(runner), tqdm(total=len(order), desc=f"graph_opt capture {state.name}", unit="size",
+                                disable=not progress, leave=False) as bar:
         for size in order:
             # Inputs that cannot be captured are the caller's error: raised before anything of this
             # size runs (sizes captured before stay captured), not reported as a capture failure.
@@ -118,27 +146,16 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
             across_ranks = ranks.agree_on_capture(group, size, error)
             if error is not None or across_ranks is not None:
                 runner.capture_failed(error, size, across_ranks)
-                report.failed = runner.disabled_reason
-                break
+                if state.runner is runner:
+                    report.failed = runner.disabled_reason
+                return
             runner.finish_captures()
             if runner.disabled_reason is not None:  # the size's check failed the capture
                 report.failed = runner.disabled_reason
-                break
+                return
             report.sizes.append(SizeReport(size, entry.captured.pieces, entry.captured.graphs,
-                                           cfg.cudagraph_num_of_warmups, entry.capture_ms, entry.memory_bytes))
+                                           state.config.cudagraph_num_of_warmups, entry.capture_ms, entry.memory_bytes))
             bar.update(1)
-    runner.capture_model_done = report.failed is None
-    report.notes.extend(note for note in runner.capture_notes if note not in report.notes)
-    report.mode = state.mode
-    report.seconds = time.perf_counter() - start
-    report.translations = _translations(state) - translations_before
-    if state.selection is not None:
-        missing = state.selection.never_seen()
-        if missing and report.failed is None:
-            msg = f"splitting ops never seen in any captured graph: {', '.join(missing)}"
-            logger.warning("%s: %s", state.name, msg)
-            report.notes.append(msg)
-    return report
 
 
 def _check_sizes(sizes, runner) -> list:
@@ -208,6 +225,10 @@ def _host_copy_counts(state) -> dict:
     return {"host_copies_in_graph": host.copies_in_graph, "host_copies_streamed": host.streamed}
 
 
+def _retraced(state) -> dict:
+    return {"retraced": int(state.retraced_reason is not None), "retraced_reason": state.retraced_reason}
+
+
 def stats(model):
     """Counters of a decorated model (Stats), or of a block made by autocudagraph (TrainingStats)."""
     block = training.state_of_training(model)
@@ -221,7 +242,7 @@ def stats(model):
                      translations=0 if strategy is None else strategy.translations, **_pass_counts(strategy),
                      captured_sizes=[], pieces={}, graphs={},
                      capture_seconds=0.0, graph_memory_bytes=None, static_buffer_bytes=0, disabled_reason=None,
-                     **_host_copy_counts(state))
+                     **_host_copy_counts(state), **_retraced(state))
     c = runner.counters
     return Stats(
         mode=state.mode, captures=c.captures, replays=c.replays, fallbacks=c.fallbacks,
@@ -232,5 +253,5 @@ def stats(model):
         static_buffer_bytes=runner.buffer_bytes(), disabled_reason=runner.disabled_reason,
         replay_failures=c.replay_failures, **_host_copy_counts(state),
         replays_by_kind=runner.replays_by_kind() if isinstance(runner, dispatch.KindDispatch) else {},
-        fallback_reasons=reason_counts(runner.fallback_reasons),
+        fallback_reasons=reason_counts(runner.fallback_reasons), **_retraced(state),
     )

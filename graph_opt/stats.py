@@ -44,6 +44,10 @@ class Stats:
     replays_by_kind: Dict[str, int] = field(default_factory=dict)  # cudagraph_mode full_and_piecewise
     # why calls ran without graphs: graph_opt.watch.fallbacks.Reason's values (docs/fallbacks.md: cause, fix)
     fallback_reasons: Dict[str, int] = field(default_factory=dict)
+    # 1 where the default level 0 was left for level 1 (graph_opt.capture.level_switch): the eager forward's
+    # capture failed on a copy from host memory, which tracing removes; retraced_reason is that warning
+    retraced: int = 0
+    retraced_reason: Optional[str] = None
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -287,6 +287,7 @@ class PaddleAdapter(PaddleHostCopies):
     static_follows_ambient = False  # SOT, as graph_opt runs it, keeps a translation made under another default dtype
     static_makes_python_stores = False  # its captures check what the forward binds and sets, as level 0
     static_reads_replaced_tensors = False  # SOT replays run on the parameters captured
+    static_folds_host_constants = False  # a level-0 capture that fails on a host copy is not traced instead
     value_types = (paddle.dtype, paddle.base.core.Place, paddle.CPUPlace)  # immutable non-tensor values
     def module_dicts(self, model):
         return [(path, layer.__dict__) for path, layer in model.named_sublayers(include_self=True)]

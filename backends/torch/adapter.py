@@ -284,6 +284,7 @@ class TorchAdapter(TorchHostCopies):
     static_follows_ambient = True  # Dynamo guards autocast and the default dtype
     static_makes_python_stores = True  # Dynamo's transformed code makes the stores
     static_reads_replaced_tensors = True  # level >= 1: a replaced parameter reaches the graph (dynamo.py)
+    static_folds_host_constants = True  # host_constants.py: the default level traces where level 0 cannot copy them
     # immutable non-tensor values (an operator such as torch.ops.aten.relu.default is one)
     value_types = (torch.dtype, torch.device, torch.layout, torch.memory_format, torch._ops.OpOverload,
                    torch._ops.OpOverloadPacket)

@@ -155,6 +155,9 @@ class Capturer:
         (graph_opt.capture.ranks); exc is then this rank's own error, or None where only a peer failed."""
         self.counters.capture_failures += 1
         self.adapter.after_failed_capture()
+        takeover = self.runner.on_capture_failure
+        if takeover is not None and exc is not None and across_ranks is None and takeover(self.runner, exc, size):
+            return  # the model runs at another level now, with a runner of its own
         self.runner.disable(across_ranks or f"capture of size {size} failed: {describe(exc, traced=self.config.graph_opt_level >= 1)}")
         logger.warning("%s: %s; running without graphs", self.name, self.runner.disabled_reason)
 

@@ -45,8 +45,12 @@ class GraphRunner:
     def __init__(self, *, adapter, config, strategy, eager: Callable, dynamic_arg_dims,
                  params: Sequence[Tuple[str, Any]], name: str, host_outputs=None, guard=None, warned=None,
                  keyword_defaults: Sequence[Tuple[str, Any]] = (),
-                 model_state: Optional[ModelState] = None, pad_values: Optional[Dict[str, Any]] = None):
+                 model_state: Optional[ModelState] = None, pad_values: Optional[Dict[str, Any]] = None,
+                 on_capture_failure: Optional[Callable] = None):
         self.adapter = adapter
+        # on_capture_failure(runner, exc, size): the model's offer to take a failed capture over
+        # (graph_opt.capture.level_switch); True when it did, and this runner is then dropped.
+        self.on_capture_failure = on_capture_failure
         self.host_outputs = host_outputs  # HostOutputs whose copies captured sizes make in their graphs
         self.config = config
         self.strategy = strategy

@@ -1,7 +1,10 @@
 """Capture failures on a device name the model line that issued the refused operation and say what to
 do: a device tensor made from a Python number (a pageable host-to-device copy, the line in Hugging
 Face's masking code), a host sync (.item()), and a data-dependent shape (nonzero). Inference at level
-0 and training graphs; each then runs eagerly and equals eager. Skipped without a CUDA device."""
+0 set by the user and training graphs; each then runs eagerly and equals eager. At the default level the
+first is traced at level 1 instead. Skipped without a CUDA device."""
+import logging
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -81,6 +84,30 @@ def test_level_1_makes_a_device_tensor_from_a_python_number_once_and_captures(fn
             assert torch.equal(m(x), Model.forward(m, x)), n
     s = graph_opt.stats(m)
     assert s.replays == 3 and s.fallbacks == 0, s.fallback_reasons
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "piecewise"])
+@pytest.mark.parametrize("fn", [host_number, host_number_written])
+def test_the_default_level_traces_what_level_0_cannot_capture(fn, full, caplog):
+    """graph_opt_level left at its default: the eager capture fails on the host copy, and the model is
+    traced at level 1 instead, with one warning (graph_opt/capture/level_switch.py). Replays equal eager
+    bitwise."""
+    cls = graph_opt.support_graph_optimization(type("Graphed", (Model,), {}))
+    m = cls(fn, graph_opt_config={"cudagraph_capture_sizes": [2, 4], "full_cuda_graph": full}).cuda()
+    report = graph_opt.capture_model(m, lambda n: (torch.randn(n, 16, device="cuda"),), progress=False)
+    assert report.failed is None, report.failed
+    # (host_number_written reads every row: the check of a padded replay warns too, as at level 1 itself)
+    warned = [r.getMessage() for r in caplog.records if r.name == "graph_opt" and r.levelno >= logging.WARNING
+              and "size 4 failed" in r.getMessage()]
+    assert len(warned) == 1 and "traced at level 1 (graph_opt_level=1)" in warned[0], warned
+    assert "unless the CPU tensor is pinned" in warned[0] and (fn is not host_number or _where(fn) in warned[0])
+    with torch.no_grad():
+        for n in (4, 2, 4):
+            x = torch.randn(n, 16, device="cuda")
+            assert torch.equal(m(x), Model.forward(m, x)), n
+    s = graph_opt.stats(m)
+    assert s.mode.startswith("static (level 1) + cuda graphs") and s.retraced == 1, s.mode
+    assert s.replays == 3 and s.fallbacks == 0 and s.disabled_reason is None, s.fallback_reasons
 
 
 @pytest.mark.parametrize("fn,advice", FAILURES)

@@ -89,3 +89,28 @@ def test_a_sot_refusal_under_nested_headers_keeps_paddle_s_sentence():
     x = paddle.randn([3, 8])
     with paddle.no_grad():
         assert bool((m(x) == twin(x)).all()) and bool((m.cache == twin.cache).all())  # eager, right
+
+
+class MakesAMask(paddle.nn.Layer):
+    def __init__(self, graph_opt_config=None):
+        super().__init__()
+        self.lin = paddle.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if graph_opt.is_capturing():  # what a device says of a copy from pageable memory while capturing
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
+                               "tensor is pinned")
+        return self.lin(x)
+
+
+def test_the_default_level_stays_at_level_0_on_paddle(caplog):
+    """torch's default level traces such a model at level 1 instead (graph_opt/capture/level_switch.py);
+    Paddle's tracer does not make host tensors once, so its failure stays the usual one."""
+    cls = graph_opt.support_graph_optimization(type("Graphed", (MakesAMask,), {}))
+    m = cls(graph_opt_config={"cudagraph_capture_sizes": [4]})
+    report = graph_opt.capture_model(m, lambda n: (paddle.randn([n, 8]),), progress=False)
+    assert report.failed is not None and "pinned" in report.failed
+    s = graph_opt.stats(m)
+    assert s.mode.startswith("eager") and s.retraced == 0
+    warned = [r.getMessage() for r in caplog.records if r.name == "graph_opt" and r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "running without graphs" in warned[0], warned
