@@ -130,7 +130,7 @@ def test_the_eager_capture_of_a_device_constant_fails_and_the_key_is_traced():
     is not reused); at level 1 both keys are traced from the start."""
     for level, failures in ((None, 1), (1, 0)):
         m = graph_opt.autocudagraph(_Masked().cuda(), level=level)
-        for rows in (4, 4, 4, 4, 8, 8, 8):
+        for rows in (4, 4, 4, 4, 4, 8, 8, 8):  # default: warm-up, failed capture, first call, warm-up, capture
             m(torch.randn(rows, 64, device="cuda")).sum().backward()
         s = graph_opt.stats(m)
         assert s.captures == 2 and s.capture_failures == failures and s.key_levels == {1: 2}, s
