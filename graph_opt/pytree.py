@@ -264,6 +264,12 @@ def tensor_paths(spec: Any, root: str = "output") -> List[str]:
 
 def holding_tensors_message(held: List[str], when: str) -> str:
     """The capture error for objects_holding_tensors' findings; `when`: "call" or "step"."""
+    if any("Cache object)" in h for h in held):  # transformers' DynamicCache: returned unless asked not to
+        return (f"forward returns {', '.join(held)}: a Hugging Face model's key/value cache, holding this {when}'s "
+                "tensors, which a replay cannot rebuild. Call the model with use_cache=False"
+                + (" (a training step rarely uses the cache)" if when == "step" else
+                   ", or keep the cache in tensors the forward takes and updates in place") +
+                ", and return only the tensors you use (out.loss, out.logits)")
     return (f"forward returns {', '.join(held)}: an object graph_opt cannot rebuild, holding tensors; a replay "
             f"would return the capture's object and its tensors, not this {when}'s. Return the tensors (a "
             "torch.distributions object's logits; a Hugging Face model's cache object goes with use_cache=False), "

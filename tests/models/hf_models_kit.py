@@ -245,6 +245,65 @@ def test_traced_training_of_bert_with_eager_attention(env, steps=4):
         assert s.captures == 1 and s.replays == steps - 2 and s.fallbacks == 0, s
 
 
+def test_a_model_s_loss_and_logits_are_traced_together_at_level_1(env, steps=4):
+    """`labels=` makes a model return (loss, logits), both carrying gradients: the loss is computed from
+    the logits, so level 1 traces the key (a traced backward's zeros for the logits add to gradients
+    computed anyway); loss and parameters after SGD steps are eager's (dropout on)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = LossAndLogits("gpt2").train().to(env.device)
+    block = copy.deepcopy(ref)
+
+    def check(step, losses):
+        assert same(env, losses[0], losses[1], rtol=1e-5), f"step {step}: loss"
+        for (pname, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
+            assert same(env, p, p_ref, rtol=1e-5), f"step {step}: {pname}"
+
+    with env.graphs():
+        m = graph_opt.autocudagraph(block, level=1)
+        _sgd_steps(env, ref, m, steps, check)
+    s = graph_opt.stats(m)
+    assert s.key_levels == {1: 1} and s.replays == steps - 2 and s.fallbacks == 0, s
+
+
+class WholeOutput(Loss):
+    """A hand-written loop's block that returns the model's whole output: a causal LM in train mode returns
+    its DynamicCache too, unless called with use_cache=False."""
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels)
+
+
+def test_a_causal_lm_returning_its_cache_says_use_cache_false(env, caplog):
+    """The cache object holds this step's tensors and cannot be rebuilt from a replay's: the capture is
+    refused, one warning names use_cache=False, and the steps are eager's."""
+    torch.manual_seed(0)
+    ref = WholeOutput("llama").train().to(env.device)
+    block = copy.deepcopy(ref)
+    caplog.set_level("WARNING", logger="graph_opt")
+
+    def check(step, losses):
+        assert same(env, losses[0], losses[1], rtol=1e-5), f"step {step}: loss"
+
+    with env.graphs():
+        m = graph_opt.autocudagraph(block)
+        opts = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (ref, m)]
+        for step in range(3):
+            x = tokens(env, 2, step)
+            losses = []
+            for model, o in zip((ref, m), opts):
+                o.zero_grad(set_to_none=True)
+                torch.manual_seed(100 + step)
+                loss = model(x, x).loss
+                loss.backward()
+                o.step()
+                losses.append(loss.detach())
+            check(step, losses)
+    said = [r.getMessage() for r in caplog.records if r.name == "graph_opt"]
+    assert len(said) == 1 and "DynamicCache" in said[0] and "use_cache=False" in said[0], said
+    assert graph_opt.stats(m).captures == 0
+
+
 @pytest.mark.parametrize("level", [0, 1])
 def test_a_call_asking_for_hidden_states_leaves_the_other_calls_replaying(env, level):
     """transformers installs its output-capturing hooks at the first call that asks for hidden states,
