@@ -72,6 +72,25 @@ _BY_IDENTITY = (paddle.nn.Layer, type, types.ModuleType, types.FunctionType, typ
 _CONTENT_DEPTH, _CONTENT_OBJECTS = 6, 64
 
 
+_NO_VALUE = ("slot not set",)
+
+
+def _slot_values(value):
+    """name -> value of the __slots__ of value's Python classes (an unset slot: _NO_VALUE); None where
+    none of them declares any (a type of C code: a Place, a dtype)."""
+    names = []
+    for klass in type(value).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in [slots] if isinstance(slots, str) else slots:
+            if name.startswith("__") and not name.endswith("__"):  # `__x` is stored as `_Class__x`
+                name = f"_{klass.__name__.lstrip('_')}{name}"
+            names.append(name)
+    names = [name for name in dict.fromkeys(names) if name not in ("__dict__", "__weakref__")]
+    if not names:
+        return None
+    return {name: getattr(value, name, _NO_VALUE) for name in names}
+
+
 def _argument_values(frame):
     code = frame.f_code
     count = code.co_argcount + code.co_kwonlyargcount
@@ -129,7 +148,11 @@ class _Content:
         if isinstance(value, (slice,) + _INFO_TYPES):
             return _value_key(value)
         attributes = getattr(value, "__dict__", None)
-        if not isinstance(attributes, dict) or isinstance(value, enum.Enum):
+        if not isinstance(attributes, dict):
+            # An object of a class with __slots__ (a dataclass(slots=True)) is walked as one with a
+            # __dict__: its own __eq__ would compare the tensors it holds, by value, and raise.
+            attributes = _slot_values(value)
+        if attributes is None or isinstance(value, enum.Enum):
             return ("eq", value_key(value))  # a Place, a dtype: equal by their own __eq__ (else identity)
         if self.budget <= 0:
             return ("id", id(value))
@@ -186,15 +209,30 @@ class FrameArguments:
         for name, value, now, then in zip(self.names, values, content, self.content):
             if now == then:
                 continue
-            if isinstance(value, _VALUE_TYPES + (tuple, list, dict)):
+            held = _object_in(value)
+            if held is None:
                 return (f"{where} got another non-tensor argument than at capture: {name}={value!r:.80} "
                         "(computed otherwise than at capture: from a model attribute, or by a branch on a tensor's "
                         "value)")
-            return (f"{where} got another `{name}` than at capture: a {type(value).__name__} whose "
+            what = type(value).__name__ if held is value else f"{type(value).__name__} holding a {type(held).__name__}"
+            return (f"{where} got another `{name}` than at capture: a {what} whose "
                     "non-tensor contents or structure differ (an object the forward builds at every call is "
                     f"compared by content, within {_CONTENT_DEPTH} levels and {_CONTENT_OBJECTS} objects: "
                     "build it from the same Python values, or pass its tensors)")
         return f"{where} got other non-tensor arguments than at capture"
+
+
+def _object_in(value, depth=0):
+    """value, or the first object within its tuples, lists and dicts, that is neither a tensor nor a plain
+    value (what _Content walks by its attributes); None where there is none."""
+    if isinstance(value, (paddle.Tensor, slice) + _VALUE_TYPES + _INFO_TYPES + _BY_IDENTITY):
+        return None
+    if isinstance(value, (tuple, list, dict)):
+        if depth >= _CONTENT_DEPTH:
+            return None
+        items = value.values() if isinstance(value, dict) else value
+        return next((o for o in (_object_in(v, depth + 1) for v in items) if o is not None), None)
+    return value
 
 
 def _rebound(guard, objects):
