@@ -223,12 +223,15 @@ class GraphOptState:
     def __reduce__(self):
         # A copy is a decorated model of its own, with no graphs yet: graphs, static buffers and the
         # runner belong to this instance.
-        return _restored_state, (self.model, self.config, self.owner)
+        # A model the default level moved to level 1 (level_switch.py) stays there, and says why: its
+        # config names stats().retraced_reason as the level's source.
+        return _restored_state, (self.model, self.config, self.owner, self.retraced_reason)
 
     def __deepcopy__(self, memo):
         import copy
 
-        return _restored_state(memo.get(id(self.model), self.model), copy.deepcopy(self.config, memo), self.owner)
+        return _restored_state(memo.get(id(self.model), self.model), copy.deepcopy(self.config, memo), self.owner,
+                               self.retraced_reason)
 
 
 def _new_state(model, cfg, owner: type) -> "GraphOptState":
@@ -241,9 +244,11 @@ def _new_state(model, cfg, owner: type) -> "GraphOptState":
     return state
 
 
-def _restored_state(model, cfg, owner) -> "GraphOptState":
+def _restored_state(model, cfg, owner, retraced_reason=None) -> "GraphOptState":
     """A fresh state for a copy of a decorated model (deepcopy, unpickling): the config, no graphs."""
-    return _new_state(model, cfg, owner)
+    state = _new_state(model, cfg, owner)
+    state.retraced_reason = retraced_reason
+    return state
 
 
 def _state_for_call(model) -> Optional["GraphOptState"]:
@@ -251,7 +256,7 @@ def _state_for_call(model) -> Optional["GraphOptState"]:
     its __dict__'s values: the copy must not run the original's graphs)."""
     state = model.__dict__.get(_STATE_ATTR)
     if state is not None and state.model is not model:
-        state = _new_state(model, state.config, state.owner)
+        state = _restored_state(model, state.config, state.owner, state.retraced_reason)
         object.__setattr__(model, _STATE_ATTR, state)
     return state
 
