@@ -1,0 +1,130 @@
+"""Red-team cases of autocudagraph's training graphs (torch, simulated graphs): ordinary usage checked
+against an undecorated eager twin with the same weights and seeds."""
+import copy
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import graph_opt  # noqa: E402
+from graph_opt.recorders import host_graphs  # noqa: E402
+
+H = 8
+
+
+@pytest.fixture(autouse=True)
+def simulated():
+    torch._dynamo.reset()
+    with graph_opt.testing.simulate_cuda_graphs():
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    """{"on": whether a forward graph is being captured now} (as in test_torch_training_keep_graphs.py)."""
+    flag = {"on": False}
+    begin, end = host_graphs.HostStepForward.capture_begin, host_graphs.HostStepForward.capture_end
+
+    def capture_begin(self):
+        flag["on"] = True
+        begin(self)
+
+    def capture_end(self):
+        flag["on"] = False
+        end(self)
+
+    monkeypatch.setattr(host_graphs.HostStepForward, "capture_begin", capture_begin)
+    monkeypatch.setattr(host_graphs.HostStepForward, "capture_end", capture_end)
+    return flag
+
+
+def _twins(cls, seed=0):
+    torch.manual_seed(seed)
+    ref = cls()
+    return ref, copy.deepcopy(ref)
+
+
+def _same(ref, m):
+    for (name, a), (_, b) in zip(ref.named_parameters(), m.named_parameters()):
+        assert torch.equal(a, b), name
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            assert torch.equal(a.grad, b.grad), name
+    for (name, a), (_, b) in zip(ref.named_buffers(), m.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+class Critic(torch.nn.Module):
+    """A GAN discriminator with batch norm (DCGAN's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(H, H)
+        self.bn = torch.nn.BatchNorm1d(H)
+        self.out = torch.nn.Linear(H, 1)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.lin(x))))
+
+
+@pytest.mark.parametrize("level", [None, 0, 1])
+def test_batch_norm_block_called_on_real_and_fake_before_one_backward(level):
+    """D(real) and D(fake) in one loss, the block holding a batch norm. The first call runs eagerly (a
+    warm-up; at levels 1 and 2 the key's first look) and saves the running statistics for its backward;
+    the second call captures (or runs traced), and putting the statistics back with copy_ (or AOTAutograd
+    writing them back) moved their version counters, which eager's kernel never does: the first call's
+    backward raised "modified by an inplace operation" at the very first step."""
+    ref, m = _twins(Critic)
+    m = graph_opt.autocudagraph(m, level=level)
+    opts = [torch.optim.SGD(x.parameters(), lr=0.1) for x in (ref, m)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        real, fake = torch.randn(6, H, generator=g), torch.randn(6, H, generator=g)
+        for model, opt in zip((ref, m), opts):
+            opt.zero_grad()
+            (model(real).pow(2).mean() + model(fake).pow(2).mean()).backward()
+            opt.step()
+        _same(ref, m)
+    assert graph_opt.stats(m).replays >= 6
+
+
+class TwoOut(torch.nn.Module):
+    """An output and a logged norm (not detached), and a tensor made from host data that stops a
+    capture of the eager forward on a device."""
+
+    flag = None
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(H, H)
+        self.b = torch.nn.Linear(H, H)
+
+    def forward(self, x):
+        if TwoOut.flag is not None and TwoOut.flag["on"] and not torch.compiler.is_compiling():
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the "
+                               "CPU tensor is pinned")
+        h = torch.relu(self.a(x))
+        return self.b(h), h.norm()
+
+
+def test_a_retraced_key_with_several_outputs_and_no_root_settles_eager(capturing, monkeypatch):
+    """Default level: the eager capture fails on host data, so the key is retraced; tracing finds two
+    outputs carrying gradients and no root, so it is captured from the eager forward, which fails on the
+    host data again. That looped for ever: every third call another warm-up and failed capture (on a
+    device, a capture attempt each time), `retraced` and `capture_failures` growing with the steps and no
+    fallback counted. Expected: one retrace, then the key runs eagerly."""
+    monkeypatch.setattr(TwoOut, "flag", capturing)
+    ref, m = _twins(TwoOut)
+    m = graph_opt.autocudagraph(m)
+    opts = [torch.optim.SGD(x.parameters(), lr=0.1) for x in (ref, m)]
+    for _ in range(12):
+        x = torch.randn(2, 3, H)
+        for model, opt in zip((ref, m), opts):
+            opt.zero_grad()
+            model(x)[0].pow(2).mean().backward()
+            opt.step()
+        _same(ref, m)
+    s = graph_opt.stats(m)
+    assert s.retraced == 1 and s.capture_failures == 2 and s.fallback_reasons.get("capture_failed", 0) >= 7, s
