@@ -128,3 +128,49 @@ def test_a_retraced_key_with_several_outputs_and_no_root_settles_eager(capturing
         _same(ref, m)
     s = graph_opt.stats(m)
     assert s.retraced == 1 and s.capture_failures == 2 and s.fallback_reasons.get("capture_failed", 0) >= 7, s
+
+
+class WithLoss(torch.nn.Module):
+    """(loss, logits) as a Hugging Face model returns with labels=, and a tensor made from host data."""
+
+    flag = None
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(H, H)
+        self.head = torch.nn.Linear(H, 5)
+
+    def forward(self, x, labels):
+        if WithLoss.flag is not None and WithLoss.flag["on"] and not torch.compiler.is_compiling():
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the "
+                               "CPU tensor is pinned")
+        logits = self.head(torch.tanh(self.body(x)))
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
+def test_a_retraced_loss_left_out_is_refused_once_at_the_default_level(capturing, monkeypatch):
+    """Default level, host data stops the eager capture: the key is retraced at level 1 with the loss as
+    its root. The user's loss is their own, from the logits (distillation), so the backward leaving the
+    root out is refused (GraphOptError) and the key goes back to the eager forward, whose capture fails
+    on the host data again, which retraced it again: the GraphOptError came back every fourth step, for
+    ever. Expected: refused once, then the key runs eagerly."""
+    monkeypatch.setattr(WithLoss, "flag", capturing)
+    ref, m = _twins(WithLoss)
+    m = graph_opt.autocudagraph(m)
+    opts = [torch.optim.SGD(x.parameters(), lr=0.1) for x in (ref, m)]
+    g = torch.Generator().manual_seed(0)
+    refused = 0
+    for _ in range(14):
+        x, y = torch.randn(2, 3, H, generator=g), torch.randint(0, 5, (2, 3), generator=g)
+        for model, opt in zip((ref, m), opts):
+            opt.zero_grad()
+            out = model(x, y)
+            try:
+                out["logits"].log_softmax(-1).mean().neg().backward()
+            except graph_opt.errors.GraphOptError:
+                refused += 1
+                model.zero_grad()
+                type(model).forward(model, x, y)["logits"].log_softmax(-1).mean().neg().backward()
+            opt.step()
+        _same(ref, m)
+    assert refused == 1, refused
