@@ -157,6 +157,8 @@ class TorchAutogradBridge:
             return None
         keys = [(n.name(), n._sequence_nr()) for n in nodes]  # a node's Python object is made anew per access
         for i in sorted(range(len(nodes)), key=lambda k: -keys[k][1]):  # the latest made first: the usual root
+            if keys.count(keys[i]) > 1:  # outputs of one node (x.chunk(2), split, unbind): neither is made
+                continue                  # from the other, and a loss may use either alone
             others = set(keys) - {keys[i]}
             if others <= graph_nodes(nodes[i], others):
                 return i

@@ -174,3 +174,35 @@ def test_a_retraced_loss_left_out_is_refused_once_at_the_default_level(capturing
             opt.step()
         _same(ref, m)
     assert refused == 1, refused
+
+
+class Encoder(torch.nn.Module):
+    """A VAE encoder: mu and logvar, two outputs of one chunk node."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(H, 2 * H)
+
+    def forward(self, x):
+        mu, logvar = self.a(x).chunk(2, -1)
+        return mu, logvar
+
+
+def test_two_outputs_of_one_node_are_not_a_root_and_its_loss(caplog):
+    """Level 1: mu and logvar come from one ChunkBackward node, so their (name, sequence number) keys were
+    equal and either was taken for "the output computed from all the others" (the root). A loss of
+    logvar alone then raised GraphOptError, "leaves out the output the others feed (... a loss computed
+    inside the block)", where nothing is computed from anything else and eager is fine. Expected: no
+    root, the key captured from the eager forward with the several-outputs warning, eager's gradients."""
+    ref, m = _twins(Encoder)
+    m = graph_opt.autocudagraph(m, level=1)
+    caplog.set_level(logging.WARNING, logger="graph_opt")
+    for step in range(5):
+        x = torch.randn(3, H)
+        for model in (ref, m):
+            model.zero_grad(set_to_none=True)
+            mu, logvar = model(x)
+            (mu if step < 3 else logvar).pow(2).mean().backward()
+        _same(ref, m)
+    assert graph_opt.stats(m).key_levels == {0: 1}
+    assert any("none computed from all the others" in r.getMessage() for r in caplog.records)
