@@ -157,6 +157,8 @@ class TorchAutogradBridge:
             return None
         keys = [(n.name(), n._sequence_nr()) for n in nodes]  # a node's Python object is made anew per access
         for i in sorted(range(len(nodes)), key=lambda k: -keys[k][1]):  # the latest made first: the usual root
+            if keys.count(keys[i]) > 1:  # outputs of one node (x.chunk(2), split, unbind): neither is made
+                continue                  # from the other, and a loss may use either alone
             others = set(keys) - {keys[i]}
             if others <= graph_nodes(nodes[i], others):
                 return i
@@ -218,11 +220,14 @@ class TorchAutogradBridge:
         if hasattr(dynamo_config, "skip_nnmodule_hook_guards"):
             settings["skip_nnmodule_hook_guards"] = False
         patch = dynamo_config.patch(**settings)
+        owner = getattr(fn, "__self__", None)
+        owner = owner if isinstance(owner, torch.nn.Module) else None
 
         def traced_forward(*args, **kwargs):
             # The autocast cache is off in every traced run, as in the capture (amp_cache_disabled): its
             # state is one of Dynamo's guards, and a capture seeing another state than the warmup traced
             # would trace the key twice. Only a key's warm-ups and capture run this, never a replay.
+            held = _running_stats_versions(owner)
             with patch, _amp_cache_off():
                 try:
                     return compiled(*args, **kwargs)
@@ -230,6 +235,8 @@ class TorchAutogradBridge:
                     raise TraceLimitReached(
                         f"{name}: Dynamo traced this forward {settings['recompile_limit']} times (one per key, of "
                         "every block of its class), its limit (torch._dynamo.config.recompile_limit)") from None
+                finally:
+                    _put_back_versions(held)
 
         return traced_forward
 
@@ -322,9 +329,13 @@ class TorchAutogradBridge:
 
     @staticmethod
     def restore_buffers(snapshot) -> None:
+        """Written through `.data`, which moves no version counter: an eager call of the block earlier in
+        this step (a GAN discriminator's warm-up on real images, its backward pending while the call on
+        fake ones captures) saved batch norm's running statistics for its backward, and eager's own
+        updates of them (in the kernel) move none either, so a bump here would make that backward raise."""
         with torch.no_grad():
             for b, values in snapshot:
-                b.copy_(values)
+                b.data.copy_(values)
 
     def owned_tensors(self, module):
         """(owner dict, name, tensor) for every parameter and buffer, and every tensor a module holds as a
@@ -443,6 +454,28 @@ _MODULE_KEYS = frozenset(torch.nn.Module().__dict__)
 
 
 BRIDGE = TorchAutogradBridge()
+
+
+def _running_stats_versions(module):
+    """The version counters of the batch norms' running statistics in `module`. Eager's kernel updates
+    them without moving their counters, where a traced forward writes them back with copy_, which moves
+    them: an eager call of the block earlier in the step (a traced key's first call, a GAN
+    discriminator's on real images, its backward pending) saved them, and its backward would raise."""
+    if module is None:
+        return ()
+    held = []
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.modules.batchnorm._NormBase):
+            for t in (sub.running_mean, sub.running_var):
+                if t is not None:
+                    held.append((t, t._version))
+    return held
+
+
+def _put_back_versions(held) -> None:
+    moved = [(t, v) for t, v in held if t._version != v]
+    if moved:
+        torch._C._autograd._unsafe_set_version_counter(tuple(t for t, _ in moved), tuple(v for _, v in moved))
 
 
 @contextlib.contextmanager

@@ -80,6 +80,7 @@ class KeyState:
     # from the logits), so a backward that uses it and leaves the others out is eager's (see graphs.root)
     root: Optional[int] = None
     retrace: bool = False  # the eager forward's capture failed for a cause tracing removes: trace at level 1
+    tried_trace: bool = False  # a default-level key went through first_call: not retraced a second time
     # the module's plain attributes at capture ((id of a __dict__, name) -> key): those the forward writes
     # itself must hold these values for a replay to be what the forward would do (training_watch)
     attrs: Optional[dict] = None

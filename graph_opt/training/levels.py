@@ -52,6 +52,7 @@ class KeyLevels:
 
     def first_call(self, state: KeyState, needs_grad: bool, args, kwargs):
         block = self.block
+        state.tried_trace = not self.level  # a retraced key: its forward is chosen here once
         block.counters.warmups += 1
         outs = block._eager(block.call, args, kwargs)
         level = self.level or 1
@@ -107,6 +108,8 @@ class KeyLevels:
         if (self.level or state.level or not self.retrace or block.framework != "torch"
                 or isinstance(exc, CaptureError) or not made_from_host_data(exc)):
             return False
+        if state.tried_trace:  # tracing chose the eager forward for it (several outputs, no root; the
+            return False       # compiler's limit): capturing that again would fail again, every few calls
         state.retrace, state.run, state.warmups = True, None, 0
         self.trace_new_keys = True
         block.counters.capture_failures += 1
