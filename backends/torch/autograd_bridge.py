@@ -472,10 +472,13 @@ def _running_stats_versions(module):
     return held
 
 
+_set_versions = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)  # tuples: torch >= 2.6
+
+
 def _put_back_versions(held) -> None:
     moved = [(t, v) for t, v in held if t._version != v]
-    if moved:
-        torch._C._autograd._unsafe_set_version_counter(tuple(t for t, _ in moved), tuple(v for _, v in moved))
+    if moved and _set_versions is not None:
+        _set_versions(tuple(t for t, _ in moved), tuple(v for _, v in moved))
 
 
 @contextlib.contextmanager
