@@ -387,26 +387,31 @@ def _write(path: str, results: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_ranks(device: str, names: List[str], folder: str, deadline_s: float) -> Dict[str, List[dict]]:
-    """Run the scenarios `names` on WORLD ranks; {name: [result of rank 0, rank 1]}. AssertionError
-    when a rank is still running after deadline_s (all are killed) or died outside a scenario."""
+def spawn_ranks(target, args_of, world: int, deadline_s: float) -> List[int]:
+    """Run target(*args_of(rank)) in `world` spawned processes; the ranks still running at the deadline,
+    all of them killed (a process group's teardown can hang: a hang is a failure, never a wait)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(rank, device, names, folder, deadline_s), daemon=True)
-             for rank in range(WORLD)]
+    procs = [ctx.Process(target=target, args=args_of(rank), daemon=True) for rank in range(world)]
     start = time.monotonic()
     for p in procs:
         p.start()
     try:
         for p in procs:
             p.join(max(0.0, deadline_s - (time.monotonic() - start)))
-        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        return [rank for rank, p in enumerate(procs) if p.is_alive()]
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(10)
+
+
+def run_ranks(device: str, names: List[str], folder: str, deadline_s: float) -> Dict[str, List[dict]]:
+    """Run the scenarios `names` on WORLD ranks; {name: [result of rank 0, rank 1]}. AssertionError
+    when a rank is still running after deadline_s (all are killed) or died outside a scenario."""
+    hung = spawn_ranks(_rank_main, lambda rank: (rank, device, names, folder, deadline_s), WORLD, deadline_s)
     results = read_rank_results(folder, WORLD)
     if hung:
         done = {rank: sorted(res) for rank, res in enumerate(results)}

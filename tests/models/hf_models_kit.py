@@ -194,6 +194,15 @@ def _sgd_steps(env, ref, m, steps, check):
         check(step, losses)
 
 
+def _as_eager(env, ref, m):
+    """check(step, losses) of _sgd_steps: the loss and every parameter equal the eager twin's."""
+    def check(step, losses):
+        assert same(env, losses[0], losses[1], rtol=1e-5), f"step {step}: loss"
+        for (pname, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
+            assert same(env, p, p_ref, rtol=1e-5), f"step {step}: {pname}"
+    return check
+
+
 @pytest.mark.parametrize("name,wrapper", [("bert", Loss), ("gpt2", Loss), ("llama", Loss), ("gpt2", LossAndLogits)])
 def test_training_steps_with_autocudagraph_equal_eager(env, name, wrapper, steps=3):
     """Dropout on (BERT's and GPT-2's 0.1), SGD steps: loss and parameters eager's with the same seeds
@@ -201,16 +210,9 @@ def test_training_steps_with_autocudagraph_equal_eager(env, name, wrapper, steps
     the loss and left out of it, the backward replays a graph of the loss alone."""
     torch.manual_seed(0)
     ref = wrapper(name).train().to(env.device)
-    block = copy.deepcopy(ref)
-
-    def check(step, losses):
-        assert same(env, losses[0], losses[1], rtol=1e-5), f"step {step}: loss"
-        for (pname, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
-            assert same(env, p, p_ref, rtol=1e-5), f"step {step}: {pname}"
-
     with env.graphs():
-        m = graph_opt.autocudagraph(block, warmup_steps=1)
-        _sgd_steps(env, ref, m, steps, check)
+        m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
+        _sgd_steps(env, ref, m, steps, _as_eager(env, ref, m))
     s = graph_opt.stats(m)
     assert s.captures == 1 and s.replays == steps - 1 and s.fallbacks == 0, s
     assert s.graphs == 2 + (wrapper is LossAndLogits), s  # and a backward of the loss alone
@@ -252,16 +254,9 @@ def test_a_model_s_loss_and_logits_are_traced_together_at_level_1(env, steps=4):
     torch._dynamo.reset()
     torch.manual_seed(0)
     ref = LossAndLogits("gpt2").train().to(env.device)
-    block = copy.deepcopy(ref)
-
-    def check(step, losses):
-        assert same(env, losses[0], losses[1], rtol=1e-5), f"step {step}: loss"
-        for (pname, p_ref), (_, p) in zip(ref.named_parameters(), m.named_parameters()):
-            assert same(env, p, p_ref, rtol=1e-5), f"step {step}: {pname}"
-
     with env.graphs():
-        m = graph_opt.autocudagraph(block, level=1)
-        _sgd_steps(env, ref, m, steps, check)
+        m = graph_opt.autocudagraph(copy.deepcopy(ref), level=1)
+        _sgd_steps(env, ref, m, steps, _as_eager(env, ref, m))
     s = graph_opt.stats(m)
     assert s.key_levels == {1: 1} and s.replays == steps - 2 and s.fallbacks == 0, s
 

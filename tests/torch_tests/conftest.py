@@ -12,6 +12,37 @@ def _reset_dynamo():
     yield
 
 
+@pytest.fixture
+def simulated():
+    """Simulated graphs around the test."""
+    import graph_opt
+
+    with graph_opt.testing.simulate_cuda_graphs():
+        yield
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    """{"on": whether a training block's forward graph is being captured now}: the host stand-in refuses no
+    host copy or sync, so a test's forward raises torch's error itself while an eager forward is captured."""
+    from graph_opt.recorders import host_graphs
+
+    flag = {"on": False}
+    begin, end = host_graphs.HostStepForward.capture_begin, host_graphs.HostStepForward.capture_end
+
+    def capture_begin(self):
+        flag["on"] = True
+        begin(self)
+
+    def capture_end(self):
+        flag["on"] = False
+        end(self)
+
+    monkeypatch.setattr(host_graphs.HostStepForward, "capture_begin", capture_begin)
+    monkeypatch.setattr(host_graphs.HostStepForward, "capture_end", capture_end)
+    return flag
+
+
 # -- the replay-safety cases of torch's own (test_torch_replay_*.py); tests/gpu gives them on a device ------
 @pytest.fixture
 def F():

@@ -4,7 +4,6 @@ outside the graphs. One rank in this process; two ranks in spawned processes und
 import logging
 import os
 import pickle
-import time
 
 import pytest
 
@@ -77,23 +76,9 @@ def test_two_ranks_keep_equal_parameters_and_match_eager_ddp(tmp_path):
     """Each rank trains on data of its own: equal parameters across ranks show that the all-reduce
     averaged the replayed gradients; each rank's equal the eager DDP's it trained beside. A rank still
     running at the deadline (a hang) fails the test."""
-    import torch.multiprocessing as mp
+    from multirank_kit import spawn_ranks
 
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=kit.worker, args=(rank, 2, str(tmp_path), DEADLINE_S), daemon=True)
-             for rank in range(2)]
-    start = time.monotonic()
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(max(0.0, DEADLINE_S - (time.monotonic() - start)))
-        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    hung = spawn_ranks(kit.worker, lambda rank: (rank, 2, str(tmp_path), DEADLINE_S), 2, DEADLINE_S)
     assert not hung, f"rank(s) {hung} still running after {DEADLINE_S} s: killed"
     results = []
     for rank in range(2):

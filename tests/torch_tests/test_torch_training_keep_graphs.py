@@ -11,17 +11,11 @@ torch = pytest.importorskip("torch")
 
 import graph_opt  # noqa: E402
 from graph_opt.errors import GraphOptError  # noqa: E402
-from graph_opt.recorders import host_graphs  # noqa: E402
 
 HIDDEN = 16
 
 
-@pytest.fixture(autouse=True)
-def simulated():
-    torch._dynamo.reset()
-    with graph_opt.testing.simulate_cuda_graphs():
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("simulated")
 
 
 class Pair(torch.nn.Module):
@@ -148,26 +142,6 @@ def test_a_backward_that_leaves_out_the_loss_computed_inside_is_refused_then_cap
     m.zero_grad(set_to_none=True)
     _sgd_steps(ref, m, inputs[4:], lambda out: out["logits"].pow(2).mean())
     assert graph_opt.stats(m).key_levels == {0: 1}
-
-
-@pytest.fixture
-def capturing(monkeypatch):
-    """{"on": whether a forward graph is being captured now}: the host stand-in refuses no copy or sync, so a
-    test's forward raises torch's error itself while an eager forward is captured."""
-    flag = {"on": False}
-    begin, end = host_graphs.HostStepForward.capture_begin, host_graphs.HostStepForward.capture_end
-
-    def capture_begin(self):
-        flag["on"] = True
-        begin(self)
-
-    def capture_end(self):
-        flag["on"] = False
-        end(self)
-
-    monkeypatch.setattr(host_graphs.HostStepForward, "capture_begin", capture_begin)
-    monkeypatch.setattr(host_graphs.HostStepForward, "capture_end", capture_end)
-    return flag
 
 
 def test_a_level_0_key_stopped_by_a_host_copy_is_traced_at_level_1(capturing, caplog):

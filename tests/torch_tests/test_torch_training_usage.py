@@ -1,5 +1,5 @@
-"""Red-team cases of autocudagraph's training graphs (torch, simulated graphs): ordinary usage checked
-against an undecorated eager twin with the same weights and seeds."""
+"""autocudagraph's training graphs in ordinary usage (torch, simulated graphs), each checked against an
+undecorated eager twin with the same weights and seeds."""
 import copy
 import logging
 
@@ -8,36 +8,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import graph_opt  # noqa: E402
-from graph_opt.recorders import host_graphs  # noqa: E402
 
 H = 8
 
 
-@pytest.fixture(autouse=True)
-def simulated():
-    torch._dynamo.reset()
-    with graph_opt.testing.simulate_cuda_graphs():
-        yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture
-def capturing(monkeypatch):
-    """{"on": whether a forward graph is being captured now} (as in test_torch_training_keep_graphs.py)."""
-    flag = {"on": False}
-    begin, end = host_graphs.HostStepForward.capture_begin, host_graphs.HostStepForward.capture_end
-
-    def capture_begin(self):
-        flag["on"] = True
-        begin(self)
-
-    def capture_end(self):
-        flag["on"] = False
-        end(self)
-
-    monkeypatch.setattr(host_graphs.HostStepForward, "capture_begin", capture_begin)
-    monkeypatch.setattr(host_graphs.HostStepForward, "capture_end", capture_end)
-    return flag
+pytestmark = pytest.mark.usefixtures("simulated")
 
 
 def _twins(cls, seed=0):
