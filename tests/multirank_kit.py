@@ -20,7 +20,7 @@ import pickle
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -387,9 +387,10 @@ def _write(path: str, results: dict) -> None:
     os.replace(tmp, path)
 
 
-def spawn_ranks(target, args_of, world: int, deadline_s: float) -> List[int]:
-    """Run target(*args_of(rank)) in `world` spawned processes; the ranks still running at the deadline,
-    all of them killed (a process group's teardown can hang: a hang is a failure, never a wait)."""
+def spawn_ranks(target, args_of, world: int, deadline_s: float) -> Tuple[List[int], List[Optional[int]]]:
+    """Run target(*args_of(rank)) in `world` spawned processes; (the ranks still running at the deadline,
+    all of them killed: a process group's teardown can hang, and a hang is a failure, never a wait;
+    each rank's exit code)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -400,18 +401,19 @@ def spawn_ranks(target, args_of, world: int, deadline_s: float) -> List[int]:
     try:
         for p in procs:
             p.join(max(0.0, deadline_s - (time.monotonic() - start)))
-        return [rank for rank, p in enumerate(procs) if p.is_alive()]
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(10)
+    return hung, [p.exitcode for p in procs]
 
 
 def run_ranks(device: str, names: List[str], folder: str, deadline_s: float) -> Dict[str, List[dict]]:
     """Run the scenarios `names` on WORLD ranks; {name: [result of rank 0, rank 1]}. AssertionError
     when a rank is still running after deadline_s (all are killed) or died outside a scenario."""
-    hung = spawn_ranks(_rank_main, lambda rank: (rank, device, names, folder, deadline_s), WORLD, deadline_s)
+    hung, exits = spawn_ranks(_rank_main, lambda rank: (rank, device, names, folder, deadline_s), WORLD, deadline_s)
     results = read_rank_results(folder, WORLD)
     if hung:
         done = {rank: sorted(res) for rank, res in enumerate(results)}
@@ -420,8 +422,8 @@ def run_ranks(device: str, names: List[str], folder: str, deadline_s: float) -> 
     for rank, res in enumerate(results):
         if "<setup>" in res:
             raise AssertionError(f"rank {rank} failed outside the scenarios:\n{res['<setup>']['error']}")
-        if procs[rank].exitcode != 0:
-            raise AssertionError(f"rank {rank} exited with {procs[rank].exitcode}; finished: {sorted(res)}")
+        if exits[rank] != 0:
+            raise AssertionError(f"rank {rank} exited with {exits[rank]}; finished: {sorted(res)}")
     return {name: [results[rank].get(name, {"ok": False, "error": "not run"}) for rank in range(WORLD)]
             for name in names}
 

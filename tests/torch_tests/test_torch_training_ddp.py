@@ -78,7 +78,7 @@ def test_two_ranks_keep_equal_parameters_and_match_eager_ddp(tmp_path):
     running at the deadline (a hang) fails the test."""
     from multirank_kit import spawn_ranks
 
-    hung = spawn_ranks(kit.worker, lambda rank: (rank, 2, str(tmp_path), DEADLINE_S), 2, DEADLINE_S)
+    hung, _ = spawn_ranks(kit.worker, lambda rank: (rank, 2, str(tmp_path), DEADLINE_S), 2, DEADLINE_S)
     assert not hung, f"rank(s) {hung} still running after {DEADLINE_S} s: killed"
     results = []
     for rank in range(2):
