@@ -38,7 +38,9 @@ class GraphOptConfig:
     cudagraph_capture_sizes: padded batch sizes to capture; None generates them up to max_capture_size.
     max_capture_size: largest size replayed from a graph; None means max(cudagraph_capture_sizes), else 256.
     cudagraph_num_of_warmups: eager runs before each capture (lazy initialisation must not happen inside one).
-    cudagraph_splitting_ops: where piecewise graphs split; None means every function marked @splitting_op.
+    cudagraph_splitting_ops: where piecewise graphs split; None (or [], as FastDeploy reads it) means every
+        function marked @splitting_op. A full graph splits nowhere: ops named with it are unused (a warning
+        at the model's construction; FastDeploy documents the two as exclusive).
     use_unique_memory_pool: all sizes of one model share one graph memory pool (captured largest first).
     cudagraph_copy_inputs: copy inputs into plugin-owned static buffers; False means the caller passes
         views of the same buffers at every call (checked), and nothing is copied.
@@ -50,6 +52,9 @@ class GraphOptConfig:
         functions) before every replay, except those on graph_opt's own capture flags. False skips
         them, as vLLM does: the Python state the forward reads must then not change after capture
         (the decorated model's own attributes are still watched, as at level 0).
+    sot_warmup_sizes: level >= 1, batch sizes above the largest captured size that capture_model also runs
+        once through the static path, under sot_warmup_guard(True), so that their first real call does not
+        translate (FastDeploy's key of that name); None: none.
     keep_outputs: an output the caller still holds when the next replay of the model runs keeps its
         values (they are copied to memory of its own first), as eager's would. False: every output is
         the graphs' memory until the next call overwrites it (no copy; for callers that read each
@@ -70,6 +75,7 @@ class GraphOptConfig:
     cudagraph_max_signatures: int = 8
     guarded_replays: bool = True
     keep_outputs: bool = True
+    sot_warmup_sizes: Optional[List[int]] = None
     sources: Dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -77,6 +83,8 @@ class GraphOptConfig:
             self.cudagraph_capture_sizes = list(self.cudagraph_capture_sizes)
         if isinstance(self.cudagraph_splitting_ops, tuple):
             self.cudagraph_splitting_ops = list(self.cudagraph_splitting_ops)
+        if isinstance(self.sot_warmup_sizes, tuple):
+            self.sot_warmup_sizes = list(self.sot_warmup_sizes)
         validate(self)
         object.__setattr__(self, "_validated", True)
 
@@ -87,7 +95,7 @@ class GraphOptConfig:
         if name == "sources" or not self.__dict__.get("_validated"):
             object.__setattr__(self, name, value)
             return
-        _check_keys([name], "GraphOptConfig")
+        check_keys([name], "GraphOptConfig")
         old, old_sources = self.__dict__.get(name, _UNSET), self.sources
         object.__setattr__(self, name, list(value) if isinstance(value, tuple) else value)
         object.__setattr__(self, "sources", {**old_sources, name: "set after construction"})
@@ -133,6 +141,12 @@ class GraphOptConfig:
         return "full" if self.full_cuda_graph else "piecewise"
 
     @property
+    def splitting_ops(self) -> Optional[List[str]]:
+        """The ops piecewise graphs split at; None: every @splitting_op function. [] reads as None, as in
+        FastDeploy, where an empty list with full_cuda_graph false means its default (attention) ops."""
+        return self.cudagraph_splitting_ops or None
+
+    @property
     def uses_graphs(self) -> bool:
         return self.use_cudagraph
 
@@ -140,7 +154,7 @@ class GraphOptConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "dict") -> "GraphOptConfig":
         values = _unwrap(data, source)
-        _check_keys(values, source)
+        check_keys(values, source)
         return _build(values, {name: source for name in values})
 
     @classmethod
@@ -168,7 +182,7 @@ _dataclass_init = GraphOptConfig.__init__
 @functools.wraps(_dataclass_init)
 def _init(self, *args, **kwargs):
     # The generated __init__ would reject an unknown keyword with a bare TypeError; name the allowed keys.
-    _check_keys([key for key in kwargs if key != "sources"], "GraphOptConfig()")
+    check_keys([key for key in kwargs if key != "sources"], "GraphOptConfig()")
     names = field_names()
     if "sources" not in kwargs and len(args) <= len(names):  # where each value came from: errors and describe() say it
         kwargs["sources"] = {key: "GraphOptConfig()" for key in names[:len(args)] + list(kwargs)}
@@ -222,6 +236,25 @@ def read_yaml(path: str, via: str = "") -> Mapping[str, Any]:
     return data
 
 
+def is_json_text(value) -> bool:
+    """A config given as JSON text where a path is accepted (FastDeploy's --graph-optimization-config '{...}')."""
+    return isinstance(value, str) and value.lstrip().startswith("{")
+
+
+def read_json_text(text: str, via: str = "") -> Mapping[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.load(text, Loader=_loader())  # JSON is YAML: one parser, the same duplicate-key check
+    except yaml.YAMLError as exc:
+        raise GraphOptConfigError(
+            f"config JSON text{via} is not valid (expected an object of graph_opt_config keys, as "
+            f"'{{\"graph_opt_level\": 1, \"use_cudagraph\": true}}'): {exc}") from None
+    if not isinstance(data, Mapping):
+        raise GraphOptConfigError(f"config JSON text{via} must hold an object, got {type(data).__name__}")
+    return data
+
+
 @functools.lru_cache(maxsize=None)
 def _loader():
     """yaml's SafeLoader, except that a key given twice in one mapping is an error, not the last one winning."""
@@ -261,7 +294,7 @@ def _unwrap(data: Mapping[str, Any], source: str) -> Mapping[str, Any]:
     return data
 
 
-def _check_keys(values: Mapping[str, Any], source: str) -> None:
+def check_keys(values: Mapping[str, Any], source: str) -> None:
     allowed = field_names()
     for key in values:
         if key not in allowed:
@@ -329,6 +362,12 @@ def validate(cfg: GraphOptConfig) -> None:
                 "cudagraph_capture_sizes",
                 f"size {max(sizes)} is above max_capture_size={cfg.max_capture_size}{_origin(cfg, 'max_capture_size')}",
             )
+    warm = cfg.sot_warmup_sizes
+    if warm is not None:
+        if not isinstance(warm, list) or any(not _is_int(s) or s < 1 or s > MAX_SIZE_LIMIT for s in warm):
+            fail("sot_warmup_sizes", f"must be a list of batch sizes (integers from 1 to {MAX_SIZE_LIMIT}), or null")
+        if len(set(warm)) != len(warm):
+            fail("sot_warmup_sizes", "sizes must be unique")
     for name in ("cudagraph_splitting_ops", "program_passes"):
         names = getattr(cfg, name)
         if names is None and name == "cudagraph_splitting_ops":
@@ -348,6 +387,11 @@ def load_config(path: Optional[str] = None, *, environ: Optional[Mapping[str, st
     return _load(path, environ, overrides, "keyword argument", "kwargs")
 
 
+def load_values(values: Mapping[str, Any], source: str) -> GraphOptConfig:
+    """A config from explicit values named by `source` (defaults < GRAPH_OPT_CONFIG < values < GRAPH_OPT_*)."""
+    return _load(None, None, values, source, source)
+
+
 def _load(path, environ, overrides: Mapping[str, Any], where: str, source: str) -> GraphOptConfig:
     environ = os.environ if environ is None else environ
     env.apply_log_level(environ)
@@ -355,13 +399,18 @@ def _load(path, environ, overrides: Mapping[str, Any], where: str, source: str) 
     sources: Dict[str, str] = {}
     yaml_path = path if path is not None else env.read("GRAPH_OPT_CONFIG", environ)
     if yaml_path is not None:
-        label = f"yaml:{yaml_path}" if path is not None else f"yaml:{yaml_path} (GRAPH_OPT_CONFIG)"
-        data = _unwrap(read_yaml(yaml_path, "" if path is not None else " (GRAPH_OPT_CONFIG)"), label)
-        _check_keys(data, label)
+        via = "" if path is not None else " (GRAPH_OPT_CONFIG)"
+        if is_json_text(yaml_path):
+            label = "json" + via
+            data = _unwrap(read_json_text(yaml_path, via), label)
+        else:
+            label = f"yaml:{yaml_path}{via}"
+            data = _unwrap(read_yaml(yaml_path, via), label)
+        check_keys(data, label)
         for key, value in data.items():
             values[key] = _copy_value(value)
             sources[key] = label
-    _check_keys(overrides, where)
+    check_keys(overrides, where)
     for key, value in overrides.items():
         values[key] = _copy_value(value)
         sources[key] = source
@@ -413,5 +462,5 @@ def resolve(value) -> GraphOptConfig:
     if isinstance(value, (str, os.PathLike)):
         return load_config(os.fspath(value))
     raise GraphOptConfigError(
-        f"graph_opt_config must be a GraphOptConfig, a dict or a YAML path, got {type(value).__name__}"
+        f"graph_opt_config must be a GraphOptConfig, a dict or a YAML path (or JSON text), got {type(value).__name__}"
     )

@@ -10,7 +10,7 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from . import backends, config as config_mod, env
+from . import backends, config as config_mod, env, fastdeploy_config
 from .replay import dispatch, padding
 from .capture import level_switch, split
 from .errors import GraphOptConfigError, GraphOptInputError
@@ -74,7 +74,9 @@ class GraphOptState:
                                       watch_replacements=level0 or not self.adapter.static_reads_replaced_tensors,
                                       reads_recorded=level0)
         self.plain: Optional[Callable] = None  # the path without graphs, once chosen
-        self.selection = None if cfg.graph_mode == "full" else split.SplitSelection(cfg.cudagraph_splitting_ops)
+        self.selection = None if cfg.graph_mode == "full" else split.SplitSelection(cfg.splitting_ops)
+        if cfg.graph_mode == "full" and cfg.cudagraph_splitting_ops and cfg.use_cudagraph:
+            _warn_unused_splitting_ops(self.name, cfg)
         if self.runner is not None:
             self.runner = None
             self.ensure_runner()
@@ -339,14 +341,45 @@ def _check_no_own_call(cls) -> None:
             "forward, or into a module that calls the decorated one")
 
 
+_UNUSED_OPS_SAID: set = set()
+
+
+def _warn_unused_splitting_ops(name: str, cfg) -> None:
+    """Splitting ops named with a full graph, which captures them inside (FastDeploy documents the two as
+    exclusive): a warning once per class and list, not an error, since a preset may name the ops a switch
+    to piecewise uses (GRAPH_OPT_SPLITTING_OPS beside a YAML that picks the mode)."""
+    key = (name, tuple(cfg.cudagraph_splitting_ops))
+    if key in _UNUSED_OPS_SAID:
+        return
+    _UNUSED_OPS_SAID.add(key)
+    logger.warning("%s: cudagraph_splitting_ops=%r%s is unused: the graph is full (full_cuda_graph true / "
+                   "cudagraph_mode 'full') and captures those ops inside. Set full_cuda_graph: false (cudagraph_mode: "
+                   "piecewise) to split at them", name, cfg.cudagraph_splitting_ops,
+                   config_mod._origin(cfg, "cudagraph_splitting_ops"))
+
+
+def _fd_config_position(init) -> Optional[int]:
+    """Where __init__ takes FastDeploy's `fd_config`: its position after self (-1: by keyword only, or
+    through **kwargs), or None where it takes none."""
+    try:
+        params = list(inspect.signature(init).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.name == "fd_config":
+            return i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1
+    return -1 if any(p.kind == p.VAR_KEYWORD for p in params) else None
+
+
 def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str, int]] = None,
                                host_outputs: Optional[Sequence[str]] = None, host_ring_depth: int = 2,
                                dispatch_key_fn: Optional[Callable[..., str]] = None,
                                pad_values: Optional[Dict[str, Any]] = None):
     """Class decorator for a paddle.nn.Layer or torch.nn.Module subclass.
 
-    The constructor then accepts `graph_opt_config=` (a GraphOptConfig, a dict or a YAML path; default
-    load_config()). Calls go through the plugin: padded to the nearest captured size and replayed when
+    The constructor then accepts `graph_opt_config=` (a GraphOptConfig, a dict, a YAML path or JSON text;
+    default load_config()). Without it, a constructor that takes FastDeploy's `fd_config` reads
+    `fd_config.graph_opt_config` (graph_opt.fastdeploy_config), as FastDeploy's models are built. Calls go through the plugin: padded to the nearest captured size and replayed when
     graphs are captured, otherwise eager (level 0) or static (level >= 1). The module's hooks run
     around it at every call, as around an eager forward.
 
@@ -400,12 +433,20 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
     orig_setattr = getattr(cls.__setattr__, "_graph_opt_orig_setattr", cls.__setattr__)
     cls.__graph_opt_options__ = dict(options, framework=framework, orig_call=orig_call)
 
+    fd_position = _fd_config_position(orig_init)
+
     @functools.wraps(orig_init)
     def __init__(self, *args, graph_opt_config=None, **kwargs):
         orig_init(self, *args, **kwargs)
         # A decorated subclass runs its own __init__ last: the outermost config wins.
         if graph_opt_config is not None or _STATE_ATTR not in self.__dict__:
-            object.__setattr__(self, _STATE_ATTR, _new_state(self, config_mod.resolve(graph_opt_config), cls))
+            if graph_opt_config is None and fd_position is not None:
+                fd = kwargs.get("fd_config", args[fd_position] if 0 <= fd_position < len(args) else None)
+                found = fastdeploy_config.graph_opt_config_of(fd)  # FastDeploy's constructor: Model(fd_config)
+                cfg = fastdeploy_config.from_fastdeploy(found) if found is not None else config_mod.resolve(None)
+            else:
+                cfg = config_mod.resolve(graph_opt_config)
+            object.__setattr__(self, _STATE_ATTR, _new_state(self, cfg, cls))
 
     def __call__(self, *args, **kwargs):
         state = self.__dict__.get(_STATE_ATTR)

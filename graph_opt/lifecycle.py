@@ -88,6 +88,7 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
             args, kwargs = _inputs_for(state, make_inputs, cfg.effective_max_capture_size)
             with state.adapter.no_grad():
                 state.plain_call()(*args, **kwargs)
+            _warm_static_path(state, state.plain_call(), make_inputs, 0, report)
         report.seconds = time.perf_counter() - start
         report.translations = _translations(state)
         return report
@@ -112,6 +113,10 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
             report.notes.append(state.retraced_reason)
             _capture_sizes(state, runner, order, make_inputs, report, progress)
     runner.capture_model_done = report.failed is None
+    if report.failed is None:
+        strategy = getattr(state.runner, "strategy", None)  # what a call above the largest size runs
+        run = state.plain_call() if strategy is None else (lambda *a, **k: strategy.run(a, k))
+        _warm_static_path(state, run, make_inputs, max(order, default=0), report)
     report.notes.extend(note for note in runner.capture_notes if note not in report.notes)
     report.mode = state.mode
     report.seconds = time.perf_counter() - start
@@ -123,6 +128,23 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
             logger.warning("%s: %s", state.name, msg)
             report.notes.append(msg)
     return report
+
+
+def _warm_static_path(state: GraphOptState, run: Callable, make_inputs, largest: int, report: CaptureReport) -> None:
+    """sot_warmup_sizes (FastDeploy's key) above the largest captured size: one call each through the path
+    such calls take (the translated forward without graphs), under sot_warmup_guard(True) as FastDeploy
+    runs it, so that their first real call does not translate."""
+    from . import guards
+
+    cfg = state.config
+    sizes = sorted(s for s in cfg.sot_warmup_sizes or () if s > largest)
+    if not sizes or cfg.graph_opt_level == 0 or state.disabled:
+        return
+    with guards.sot_warmup_guard(True), state.adapter.no_grad():
+        for size in sizes:
+            args, kwargs = _inputs_for(state, make_inputs, size)
+            run(*args, **kwargs)
+    report.notes.append(f"sot_warmup_sizes: the static path ran once at {sizes} (above the largest captured size)")
 
 
 def _capture_sizes(state: GraphOptState, runner, order, make_inputs, report: CaptureReport, progress: bool) -> None:

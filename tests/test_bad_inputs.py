@@ -334,7 +334,7 @@ for fw in ("torch", "paddle"):
     row(f"{fw}-pad-values-not-a-dict", fw, lambda c: c.fw.model_class(pad_values=[-1]),
         GraphOptConfigError, "pad_values=[-1]", "a non-empty dict of forward argument name -> the number")
     row(f"{fw}-graph-opt-config-int", fw, lambda c: c.fw.model_class()(graph_opt_config=42), GraphOptConfigError,
-        "graph_opt_config must be", "a GraphOptConfig, a dict or a YAML path, got int")
+        "graph_opt_config must be", "a GraphOptConfig, a dict or a YAML path (or JSON text), got int")
     row(f"{fw}-class-with-own-call", fw, lambda c: graph_opt.support_graph_optimization(
             type("Own", (c.fw.Base,), {"forward": lambda self, x: x, "__call__": lambda self, x: x + 1})),
         TypeError, "Own defines __call__", "Move that code into forward")

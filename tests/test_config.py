@@ -24,8 +24,9 @@ def test_every_design_field_exists_with_its_default():
                 "max_capture_size",
                 "cudagraph_num_of_warmups", "cudagraph_splitting_ops", "use_unique_memory_pool",
                 "cudagraph_copy_inputs", "program_passes", "cudagraph_max_signatures", "guarded_replays",
-                "keep_outputs"}
+                "keep_outputs", "sot_warmup_sizes"}
     assert set(field_names()) == expected
+    assert cfg.sot_warmup_sizes is None
     assert cfg.cudagraph_max_signatures == 8 and cfg.guarded_replays is True and cfg.keep_outputs is True
     assert cfg.capture_sizes[:4] == [1, 2, 4, 8] and cfg.capture_sizes[-1] == 256
     assert len(cfg.capture_sizes) == 35
