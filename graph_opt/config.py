@@ -18,6 +18,14 @@ from .capture.passes import KNOWN_PASSES
 from .replay.sizes import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
 
 NESTED_KEY = "graph_opt_config"
+# FastDeploy's keys for its own scheduler (prefill-only graphs, a draft model's) and the maps it derives from
+# the sizes: accepted in any config source and skipped (graph_opt pads to the captured sizes itself), so
+# that FastDeploy's configs load as they are (docs/fastdeploy.md)
+FASTDEPLOY_ONLY = frozenset({
+    "cudagraph_capture_sizes_prefill", "cudagraph_only_prefill", "max_capture_shape_prefill",
+    "max_capture_size_prefill", "real_shape_to_captured_size", "real_shape_to_captured_size_prefill",
+    "real_bsz_to_captured_size", "batch_size_to_captured_size", "draft_model_use_cudagraph",
+})
 _UNSET = object()
 # A captured size has static buffers of that many rows and a slot in the padding table: above this, a
 # typo (10**15), not a batch.
@@ -294,6 +302,12 @@ def _unwrap(data: Mapping[str, Any], source: str) -> Mapping[str, Any]:
     return data
 
 
+def _without_fastdeploy_keys(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    if not any(k in FASTDEPLOY_ONLY for k in values):
+        return values
+    return {k: v for k, v in values.items() if k not in FASTDEPLOY_ONLY}
+
+
 def check_keys(values: Mapping[str, Any], source: str) -> None:
     allowed = field_names()
     for key in values:
@@ -406,10 +420,12 @@ def _load(path, environ, overrides: Mapping[str, Any], where: str, source: str) 
         else:
             label = f"yaml:{yaml_path}{via}"
             data = _unwrap(read_yaml(yaml_path, via), label)
+        data = _without_fastdeploy_keys(data)
         check_keys(data, label)
         for key, value in data.items():
             values[key] = _copy_value(value)
             sources[key] = label
+    overrides = _without_fastdeploy_keys(overrides)
     check_keys(overrides, where)
     for key, value in overrides.items():
         values[key] = _copy_value(value)

@@ -16,13 +16,7 @@ from .errors import GraphOptConfigError
 
 SOURCE = "fd_config.graph_opt_config"
 
-# FastDeploy's own: its scheduler's (prefill-only graphs, a draft model's) and the maps it derives from the
-# sizes; graph_opt pads to the captured sizes itself
-FASTDEPLOY_ONLY = frozenset({
-    "cudagraph_capture_sizes_prefill", "cudagraph_only_prefill", "max_capture_shape_prefill",
-    "max_capture_size_prefill", "real_shape_to_captured_size", "real_shape_to_captured_size_prefill",
-    "real_bsz_to_captured_size", "batch_size_to_captured_size", "draft_model_use_cudagraph",
-})
+FASTDEPLOY_ONLY = config_mod.FASTDEPLOY_ONLY
 
 
 def graph_opt_config_of(fd_config: Any) -> Optional[Any]:
@@ -42,8 +36,7 @@ def from_fastdeploy(value: Any) -> config_mod.GraphOptConfig:
     if isinstance(value, config_mod.GraphOptConfig) or isinstance(value, str):
         return config_mod.resolve(value)
     if isinstance(value, Mapping):
-        values = {k: v for k, v in value.items() if k not in FASTDEPLOY_ONLY}
-        config_mod.check_keys(values, SOURCE)
+        values = dict(value)
     elif hasattr(value, "__dict__"):
         known = set(config_mod.field_names())
         values = {k: v for k, v in vars(value).items() if k in known}

@@ -135,3 +135,17 @@ def test_sot_warmup_sizes_are_checked_and_run_above_the_largest_captured_size():
     x = torch.randn(16, 8)
     with torch.no_grad():
         assert torch.equal(m(x), FDModel.forward(m, x))
+
+
+def test_a_fastdeploy_yaml_loads_as_it_is(tmp_path, monkeypatch):
+    """FastDeploy's keys for its own scheduler are skipped in any config source, so its YAML (and JSON)
+    loads unchanged; graph_opt's keys in it take effect."""
+    path = tmp_path / "fd.yaml"
+    path.write_text("graph_opt_config:\n  graph_opt_level: 1\n  cudagraph_capture_sizes: [1, 2, 4]\n"
+                    "  cudagraph_capture_sizes_prefill: [1, 2, 4, 8]\n  cudagraph_only_prefill: false\n"
+                    "  full_cuda_graph: false\n  cudagraph_splitting_ops: []\n")
+    monkeypatch.setenv("GRAPH_OPT_CONFIG", str(path))
+    cfg = state_of(FDModel(types.SimpleNamespace())).config
+    assert (cfg.graph_opt_level, cfg.capture_sizes, cfg.graph_mode, cfg.splitting_ops) == (1, [1, 2, 4], "piecewise",
+                                                                                          None)
+    assert cfg.sources["graph_opt_level"].startswith("yaml:")
