@@ -34,7 +34,7 @@ class _ModuleTensors:
       restored weight would hold the EMA's values), or that the model holds elsewhere (a tied weight);
     - one of another shape, dtype or device: the graph may have baked what the forward read of it
       (`self.scale.shape[0]` is a constant in the graph, and Dynamo's guards on the parameters' and
-      buffers' metadata are left out: dynamo._replay_guards);
+      buffers' metadata are left out: guard_reads.ReplayGuards);
     - the same tensor with other memory or strides (set_(), a buffer's `.data` assigned, seen at a
       registration of the module): the graph reads the memory as it was laid out at capture. A
       parameter's `.data` assigned (transformers' resize_token_embeddings) is seen before, by the

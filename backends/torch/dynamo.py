@@ -52,6 +52,7 @@ from ...pytree import flatten
 from ...replay.signature import as_made, forward_params
 from . import fx_split
 from .host_constants import fold_host_constants
+from .guard_reads import ReplayGuards, changed_read
 from .direct_replay import _ModuleTensors, _tensors_only, constant_stores, pure_replay_code, replay_stores, stores_names
 from .pieces import CapturablePiece, CompiledForward, EagerPiece, GraphState, Mode
 
@@ -212,7 +213,8 @@ class DynamoStrategy:
             replay = self._tensors.direct(work, replay, outputs, made, graph_fn.__globals__)
         else:
             replay = self._tensors.checked(replay)
-        check = _guard_check(self._graph_code, code, graph_fn, self.model, args, kwargs, self._trace_hook) \
+        reads = self._guards.taken(code) if self._filtered else None
+        check = _guard_check(self._graph_code, code, graph_fn, self.model, args, kwargs, self._trace_hook, reads) \
             if self.config.guarded_replays else None
         return Captured(outputs, replay, stable, graphs, graphs, keepalive=keepalive, check=check)
 
@@ -236,8 +238,9 @@ class DynamoStrategy:
         self._graph_code = self._graph_fn.__code__
         _OWNERS[id(self._graph_code)] = self
         _install_hook()
+        self._guards = ReplayGuards(self.model)
         self._compiled = torch.compile(self._graph_fn, backend=_WeakBackend(self), fullgraph=True, dynamic=None,
-                                       options={"guard_filter_fn": _replay_guards})
+                                       options={"guard_filter_fn": self._guards})
         self._filtered = True
 
     def _unfiltered(self) -> None:
@@ -248,6 +251,8 @@ class DynamoStrategy:
         self._compiled = torch.compile(self._graph_fn, backend=_WeakBackend(self), fullgraph=True, dynamic=None)
 
     def _graph_path(self, mode: Mode, key, args, kwargs, pool=None, recorder=None, share_key=None, padded=0):
+        if self._compiled is not None and self._guards.stale():
+            self._compiled = None  # Dynamo's cache no longer checks the reads taken out: trace anew
         self._ensure_graph_path()
         state = self.state
         before = graphs_compiled()
@@ -308,26 +313,19 @@ class DynamoStrategy:
 
     def _on_transformed_code(self, code: types.CodeType) -> None:
         # The bytecode hook runs after the backend returned, once per traced frame; the graph the
-        # backend made last is the one this code calls.
+        # backend made last is the one this code calls; its guards are built next (ReplayGuards.code).
+        self._guards.code = code
         if self._pending:
             self._code_of[id(self._pending[-1])] = code
             self._pending.clear()
 
 
-def _replay_guards(entries):
-    """guard_filter_fn of the graph path: every guard but the parameters' and buffers' tensor metadata
-    (dtype, shape, requires_grad ...). Replays run under no_grad, so requires_grad_ does not matter, and
-    a conversion (to(), half()) is seen by the model-state check (replay_guards), as are hooks added to
-    submodules (Dynamo skips guards on those: skip_nnmodule_hook_guards)."""
-    return [not (e.guard_type == "TENSOR_MATCH" and ("._parameters[" in e.name or "._buffers[" in e.name))
-            for e in entries]
-
-
-def _guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook):
+def _guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook, reads):
     """Dynamo's guards of the cache entry whose transformed code the replays call, evaluated as a call
     with the capture's own arguments would, with graph_opt's own state as it was when Dynamo traced:
-    the capture flags (guards.as_captured) and the hook that routes splitting ops to one FX node.
-    None when the guards hold; else a GUARD Fallback naming the failing guard."""
+    the capture flags (guards.as_captured) and the hook that routes splitting ops to one FX node; first
+    the reads taken out of them (guard_reads.py), as dict reads. None when all hold; else a GUARD
+    Fallback naming the failing guard or read."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     entry = next((e for e in _debug_get_cache_entry_list(original_code) if e.code is code), None)
@@ -354,7 +352,11 @@ def _guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook)
         finally:
             set_hook(saved)
 
+    differs = reads.differs if reads is not None else None
+
     def check():
+        if differs is not None and differs():
+            return Fallback(Reason.GUARD, changed_read(reads, model))
         if is_inference():
             # The captured graph computes the same in inference mode; only the tensors' dispatch keys
             # differ there, which Dynamo's tensor guards would read as a change. The C-level guard, not

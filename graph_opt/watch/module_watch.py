@@ -9,7 +9,9 @@ it, backends/call_counters.py), the look at the module only after it moved.
 - Hooks: hooks of submodules and global module hooks registered or removed;
 - Attributes: plain values (numbers, strings, bool, None) of the module's and its submodules'
   attributes, class defaults set over on an instance, and the other objects the module holds itself,
-  by identity.
+  by identity;
+- Reads: attributes a traced forward read on objects whose attribute reads run Python (a Hugging Face
+  config), taken from the framework's guards and compared as dict reads at every replay.
 
 Composed by the inference check (replay_guards.ModelState, every level) and by a training block's watch
 (training_watch.TrainingWatch). Each part says whether something changed; what a change means (a call
@@ -292,6 +294,83 @@ class Attributes:
     def _where(self, d: dict, name: str) -> str:
         path = self.paths.get(id(d), "")
         return f"{path}.{name}" if path else name
+
+
+class Reads:
+    """What a traced forward read through objects whose attribute reads run Python code (a Hugging Face
+    config's __getattribute__: ~0.7 µs a read in the framework's guards, over 1 µs for a missing name),
+    compared at every replay as C-level dict reads: each object on the way from the model, the one at
+    capture (`hops`: (where, dict, key, object)); each value read, as at capture (`values`: (where, dict,
+    name, value); plain values by type and value, the rest by identity); each name that was absent, absent
+    still from the instance and its classes (`absent`: (where, dict or class mapping, name)); each name
+    found on a class, there still (`present`: the same); each object whose class was compared, of that
+    class still (`classes`: (where, object, class)). No counter: a config's attribute set is not counted."""
+
+    def __init__(self, hops: list, values: list, absent: list, present: list, classes: list = ()):
+        self.hop_where = [w for w, _, _, _ in hops]
+        self.hop_dicts = [d for _, d, _, _ in hops]
+        self.hop_keys = [k for _, _, k, _ in hops]
+        self.hop_objs = [o for _, _, _, o in hops]
+        self.where = [w for w, _, _, _ in values]
+        self.dicts = [d for _, d, _, _ in values]
+        self.names = [n for _, _, n, _ in values]
+        self.values = [v for _, _, _, v in values]
+        self.types = list(map(type, self.values))
+        self.keys = list(map(state_key, self.values))
+        self.zeros = [i for i, v in enumerate(self.values) if type(v) is float and v == 0.0]  # 0.0 == -0.0
+        self.signs = [math.copysign(1.0, self.values[i]) for i in self.zeros]
+        self.absent = absent
+        self.absent_in = [d for _, d, _ in absent]
+        self.absent_names = [n for _, _, n in absent]
+        self.present = present
+        self.present_in = [d for _, d, _ in present]
+        self.present_names = [n for _, _, n in present]
+        self.classes = list(classes)
+        self.class_objs = [o for _, o, _ in classes]
+        self.class_types = [c for _, _, c in classes]
+
+    def __len__(self) -> int:
+        return len(self.hop_objs) + len(self.values) + len(self.absent) + len(self.present) + len(self.classes)
+
+    def differs(self) -> bool:
+        if not all(map(operator.is_, map(dict.get, self.hop_dicts, self.hop_keys, _GONE_ITER), self.hop_objs)):
+            return True
+        values = list(map(dict.get, self.dicts, self.names, _GONE_ITER))
+        if values != self.values or list(map(type, values)) != self.types:  # == is identity first, in C
+            if list(map(state_key, values)) != self.keys:
+                return True
+            self.values = values  # equal values in new objects
+        zeros = self.zeros
+        if zeros and [math.copysign(1.0, values[i]) for i in zeros] != self.signs:
+            return True
+        if any(map(operator.contains, self.absent_in, self.absent_names)):
+            return True
+        if not all(map(operator.is_, map(type, self.class_objs), self.class_types)):
+            return True
+        return not all(map(operator.contains, self.present_in, self.present_names))
+
+    def first_change(self) -> Optional[Tuple[str, Any, Any]]:
+        """(where, value now, value at capture) of the first read that no longer holds; GONE for a name
+        not set."""
+        for where, d, key, was in zip(self.hop_where, self.hop_dicts, self.hop_keys, self.hop_objs):
+            now = d.get(key, GONE)
+            if now is not was:
+                return where, now, was
+        for where, d, name, key, was in zip(self.where, self.dicts, self.names, self.keys, self.values):
+            now = d.get(name, GONE)
+            if state_key(now) != key or type(now) is float and now == 0.0 and \
+                    math.copysign(1.0, now) != math.copysign(1.0, was):
+                return where, now, was
+        for where, d, name in self.absent:
+            if name in d:
+                return where, d[name], GONE
+        for where, d, name in self.present:
+            if name not in d:
+                return where, GONE, "(set)"
+        for where, obj, cls in self.classes:
+            if type(obj) is not cls:
+                return where, type(obj), cls
+        return None
 
 
 def _class_defaults(adapter, modules: List[Tuple[str, dict]], classes: list) -> list:

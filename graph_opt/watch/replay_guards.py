@@ -25,7 +25,8 @@ while the Python state the forward read at capture is unchanged. What is checked
   (`model.head.drop.p = 0.2`), compared after any layer attribute was set (a counter that
   Layer.__setattr__ bumps; torch's Module.__setattr__ is not counted: docs/patches.md). At level >= 1
   the framework's own guards (Dynamo's guard manager, SOT's guard functions) check what the forward
-  read, anywhere.
+  read, anywhere (on torch, what it read through an object whose attribute reads run Python, a Hugging
+  Face config, as dict reads: backends/torch/guard_reads.py).
 Each of these is a part of module_watch.py, which a training block's watch is made of too.
 
 A failed check is not an error: the call runs without graphs, with one warning naming what changed,
@@ -258,7 +259,7 @@ class ModelState:
         return None
 
     def _changed_attributes(self) -> Fallback:
-        parts = [f"{self.name}.{k} = {_show(new)} (was {_show(old)} at capture)" for k, (old, new) in self.changed.items()]
+        parts = [f"{self.name}.{k} = {show(new)} (was {show(old)} at capture)" for k, (old, new) in self.changed.items()]
         return Fallback(
             Reason.ATTRIBUTE, "attribute changed since capture: " + "; ".join(parts) + ". Level-0 graphs bake the "
             "Python values forward read; set it back, or clear_graphs() and capture_model() to capture with the "
@@ -267,8 +268,8 @@ class ModelState:
     def _submodule_attribute_changed(self) -> Fallback:
         where, new, old = self.attributes.first_change() or ("a submodule's attribute", _MISSING, _MISSING)
         return Fallback(
-            Reason.ATTRIBUTE, f"attribute changed since capture: {self.name}.{where} = {_show(new)} (was "
-            f"{_show(old)} at capture). Level-0 graphs bake the Python values forward read; set it back, or "
+            Reason.ATTRIBUTE, f"attribute changed since capture: {self.name}.{where} = {show(new)} (was "
+            f"{show(old)} at capture). Level-0 graphs bake the Python values forward read; set it back, or "
             "clear_graphs() and capture_model() to capture with the new value", ("attribute", where))
 
     def _training_changed(self) -> Fallback:
@@ -403,7 +404,7 @@ _recording: Dict[type, tuple] = {}  # class -> ({id(model): its read names}, the
 _recording_lock = threading.Lock()
 
 
-def _show(value) -> str:
+def show(value) -> str:
     """One line: a short repr, else the start of a plain value's, else an object's type and identity
     (what level 0 compares it by; a config's repr is many lines, cut it said nothing)."""
     if value is _MISSING or value is GONE:

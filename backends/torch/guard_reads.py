@@ -1,0 +1,224 @@
+"""Which of Dynamo's guards a guarded replay evaluates (the graph path's guard_filter_fn), and the reads
+taken out of Dynamo's guard tree to be checked as dict reads instead (module_watch.Reads).
+
+Left out, as before: the parameters' and buffers' tensor metadata. Replays run under no_grad, so
+requires_grad_ does not matter, and a conversion (to(), half()) is seen by the model-state check
+(replay_guards), as are hooks added to submodules (Dynamo skips guards on those: skip_nnmodule_hook_guards).
+
+Taken out: the guards on what the forward read through an object under the model whose class runs
+Python on every attribute read (a Hugging Face config: its __getattribute__ is Python, so each of
+Dynamo's guards on `config.x` calls it: ~0.7 µs, over 1 µs for `not hasattr(config, 'y')`, about half
+of a GPT-2's guard time). Such a guard is kept unless all of it is a dict read: the object's place
+(every step from the model a key of a __dict__ or a dict), a value in the object's own __dict__ that no
+class descriptor overrides, a name absent from its __dict__ (NOT_PRESENT_IN_GENERIC_DICT), or a
+hasattr answered by the __dict__ and the classes (without a class __getattr__). What Dynamo guarded of
+the class itself (its __getattribute__, its attribute_map) stays with Dynamo.
+"""
+from __future__ import annotations
+
+import re
+import types
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ...watch.module_watch import Reads
+from ...watch.replay_guards import show
+
+_STEP = re.compile(r"\.(\w+)|\['([^'\\]*)'\]")
+_PATH = re.compile(r"self(?:\.\w+|\['[^'\\]*'\])*")
+_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH", "ID_MATCH"})
+_MISSING = object()
+
+
+def _tensor_metadata(entry) -> bool:
+    return entry.guard_type == "TENSOR_MATCH" and ("._parameters[" in entry.name or "._buffers[" in entry.name)
+
+
+class ReplayGuards:
+    """guard_filter_fn of the graph path: the guards a replay has Dynamo evaluate. `code` is the
+    transformed code of the frame being compiled (the bytecode hook runs before the guards are built);
+    taken(code) hands back the reads taken out of that code's guards."""
+
+    def __init__(self, model):
+        self.model = weakref.ref(model)
+        self.code = None
+        self._reads: Dict[int, Tuple[Any, Reads]] = {}
+
+    def __call__(self, entries) -> List[bool]:
+        steps = _Steps(self.model())
+        keep = []
+        for entry in entries:
+            keep.append(not _tensor_metadata(entry) and not steps.take(entry))
+        if self.code is not None:
+            self._reads[id(self.code)] = (self.code, steps.reads())
+        return keep
+
+    def stale(self) -> bool:
+        """A read taken out of some trace's guards changed: Dynamo's cache, which no longer checks it,
+        would run that trace for a capture (the path is traced anew then)."""
+        return any(reads.differs() for _, reads in self._reads.values())
+
+    def taken(self, code) -> Optional[Reads]:
+        found = self._reads.get(id(code))
+        return found[1] if found is not None and found[0] is code and len(found[1]) else None
+
+
+class _Steps:
+    """The model's objects along guard sources (`self._modules['lm'].config`), resolved as dict reads."""
+
+    def __init__(self, model):
+        self.model = model
+        self.hops: Dict[Tuple[int, str], tuple] = {}  # (id of dict, key) -> (where, dict, key, object)
+        self.values: Dict[Tuple[int, str], tuple] = {}
+        self.absent: Dict[Tuple[int, str], tuple] = {}
+        self.present: Dict[Tuple[int, str], tuple] = {}
+        self.classes: Dict[int, tuple] = {}  # id(object) -> (where, object, its class)
+
+    def reads(self) -> Reads:
+        return Reads(list(self.hops.values()), list(self.values.values()), list(self.absent.values()),
+                     list(self.present.values()), list(self.classes.values()))
+
+    def take(self, entry) -> bool:
+        """Whether the guard is checked here instead (its reads recorded), not by Dynamo."""
+        kind, name = entry.guard_type, entry.name
+        if kind in _VALUE_GUARDS and entry.has_value:
+            base, dot, member = name.rpartition(".")
+            if not dot or not _PATH.fullmatch(base) or not member.isidentifier():
+                return False
+            owner = self._walk(base)
+            if owner is None or not _runs_python(owner[1]):
+                return False
+            obj = owner[1]
+            d = _own_dict(obj)
+            if d is None or d.get(member, _MISSING) is not entry.value or _class_descriptor(type(obj), member):
+                return False
+            self._add(owner[0])
+            self.values[(id(d), member)] = (_shown(name), d, member, entry.value)
+            return True
+        if kind == "DUPLICATE_INPUT":  # `a is b`: Dynamo evaluates it in Python, each path step by step
+            other = _local_name((getattr(entry.orig_guard.create_fn, "keywords", None) or {}).get("source_b"))
+            if other is None:
+                return False
+            classes = name.endswith(".__class__") and other.endswith(".__class__")  # `type(a) is type(b)`
+            if classes:
+                name, other = name[:-len(".__class__")], other[:-len(".__class__")]
+            if not _PATH.fullmatch(name) or not _PATH.fullmatch(other):
+                return False
+            one, two = self._walk(name), self._walk(other)
+            if one is None or two is None:
+                return False
+            if classes:
+                if type(one[1]) is not type(two[1]):
+                    return False
+                for where, obj in ((name, one[1]), (other, two[1])):
+                    self.classes[id(obj)] = (f"{_shown(where)}.__class__", obj, type(obj))
+            elif one[1] is not two[1] or not _runs_python(one[1]):
+                return False
+            self._add(one[0])  # both places hold the objects they held: the one object still
+            self._add(two[0])
+            return True
+        if kind in ("NOT_PRESENT_IN_GENERIC_DICT", "HASATTR"):
+            attr = (getattr(entry.orig_guard.create_fn, "keywords", None) or {}).get("attr")
+            if not isinstance(attr, str) or not _PATH.fullmatch(name):
+                return False
+            owner = self._walk(name)
+            if owner is None or not _runs_python(owner[1]):
+                return False
+            obj = owner[1]
+            d = _own_dict(obj)
+            if d is None:
+                return False
+            where = f"{_shown(name)}.{attr}"
+            if kind == "NOT_PRESENT_IN_GENERIC_DICT":
+                if attr in d:
+                    return False
+                self.absent[(id(d), attr)] = (where, d, attr)
+            else:
+                classes = [vars(c) for c in type(obj).__mro__ if c is not object]
+                if any("__getattr__" in c for c in classes):
+                    return False  # a miss runs Python too
+                if attr in d:
+                    self.present[(id(d), attr)] = (where, d, attr)
+                elif hasattr(obj, attr):
+                    home = next((c for c in classes if attr in c), None)
+                    if home is None:
+                        return False
+                    self.present[(id(home), attr)] = (where, home, attr)
+                else:
+                    for c in [d] + classes:
+                        self.absent[(id(c), attr)] = (where, c, attr)
+            self._add(owner[0])
+            return True
+        return False
+
+    def _walk(self, path: str):
+        """(the dict reads from the model to the object at path, the object), or None where a step is not one."""
+        obj, hops, where = self.model, [], "self"
+        for attr, key in _STEP.findall(path[len("self"):]):
+            if attr:
+                d = _own_dict(obj)
+                if d is None or attr not in d or _class_descriptor(type(obj), attr):
+                    return None
+                step = attr
+                where += "." + attr
+            else:
+                if type(obj) is not dict or key not in obj:
+                    return None
+                d, step = obj, key
+                where += f"[{key!r}]"
+            obj = d[step]
+            hops.append((_shown(where), d, step, obj))
+        return hops, obj
+
+    def _add(self, hops) -> None:
+        for hop in hops:
+            self.hops.setdefault((id(hop[1]), hop[2]), hop)
+
+
+def changed_read(reads: Reads, model) -> str:
+    """What a replay's GUARD fallback says when a read taken out of Dynamo's guards no longer holds."""
+    where, now, was = reads.first_change() or ("an attribute the forward read", None, None)
+    return (f"Python state the forward read changed since capture: {type(model).__name__}.{where} is "
+            f"{show(now)} (was {show(was)} at capture). Replays resume when it holds again; to keep the "
+            "change, clear_graphs() and capture_model() again")
+
+
+def _local_name(source) -> Optional[str]:
+    """A source's name with the frame's locals as plain names (`L['self'].x` as `self.x`)."""
+    if source is None:
+        return None
+    try:
+        name = source.name() if callable(source.name) else source.name  # a method before torch 2.12
+    except Exception:
+        return None
+    return re.sub(r"L\['(\w+)'\]", r"\1", name) if isinstance(name, str) else None
+
+
+def _runs_python(obj) -> bool:
+    """An object (not a module) whose class's __getattribute__ is Python code."""
+    return not isinstance(obj, torch.nn.Module) and isinstance(getattr(type(obj), "__getattribute__", None),
+                                                                 types.FunctionType)
+
+
+def _own_dict(obj) -> Optional[dict]:
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return None
+    return d if type(d) is dict else None
+
+
+def _class_descriptor(cls, name: str) -> bool:
+    """A class attribute that a read of the instance's name goes through (a property, a slot)."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            kind = type(vars(klass)[name])
+            return hasattr(kind, "__set__") or hasattr(kind, "__delete__")
+    return False
+
+
+def _shown(path: str) -> str:
+    """`self._modules['lm']._modules['h']._modules['0'].config` as `lm.h.0.config`."""
+    return re.sub(r"\._modules\['([^']*)'\]", r".\1", path)[len("self."):] if path != "self" else ""

@@ -1,0 +1,151 @@
+"""Level >= 1 on torch: what the forward read through an object whose attribute reads run Python (a
+Hugging Face config's __getattribute__) is taken out of Dynamo's guards and checked as dict reads
+(backends/torch/guard_reads.py, module_watch.Reads). Every change Dynamo's guards caught is still
+caught: a value read, the object replaced, a name the forward asked for and did not find set on the
+object or its class; what the forward never read changes nothing. Simulated graphs on CPU."""
+import copy
+
+import pytest
+import torch
+
+import graph_opt
+from graph_opt.decorator import state_of
+from graph_opt.watch.module_watch import GONE, Reads
+from replay_support import HIDDEN, capture, eager_padded, pair
+
+_CI_SECONDS = 2
+_INDUCTOR_ON_CPU = set()
+
+
+class Settings:
+    """A config whose every attribute read runs Python, as transformers' PreTrainedConfig does."""
+
+    def __init__(self):
+        self.scale = 2.0
+        self.note = "unread"
+
+    def __getattribute__(self, name):
+        return super().__getattribute__(name)
+
+
+class ReadsSettings(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.settings = Settings()
+
+    def forward(self, x):
+        y = self.lin(x) * self.settings.scale
+        if hasattr(self.settings, "shift"):  # absent at capture
+            y = y + self.settings.shift
+        return y
+
+
+def _captured(F, level=1):
+    m, twin = pair(F, ReadsSettings, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    return m, twin
+
+
+def _call(F, m, twin, seed=1):
+    x = F.randn(3, HIDDEN, seed=seed)
+    with torch.no_grad():
+        assert torch.equal(m(x), eager_padded(F, twin, x))
+
+
+def _both(m, twin, change):
+    for model in (m, twin):
+        change(model)
+
+
+def test_the_settings_reads_leave_dynamos_guards_and_the_captured_graph_replays(F):
+    m, twin = _captured(F)
+    reads = [r for _, r in state_of(m).runner.strategy._guards._reads.values()]
+    assert reads and all(r.names == ["scale"] for r in reads), [r.names for r in reads]
+    assert all(("shift" in r.absent_names) for r in reads)
+    _call(F, m, twin)
+    assert graph_opt.stats(m).replays == 1 and not graph_opt.stats(m).fallback_reasons
+
+
+@pytest.mark.parametrize("change", ["value", "type of the value", "object replaced", "name set on the object",
+                                    "name set on the class"])
+def test_a_change_of_what_the_forward_read_stops_replays_until_undone(F, change, graph_opt_warnings, monkeypatch):
+    m, twin = _captured(F)
+    originals = (m.settings, twin.settings)
+    if change == "value":
+        _both(m, twin, lambda model: setattr(model.settings, "scale", 3.0))
+    elif change == "type of the value":
+        _both(m, twin, lambda model: setattr(model.settings, "scale", 2))
+    elif change == "object replaced":
+        def replace(model):
+            model.settings = copy.copy(model.settings)
+            model.settings.scale = 5.0
+        _both(m, twin, replace)
+    elif change == "name set on the object":
+        _both(m, twin, lambda model: setattr(model.settings, "shift", 1.0))
+    else:
+        monkeypatch.setattr(Settings, "shift", 1.0, raising=False)
+    _call(F, m, twin)
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.fallback_reasons == {"guard": 1}, s.fallback_reasons
+    said = [w for w in graph_opt_warnings() if "ReadsSettings.settings" in w and "changed since capture" in w]
+    assert said, graph_opt_warnings()
+    if change == "name set on the class":
+        monkeypatch.undo()
+    for model, original in zip((m, twin), originals):
+        model.settings = original
+        vars(original).pop("shift", None)
+        original.scale = 2.0
+    _call(F, m, twin, seed=2)
+    assert graph_opt.stats(m).replays == 1, graph_opt.stats(m).fallback_reasons
+
+
+def test_a_settings_attribute_the_forward_never_read_changes_nothing(F):
+    m, twin = _captured(F)
+    _both(m, twin, lambda model: setattr(model.settings, "note", "changed"))
+    _both(m, twin, lambda model: setattr(model.settings, "added", 7))
+    _call(F, m, twin)
+    s = graph_opt.stats(m)
+    assert s.replays == 1 and not s.fallback_reasons, s.fallback_reasons
+
+
+def test_a_change_kept_by_capturing_again_is_traced_anew(F):
+    """Dynamo's cache no longer checks the reads taken out: a capture after a change traces anew rather
+    than reuse the trace that baked the old value."""
+    m, twin = _captured(F)
+    _both(m, twin, lambda model: setattr(model.settings, "scale", 3.0))
+    graph_opt.clear_graphs(m)
+    translations = graph_opt.stats(m).translations
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    assert graph_opt.stats(m).translations > translations
+    _call(F, m, twin)
+    assert graph_opt.stats(m).replays == 1, graph_opt.stats(m).fallback_reasons
+
+
+def test_unguarded_replays_take_nothing_out_and_check_nothing(F):
+    m, twin = pair(F, ReadsSettings, 1, config=dict(guarded_replays=False))
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    _call(F, m, twin)
+    assert graph_opt.stats(m).replays == 1
+
+
+def test_reads_compare_values_by_type_and_sign_objects_by_identity_and_names_by_presence():
+    class Holder:
+        pass
+
+    obj, d = Holder(), {"k": Holder()}
+    obj.z = 0.0
+    reads = Reads(hops=[("d.k", d, "k", d["k"])], values=[("obj.z", vars(obj), "z", 0.0)],
+                  absent=[("obj.gone", vars(obj), "gone")], present=[("Holder.x", {"x": 1}, "x")],
+                  classes=[("obj.__class__", obj, Holder)])
+    assert not reads.differs() and reads.first_change() is None
+    obj.z = -0.0
+    assert reads.differs() and reads.first_change() == ("obj.z", -0.0, 0.0)
+    obj.z = 0
+    assert reads.differs()
+    obj.z = 0.0
+    obj.gone = 1
+    assert reads.differs() and reads.first_change() == ("obj.gone", 1, GONE)
+    del obj.gone
+    d["k"] = Holder()  # another object at a step on the way: not the one at capture
+    assert reads.differs() and reads.first_change()[0] == "d.k"
