@@ -189,6 +189,18 @@ def plain_attributes(adapter, modules: List[Tuple[str, dict]], own_root: bool, p
     return out
 
 
+
+def _values_changed(w) -> bool:
+    """Whether the plain values a watch holds (w.dicts[i][w.names[i]]) changed since it took them: by type,
+    value and the sign of a zero; equal values in new objects are taken as they are now."""
+    values = list(map(dict.get, w.dicts, w.names, _GONE_ITER))
+    if values != w.values or list(map(type, values)) != w.types:  # == is identity first, in C
+        if list(map(state_key, values)) != w.keys:
+            return True
+        w.values = values  # equal values in new objects
+    zeros = w.zeros
+    return bool(zeros) and [math.copysign(1.0, values[i]) for i in zeros] != w.signs
+
 class Attributes:
     """The plain attributes of the module and its submodules (a dropout schedule sets `p`), and the
     objects the module holds, as at the snapshot. Python's == takes 1 for 1.0 or True, and -0.0 for
@@ -267,13 +279,7 @@ class Attributes:
             if now != self.root_watched:
                 return True
             self.root_size = len(root)
-        values = list(map(dict.get, self.dicts, self.names, _GONE_ITER))
-        if values != self.values or list(map(type, values)) != self.types:  # == is identity first, in C
-            if list(map(state_key, values)) != self.keys:
-                return True
-            self.values = values  # equal values in new objects
-        zeros = self.zeros
-        if zeros and [math.copysign(1.0, values[i]) for i in zeros] != self.signs:
+        if _values_changed(self):
             return True
         return not all(map(operator.is_, map(dict.get, self.obj_dicts, self.obj_names, _GONE_ITER), self.obj_values))
 
@@ -335,13 +341,7 @@ class Reads:
     def differs(self) -> bool:
         if not all(map(operator.is_, map(dict.get, self.hop_dicts, self.hop_keys, _GONE_ITER), self.hop_objs)):
             return True
-        values = list(map(dict.get, self.dicts, self.names, _GONE_ITER))
-        if values != self.values or list(map(type, values)) != self.types:  # == is identity first, in C
-            if list(map(state_key, values)) != self.keys:
-                return True
-            self.values = values  # equal values in new objects
-        zeros = self.zeros
-        if zeros and [math.copysign(1.0, values[i]) for i in zeros] != self.signs:
+        if _values_changed(self):
             return True
         if any(map(operator.contains, self.absent_in, self.absent_names)):
             return True
