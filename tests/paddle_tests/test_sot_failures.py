@@ -67,12 +67,13 @@ def test_a_capture_sot_cannot_translate_leaves_every_sublayer_s_eager_forward():
     twin = Plain()
     with graph_opt.testing.simulate_cuda_graphs():
         report = graph_opt.capture_model(m, make_inputs=lambda bs: paddle.randn([bs, 16]), progress=False)
-        assert report.failed and "InnerError" in report.failed
+        assert report.failed and "dy2static recursed without end in Base.__getattribute__" in report.failed
         assert not isinstance(m.norm.__dict__.get("forward"), StaticFunction)
         for bs in (1, 3, 4):
             x = paddle.randn([bs, 16])
             np.testing.assert_array_equal(m(x).numpy(), twin(x).numpy())
-    assert "fix:" in report.failed and "not_to_static" in report.failed  # the known cause, its remedy
+    # the cause (super() rewritten), where dy2static enters, and the remedy that keeps it out there
+    assert "super(self.__class__, self)" in report.failed and "fix: paddle.jit.not_to_static(Base.get)" in report.failed
 
 
 class Branches(Plain):
