@@ -51,6 +51,7 @@ from ...recorders.host_graphs import graphs_for
 from ...pytree import flatten
 from .run_program_hook import ProgramHook, SizeRecord
 from .sot_guards import FrameArguments, KnownTranslations, _failed_guard, _FrameView, _guard_of
+from .sot_recursion import explain as explain_recursion
 from .sot_scope import _Scope
 
 logger = logging.getLogger("graph_opt")
@@ -157,14 +158,18 @@ class SotStrategy:
         try:
             with self._scope:
                 return static_fn(self.model, *args, **kwargs)
-        except InnerError as exc:  # the translator's own failure, not the forward's: say what to do
+        except (InnerError, RecursionError) as exc:  # the translator's own failure, not the forward's: say what to do
             _undo_static_forwards(self.model, self._forwards)
+            recursion = explain_recursion(exc)
+            if recursion is None and not isinstance(exc, InnerError):
+                raise
             raise GraphOptError(
                 f"{type(self.model).__name__}: this call runs without graphs (a size, shape or non-tensor value "
                 f"that was not captured), which at graph_opt_level>=1 is SOT's translation of forward, and SOT "
-                f"could not translate it: {describe(exc)}. Capture with these values (capture_model's make_inputs), "
-                "keep the function SOT fails in out of the translation (paddle.jit.not_to_static(fn)), or use "
-                "graph_opt_level=0") from exc
+                f"could not translate it: {recursion or describe(exc)}. Capture with these values (capture_model's "
+                "make_inputs), " + ("apply the fix above" if recursion else "keep the function SOT fails in out of the "
+                                    "translation (paddle.jit.not_to_static(fn))") + ", or use graph_opt_level=0"
+            ) from exc
         except BaseException:
             _undo_static_forwards(self.model, self._forwards)
             raise
@@ -267,8 +272,11 @@ class SotStrategy:
                     return self.forward_fn(self.model, *args, **kwargs)
                 finally:
                     paddle.framework.core.set_eval_frame(old)
-        except BaseException:
+        except BaseException as exc:
             _undo_static_forwards(self.model, self._forwards)
+            recursion = explain_recursion(exc)  # name the function that recursed, and why
+            if recursion is not None:
+                raise CaptureError(recursion) from exc
             raise
         finally:
             self.hook.end()

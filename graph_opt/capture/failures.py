@@ -42,10 +42,11 @@ _REMEDIES: List[Tuple[re.Pattern, str]] = [
      "a function the graph calls as one node (a splitting op) got an argument a graph cannot hold (a module, "
      "another object): at graph_opt_level>=1 a splitting op's arguments must be tensors, numbers, strings, "
      "None, or lists, tuples and dicts of them; pass the values it reads (module.scaling) instead"),
+    # Paddle's strategy names the recursing function and its cause where it knows them (backends/paddle/sot_recursion.py)
     (re.compile(r"maximum recursion depth", re.I),
-     "the translator recursed without end in a function the forward calls (PaddleFormers' "
-     "PretrainedConfig.get under Paddle's dy2static): keep that function out of the translation (Paddle: "
-     "paddle.jit.not_to_static(fn), docs/paddle.md; torch: torch.compiler.disable(fn)), or use graph_opt_level=0"),
+     "the translator recursed without end in a function the forward calls: keep that function out of the "
+     "translation (torch: torch.compiler.disable(fn); Paddle: docs/paddle.md, paddle.jit.not_to_static(fn) "
+     "reaching dy2static only), or use graph_opt_level=0"),
     (re.compile(r"out of memory", re.I),
      "the device ran out of memory while capturing: capture fewer or smaller batch sizes "
      "(cudagraph_capture_sizes), or free memory before capture"),
