@@ -226,7 +226,8 @@ def read_yaml(path: str, via: str = "") -> Mapping[str, Any]:
         raise GraphOptConfigError(f"config file {path!r} is not a file{via}: expected the path of a YAML file")
     with open(path, encoding="utf-8") as fh:
         try:
-            data = yaml.load(fh, Loader=_loader())
+            text = fh.read()
+            data = _json_or_yaml(text)
         except UnicodeDecodeError as exc:
             raise GraphOptConfigError(f"config file {path!r}{via} is not UTF-8 text ({exc.reason} at byte "
                                       f"{exc.start}): expected a YAML mapping of graph_opt_config keys") from None
@@ -253,7 +254,7 @@ def read_json_text(text: str, via: str = "") -> Mapping[str, Any]:
     import yaml
 
     try:
-        data = yaml.load(text, Loader=_loader())  # JSON is YAML: one parser, the same duplicate-key check
+        data = _json_or_yaml(text)
     except yaml.YAMLError as exc:
         raise GraphOptConfigError(
             f"config JSON text{via} is not valid (expected an object of graph_opt_config keys, as "
@@ -261,6 +262,37 @@ def read_json_text(text: str, via: str = "") -> Mapping[str, Any]:
     if not isinstance(data, Mapping):
         raise GraphOptConfigError(f"config JSON text{via} must hold an object, got {type(data).__name__}")
     return data
+
+
+def _json_or_yaml(text: str):
+    """The value of JSON text (as json.loads reads it: tabs are whitespace there, not in YAML), else of YAML
+    text; a key given twice in one mapping is an error in both. Raises yaml.YAMLError."""
+    import json
+
+    if is_json_text(text):
+        def pairs(items):
+            seen = set()
+            for key, _ in items:
+                if key in seen:
+                    raise _DuplicateKey(key)
+                seen.add(key)
+            return dict(items)
+
+        try:
+            return json.loads(text, object_pairs_hook=pairs)
+        except _DuplicateKey as exc:
+            import yaml
+
+            raise yaml.YAMLError(f"key {exc.args[0]!r} appears twice in one mapping") from None
+        except ValueError:
+            pass  # not JSON: a YAML flow mapping ({graph_opt_level: 1}) or an error YAML's parser names
+    import yaml
+
+    return yaml.load(text, Loader=_loader())
+
+
+class _DuplicateKey(Exception):
+    pass
 
 
 @functools.lru_cache(maxsize=None)
