@@ -358,9 +358,10 @@ def _warn_unused_splitting_ops(name: str, cfg) -> None:
                    config_mod._origin(cfg, "cudagraph_splitting_ops"))
 
 
-def _fd_config_position(init) -> Optional[int]:
+def _fd_config_position(init, cls: Optional[type] = None) -> Optional[int]:
     """Where __init__ takes FastDeploy's `fd_config`: its position after self (-1: by keyword only, or
-    through **kwargs), or None where it takes none."""
+    through **kwargs), or None where it takes none. An __init__(self, *args, **kwargs) that names nothing
+    forwards to its base's (super().__init__(*args, **kwargs)): the base's position is the one."""
     try:
         params = list(inspect.signature(init).parameters.values())[1:]
     except (TypeError, ValueError):
@@ -368,6 +369,14 @@ def _fd_config_position(init) -> Optional[int]:
     for i, p in enumerate(params):
         if p.name == "fd_config":
             return i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1
+    if cls is not None and params and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        owner = next((k for k in cls.__mro__ if "__init__" in k.__dict__), None)
+        later = cls.__mro__[cls.__mro__.index(owner) + 1:] if owner is not None else ()
+        base = next((k for k in later if "__init__" in k.__dict__), None)
+        if base is not None and base is not object:
+            found = _fd_config_position(base.__dict__["__init__"], base)
+            if found is not None:
+                return found
     return -1 if any(p.kind == p.VAR_KEYWORD for p in params) else None
 
 
@@ -433,7 +442,7 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
     orig_setattr = getattr(cls.__setattr__, "_graph_opt_orig_setattr", cls.__setattr__)
     cls.__graph_opt_options__ = dict(options, framework=framework, orig_call=orig_call)
 
-    fd_position = _fd_config_position(orig_init)
+    fd_position = _fd_config_position(orig_init, cls)
 
     @functools.wraps(orig_init)
     def __init__(self, *args, graph_opt_config=None, **kwargs):
