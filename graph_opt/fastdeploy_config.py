@@ -35,8 +35,8 @@ def from_fastdeploy(value: Any) -> config_mod.GraphOptConfig:
     fields of its own between versions)."""
     if isinstance(value, config_mod.GraphOptConfig) or isinstance(value, str):
         return config_mod.resolve(value)
-    if isinstance(value, Mapping):
-        values = dict(value)
+    if isinstance(value, Mapping):  # nested under graph_opt_config: too, as in every other mapping source
+        values = dict(config_mod._unwrap(value, SOURCE))
     elif hasattr(value, "__dict__"):
         known = set(config_mod.field_names())
         values = {k: v for k, v in vars(value).items() if k in known}

@@ -84,10 +84,12 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
     if runner is None:
         report.notes.extend(state.notes or [f"nothing to capture in mode {state.mode}"])
         if cfg.graph_opt_level >= 1 and not state.disabled:
-            # Translate now rather than on the first real call.
-            args, kwargs = _inputs_for(state, make_inputs, cfg.effective_max_capture_size)
-            with state.adapter.no_grad():
-                state.plain_call()(*args, **kwargs)
+            # Translate now rather than on the first real call: at the sot_warmup_sizes where they are given
+            # (the sizes the caller's buffers hold, as FastDeploy warms up), else at the max capture size.
+            if not cfg.sot_warmup_sizes:
+                args, kwargs = _inputs_for(state, make_inputs, cfg.effective_max_capture_size)
+                with state.adapter.no_grad():
+                    state.plain_call()(*args, **kwargs)
             _warm_static_path(state, state.plain_call(), make_inputs, 0, report)
         report.seconds = time.perf_counter() - start
         report.translations = _translations(state)
