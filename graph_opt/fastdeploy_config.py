@@ -33,8 +33,10 @@ def from_fastdeploy(value: Any) -> config_mod.GraphOptConfig:
     mapping of its keys, JSON text or a YAML path, or a GraphOptConfig. A mapping's unknown key is an
     error naming the allowed ones; an object's attributes that neither knows are skipped (FastDeploy adds
     fields of its own between versions)."""
-    if isinstance(value, config_mod.GraphOptConfig) or isinstance(value, str):
+    if isinstance(value, config_mod.GraphOptConfig):
         return config_mod.resolve(value)
+    if isinstance(value, str):  # its keys over GRAPH_OPT_CONFIG's, as a mapping's (docs/fastdeploy.md's precedence)
+        value = config_mod.read_json_text(value) if config_mod.is_json_text(value) else config_mod.read_yaml(value)
     if isinstance(value, Mapping):  # nested under graph_opt_config: too, as in every other mapping source
         values = dict(config_mod._unwrap(value, SOURCE))
     elif hasattr(value, "__dict__"):

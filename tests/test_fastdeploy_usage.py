@@ -89,3 +89,19 @@ def test_level_1_without_graphs_warms_up_at_the_sot_warmup_sizes_only():
         x = torch.randn(16, 8)
         assert torch.equal(m(x), Eager.forward(m, x))
     assert graph_opt.stats(m).translations == before
+
+
+def test_fd_config_json_text_sits_above_graph_opt_config_as_a_mapping_does(monkeypatch, tmp_path):
+    """docs/fastdeploy.md: defaults < GRAPH_OPT_CONFIG < fd_config.graph_opt_config, whatever its form; JSON
+    text (or a YAML path) there dropped GRAPH_OPT_CONFIG entirely and named its values 'json'."""
+    @graph_opt.support_graph_optimization
+    class Model(Eager):
+        pass
+
+    monkeypatch.setenv("GRAPH_OPT_CONFIG", '{"cudagraph_capture_sizes": [1, 2]}')
+    path = tmp_path / "fd.yaml"
+    path.write_text("graph_opt_config:\n  graph_opt_level: 1\n")
+    for given in ('{"graph_opt_level": 1}', {"graph_opt_level": 1}, str(path)):
+        cfg = state_of(Model(types.SimpleNamespace(graph_opt_config=given))).config
+        assert (cfg.graph_opt_level, cfg.capture_sizes) == (1, [1, 2]), given
+        assert cfg.sources["graph_opt_level"] == "fd_config.graph_opt_config", given
