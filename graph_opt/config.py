@@ -16,8 +16,8 @@ from .cudagraph_modes import CUDAGRAPH_MODES
 from .errors import GraphOptConfigError
 from .capture.passes import KNOWN_PASSES
 from .replay.sizes import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
+from .config_files import NESTED_KEY, is_json_text, read_json_text, read_yaml  # noqa: F401 (public here too)
 
-NESTED_KEY = "graph_opt_config"
 # FastDeploy's keys for its own scheduler (prefill-only graphs, a draft model's) and the maps it derives from
 # the sizes: accepted in any config source and skipped (graph_opt pads to the captured sizes itself), so
 # that FastDeploy's configs load as they are (docs/fastdeploy.md)
@@ -209,111 +209,6 @@ _FIELDS = frozenset(field_names())
 
 def _copy_value(value):
     return list(value) if isinstance(value, (list, tuple)) else value
-
-
-def read_yaml(path: str, via: str = "") -> Mapping[str, Any]:
-    """The mapping in a YAML file. `via` names where the path came from (" (GRAPH_OPT_CONFIG)") in errors."""
-    import yaml
-
-    if not isinstance(path, (str, os.PathLike)):
-        raise GraphOptConfigError(
-            f"config file{via}: expected the path of a YAML file (a str or os.PathLike), got {type(path).__name__}"
-        )
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise GraphOptConfigError(f"config file {path!r} does not exist{via}: expected the path of a YAML file")
-    if not os.path.isfile(path):
-        raise GraphOptConfigError(f"config file {path!r} is not a file{via}: expected the path of a YAML file")
-    with open(path, encoding="utf-8") as fh:
-        try:
-            text = fh.read()
-            data = _json_or_yaml(text)
-        except UnicodeDecodeError as exc:
-            raise GraphOptConfigError(f"config file {path!r}{via} is not UTF-8 text ({exc.reason} at byte "
-                                      f"{exc.start}): expected a YAML mapping of graph_opt_config keys") from None
-        except yaml.YAMLError as exc:
-            raise GraphOptConfigError(
-                f"config file {path!r}{via} is not valid YAML (expected a mapping of graph_opt_config keys): {exc}"
-            ) from None
-    if data is None:
-        return {}
-    if not isinstance(data, Mapping):
-        raise GraphOptConfigError(
-            f"config file {path!r}{via} must hold a mapping, got {type(data).__name__}; expected "
-            f"graph_opt_config keys (bare or nested under {NESTED_KEY}:)"
-        )
-    return data
-
-
-def is_json_text(value) -> bool:
-    """A config given as JSON text where a path is accepted (FastDeploy's --graph-optimization-config '{...}')."""
-    return isinstance(value, str) and value.lstrip().startswith("{")
-
-
-def read_json_text(text: str, via: str = "") -> Mapping[str, Any]:
-    import yaml
-
-    try:
-        data = _json_or_yaml(text)
-    except yaml.YAMLError as exc:
-        raise GraphOptConfigError(
-            f"config JSON text{via} is not valid (expected an object of graph_opt_config keys, as "
-            f"'{{\"graph_opt_level\": 1, \"use_cudagraph\": true}}'): {exc}") from None
-    if not isinstance(data, Mapping):
-        raise GraphOptConfigError(f"config JSON text{via} must hold an object, got {type(data).__name__}")
-    return data
-
-
-def _json_or_yaml(text: str):
-    """The value of JSON text (as json.loads reads it: tabs are whitespace there, not in YAML), else of YAML
-    text; a key given twice in one mapping is an error in both. Raises yaml.YAMLError."""
-    import json
-
-    if is_json_text(text):
-        def pairs(items):
-            seen = set()
-            for key, _ in items:
-                if key in seen:
-                    raise _DuplicateKey(key)
-                seen.add(key)
-            return dict(items)
-
-        try:
-            return json.loads(text, object_pairs_hook=pairs)
-        except _DuplicateKey as exc:
-            import yaml
-
-            raise yaml.YAMLError(f"key {exc.args[0]!r} appears twice in one mapping") from None
-        except ValueError:
-            pass  # not JSON: a YAML flow mapping ({graph_opt_level: 1}) or an error YAML's parser names
-    import yaml
-
-    return yaml.load(text, Loader=_loader())
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-@functools.lru_cache(maxsize=None)
-def _loader():
-    """yaml's SafeLoader, except that a key given twice in one mapping is an error, not the last one winning."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: merged keys may be overridden
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                if isinstance(key, str) and key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
-                seen.add(key)
-            return super().construct_mapping(node, deep)
-
-    return Loader
 
 
 def _unwrap(data: Mapping[str, Any], source: str) -> Mapping[str, Any]:

@@ -76,7 +76,7 @@ class GraphOptState:
         self.plain: Optional[Callable] = None  # the path without graphs, once chosen
         self.selection = None if cfg.graph_mode == "full" else split.SplitSelection(cfg.splitting_ops)
         if cfg.graph_mode == "full" and cfg.cudagraph_splitting_ops and cfg.use_cudagraph:
-            _warn_unused_splitting_ops(self.name, cfg)
+            fastdeploy_config.warn_unused_splitting_ops(self.name, cfg)
         if self.runner is not None:
             self.runner = None
             self.ensure_runner()
@@ -341,45 +341,6 @@ def _check_no_own_call(cls) -> None:
             "forward, or into a module that calls the decorated one")
 
 
-_UNUSED_OPS_SAID: set = set()
-
-
-def _warn_unused_splitting_ops(name: str, cfg) -> None:
-    """Splitting ops named with a full graph, which captures them inside (FastDeploy documents the two as
-    exclusive): a warning once per class and list, not an error, since a preset may name the ops a switch
-    to piecewise uses (GRAPH_OPT_SPLITTING_OPS beside a YAML that picks the mode)."""
-    key = (name, tuple(cfg.cudagraph_splitting_ops))
-    if key in _UNUSED_OPS_SAID:
-        return
-    _UNUSED_OPS_SAID.add(key)
-    logger.warning("%s: cudagraph_splitting_ops=%r%s is unused: the graph is full (full_cuda_graph true / "
-                   "cudagraph_mode 'full') and captures those ops inside. Set full_cuda_graph: false (cudagraph_mode: "
-                   "piecewise) to split at them", name, cfg.cudagraph_splitting_ops,
-                   config_mod._origin(cfg, "cudagraph_splitting_ops"))
-
-
-def _fd_config_position(init, cls: Optional[type] = None) -> Optional[int]:
-    """Where __init__ takes FastDeploy's `fd_config`: its position after self (-1: by keyword only, or
-    through **kwargs), or None where it takes none. An __init__(self, *args, **kwargs) that names nothing
-    forwards to its base's (super().__init__(*args, **kwargs)): the base's position is the one."""
-    try:
-        params = list(inspect.signature(init).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return None
-    for i, p in enumerate(params):
-        if p.name == "fd_config":
-            return i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1
-    if cls is not None and params and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-        owner = next((k for k in cls.__mro__ if "__init__" in k.__dict__), None)
-        later = cls.__mro__[cls.__mro__.index(owner) + 1:] if owner is not None else ()
-        base = next((k for k in later if "__init__" in k.__dict__), None)
-        if base is not None and base is not object:
-            found = _fd_config_position(base.__dict__["__init__"], base)
-            if found is not None:
-                return found
-    return -1 if any(p.kind == p.VAR_KEYWORD for p in params) else None
-
-
 def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str, int]] = None,
                                host_outputs: Optional[Sequence[str]] = None, host_ring_depth: int = 2,
                                dispatch_key_fn: Optional[Callable[..., str]] = None,
@@ -442,7 +403,7 @@ def support_graph_optimization(cls=None, *, dynamic_arg_dims: Optional[Dict[str,
     orig_setattr = getattr(cls.__setattr__, "_graph_opt_orig_setattr", cls.__setattr__)
     cls.__graph_opt_options__ = dict(options, framework=framework, orig_call=orig_call)
 
-    fd_position = _fd_config_position(orig_init, cls)
+    fd_position = fastdeploy_config.fd_config_position(orig_init, cls)
 
     @functools.wraps(orig_init)
     def __init__(self, *args, graph_opt_config=None, **kwargs):

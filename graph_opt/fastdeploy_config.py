@@ -9,10 +9,14 @@ for its own scheduler (prefill sizes, the size maps it precomputes) are not need
 """
 from __future__ import annotations
 
+import inspect
+import logging
 from typing import Any, Mapping, Optional
 
 from . import config as config_mod
 from .errors import GraphOptConfigError
+
+logger = logging.getLogger("graph_opt")
 
 SOURCE = "fd_config.graph_opt_config"
 
@@ -47,3 +51,42 @@ def from_fastdeploy(value: Any) -> config_mod.GraphOptConfig:
             f"{SOURCE}: expected FastDeploy's GraphOptimizationConfig, a mapping of its keys, JSON text or a YAML "
             f"path, got {type(value).__name__}")
     return config_mod.load_values(values, SOURCE)
+
+
+_UNUSED_OPS_SAID: set = set()
+
+
+def warn_unused_splitting_ops(name: str, cfg) -> None:
+    """Splitting ops named with a full graph, which captures them inside (FastDeploy documents the two as
+    exclusive): a warning once per class and list, not an error, since a preset may name the ops a switch
+    to piecewise uses (GRAPH_OPT_SPLITTING_OPS beside a YAML that picks the mode)."""
+    key = (name, tuple(cfg.cudagraph_splitting_ops))
+    if key in _UNUSED_OPS_SAID:
+        return
+    _UNUSED_OPS_SAID.add(key)
+    logger.warning("%s: cudagraph_splitting_ops=%r%s is unused: the graph is full (full_cuda_graph true / "
+                   "cudagraph_mode 'full') and captures those ops inside. Set full_cuda_graph: false (cudagraph_mode: "
+                   "piecewise) to split at them", name, cfg.cudagraph_splitting_ops,
+                   config_mod._origin(cfg, "cudagraph_splitting_ops"))
+
+
+def fd_config_position(init, cls: Optional[type] = None) -> Optional[int]:
+    """Where __init__ takes FastDeploy's `fd_config`: its position after self (-1: by keyword only, or
+    through **kwargs), or None where it takes none. An __init__(self, *args, **kwargs) that names nothing
+    forwards to its base's (super().__init__(*args, **kwargs)): the base's position is the one."""
+    try:
+        params = list(inspect.signature(init).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.name == "fd_config":
+            return i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1
+    if cls is not None and params and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        owner = next((k for k in cls.__mro__ if "__init__" in k.__dict__), None)
+        later = cls.__mro__[cls.__mro__.index(owner) + 1:] if owner is not None else ()
+        base = next((k for k in later if "__init__" in k.__dict__), None)
+        if base is not None and base is not object:
+            found = fd_config_position(base.__dict__["__init__"], base)
+            if found is not None:
+                return found
+    return -1 if any(p.kind == p.VAR_KEYWORD for p in params) else None
