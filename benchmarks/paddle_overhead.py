@@ -31,11 +31,11 @@ def _per_call_us(fn, calls: int) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graph_opt bench overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--calls", type=int, default=200, help="calls per round")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=8, help="rows per call (default 8)")
+    parser.add_argument("--hidden", type=int, default=64, help="the model's hidden size (default 64)")
+    parser.add_argument("--layers", type=int, default=2, help="the model's layers (default 2)")
+    parser.add_argument("--calls", type=int, default=200, help="calls per round (default 200)")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds; the median is reported (default 7)")
     args = parser.parse_args(argv)
 
     sizes = sorted({1, 2, 4, 8, args.batch})

@@ -16,7 +16,10 @@ def _sizes(text: str):
 
 
 def main(argv=None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="python -m graph_opt", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"graph_opt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="a small decoder in every mode, checked against eager")
@@ -24,15 +27,16 @@ def main(argv=None) -> int:
                       help="auto runs every installed framework (default)")
     demo.add_argument("--sizes", type=_sizes, default=[1, 2, 4, 8], help="capture sizes (default 1,2,4,8)")
     demo.add_argument("--calls", type=int, default=50, help="timed calls per mode (default 50)")
-    demo.add_argument("--hidden", type=int, default=64)
-    demo.add_argument("--layers", type=int, default=4)
+    demo.add_argument("--hidden", type=int, default=64, help="the decoder's hidden size (default 64)")
+    demo.add_argument("--layers", type=int, default=4, help="the decoder's layers (default 4)")
 
     bench = sub.add_parser("bench", help="benchmarks: the hook's overhead per call or program passes (CPU), "
                                          "graphed training steps, a decode loop's host reads, the checks before a replay, "
                                          "Hugging Face models' inference and training steps (GPU, torch) or a "
                                          "tensor-parallel decode step (two GPUs, torch)")
-    bench.add_argument("what", nargs="?", choices=["overhead", "passes", "training", "decode", "tp", "guards", "models"],
-                       default="overhead")
+    bench.add_argument("what", choices=["overhead", "passes", "training", "decode", "tp", "guards", "models"],
+                       help="which benchmark: overhead (the hook per call, CPU), passes (Paddle program passes, CPU), "
+                            "training, decode, guards, models (GPU, torch), tp (two GPUs, torch)")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
 
     config = sub.add_parser("config", help="print the effective config and where each value came from")

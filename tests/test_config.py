@@ -293,3 +293,18 @@ def test_a_copy_of_a_config_has_its_own_sources():
         assert "full_cuda_graph" not in cfg.sources
     cfg.cudagraph_mode = "piecewise"  # cfg never set full_cuda_graph: no disagreement with a copy's
     assert cfg.graph_mode == "piecewise"
+
+
+def test_the_cli_says_its_version_and_asks_which_benchmark(capsys):
+    """`--version` prints it; `bench` with no name is an error listing the benchmarks (it used to run
+    `overhead` quietly)."""
+    from graph_opt import __version__
+    from graph_opt.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and f"graph_opt {__version__}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        main(["bench"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "overhead" in err and "models" in err, err
