@@ -16,7 +16,7 @@ from .cudagraph_modes import CUDAGRAPH_MODES
 from .errors import GraphOptConfigError
 from .capture.passes import KNOWN_PASSES
 from .replay.sizes import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
-from .config_files import NESTED_KEY, is_json_text, read_json_text, read_yaml  # noqa: F401 (public here too)
+from .config_files import NESTED_KEY, read_text_or_file, read_yaml
 
 # FastDeploy's keys for its own scheduler (prefill-only graphs, a draft model's) and the maps it derives from
 # the sizes: accepted in any config source and skipped (graph_opt pads to the captured sizes itself), so
@@ -340,14 +340,8 @@ def _load(path, environ, overrides: Mapping[str, Any], where: str, source: str) 
     sources: Dict[str, str] = {}
     yaml_path = path if path is not None else env.read("GRAPH_OPT_CONFIG", environ)
     if yaml_path is not None:
-        via = "" if path is not None else " (GRAPH_OPT_CONFIG)"
-        if is_json_text(yaml_path):
-            label = "json" + via
-            data = _unwrap(read_json_text(yaml_path, via), label)
-        else:
-            label = f"yaml:{yaml_path}{via}"
-            data = _unwrap(read_yaml(yaml_path, via), label)
-        data = _without_fastdeploy_keys(data)
+        data, label = read_text_or_file(yaml_path, "" if path is not None else " (GRAPH_OPT_CONFIG)")
+        data = _without_fastdeploy_keys(_unwrap(data, label))
         check_keys(data, label)
         for key, value in data.items():
             values[key] = _copy_value(value)

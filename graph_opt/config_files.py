@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Tuple
 
 from .errors import GraphOptConfigError
 
@@ -115,3 +115,11 @@ def _loader():
             return super().construct_mapping(node, deep)
 
     return Loader
+
+
+def read_text_or_file(value: str, via: str = "") -> Tuple[Mapping[str, Any], str]:
+    """(the mapping, a label naming where it came from) of a config given where a path is accepted: JSON
+    text, or the path of a YAML (or JSON) file."""
+    if is_json_text(value):
+        return read_json_text(value, via), "json" + via
+    return read_yaml(value, via), f"yaml:{value}{via}"

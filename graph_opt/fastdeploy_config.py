@@ -20,9 +20,6 @@ logger = logging.getLogger("graph_opt")
 
 SOURCE = "fd_config.graph_opt_config"
 
-FASTDEPLOY_ONLY = config_mod.FASTDEPLOY_ONLY
-
-
 def graph_opt_config_of(fd_config: Any) -> Optional[Any]:
     """fd_config's graph_opt_config (an attribute, or a key of a mapping), or None."""
     if fd_config is None:
@@ -40,7 +37,7 @@ def from_fastdeploy(value: Any) -> config_mod.GraphOptConfig:
     if isinstance(value, config_mod.GraphOptConfig):
         return config_mod.resolve(value)
     if isinstance(value, str):  # its keys over GRAPH_OPT_CONFIG's, as a mapping's (docs/fastdeploy.md's precedence)
-        value = config_mod.read_json_text(value) if config_mod.is_json_text(value) else config_mod.read_yaml(value)
+        value = config_mod.read_text_or_file(value)[0]
     if isinstance(value, Mapping):  # nested under graph_opt_config: too, as in every other mapping source
         values = dict(config_mod._unwrap(value, SOURCE))
     elif hasattr(value, "__dict__"):
