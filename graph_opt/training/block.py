@@ -403,11 +403,15 @@ class GraphedBlock:
         if warning is not None and reason not in self.warned:
             self.warned.add(reason)
             logger.warning(warning)
-        if self.watch is not None and not any(s.graphs is not None for s in self.keys.values()):
+        if self.watch is not None and not self.holds_graphs():
             # No graphs to keep true to what the forward writes (a capture notes its own run's writes):
             # the call costs what eager costs, as a refused key's calls should
             return self.call(*args, **kwargs)
         return self._eager(self.call, args, kwargs)
+
+    def holds_graphs(self) -> bool:
+        """Whether any key holds graphs, in any slot (slots.py)."""
+        return any(s.graphs is not None or s.twins and s.all_graphs() for s in self.keys.values())
 
     def _graphs_available(self) -> bool:
         return graphs_for(self.adapter).available()

@@ -37,7 +37,7 @@ class KeyCapturer:
             # Changed since the graphs of other keys were captured: theirs are as stale as a replay would be.
             # Before any capture (a buffer the forward registers at its first call) nothing is stale.
             run = state.run
-            block.recapture(quiet=not any(k.graphs is not None for k in block.keys.values()))
+            block.recapture(quiet=not block.holds_graphs())
             state.run = run  # this key's outputs were counted at its first call, after the change
         held = None
         if block.module is not None:  # what the graphs will read: parameters as they are now
