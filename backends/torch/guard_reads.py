@@ -28,6 +28,7 @@ from ...watch.replay_guards import show
 
 _STEP = re.compile(r"\.(\w+)|\['([^'\\]*)'\]")
 _PATH = re.compile(r"self(?:\.\w+|\['[^'\\]*'\])*")
+_MRO = re.compile(r"dict\(type\((self[^()]*)\)\.__mro__\[(\d+)\]\.__dict__\)\['(\w+)'\].*")
 _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH", "ID_MATCH"})
 _MISSING = object()
 
@@ -83,6 +84,7 @@ class _Steps:
     def take(self, entry) -> bool:
         """Whether the guard is checked here instead (its reads recorded), not by Dynamo."""
         kind, name = entry.guard_type, entry.name
+        self._shadows(name)
         if kind in _VALUE_GUARDS and entry.has_value:
             base, dot, member = name.rpartition(".")
             if not dot or not _PATH.fullmatch(base) or not member.isidentifier():
@@ -152,6 +154,22 @@ class _Steps:
             self._add(owner[0])
             return True
         return False
+
+    def _shadows(self, name: str) -> None:
+        """A class attribute read through an instance (`self.eps`, `self.helper()`): Dynamo guards its value
+        in the class of the MRO that held it, not that the classes before it still lack it, so setting it
+        on the instance's own class (a subclass) after capture would go unseen. Those absences are read here."""
+        found = _MRO.fullmatch(name)
+        if found is None or found.group(2) == "0" or not _PATH.fullmatch(found.group(1)):
+            return
+        owner = self._walk(found.group(1))
+        if owner is None:
+            return
+        attr, mro = found.group(3), type(owner[1]).__mro__
+        for klass in mro[:int(found.group(2))]:
+            if attr not in vars(klass):
+                where = f"{_shown(found.group(1))}.{attr} (set on class {klass.__name__})".lstrip(".")
+                self.absent[(id(klass), attr)] = (where, vars(klass), attr)
 
     def _walk(self, path: str):
         """(the dict reads from the model to the object at path, the object), or None where a step is not one."""
