@@ -16,12 +16,18 @@ the class itself (its __getattribute__, its attribute_map) stays with Dynamo.
 """
 from __future__ import annotations
 
+import gc
 import re
 import types
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+try:  # a dict's version: moves at every write (CPython's version tag, or a dict watcher from 3.12)
+    from torch._C._dynamo.guards import dict_version
+except ImportError:  # pragma: no cover - every torch graph_opt supports has it; the full check runs without
+    dict_version = None
 
 from ...watch.module_watch import Reads
 from ...watch.replay_guards import show
@@ -78,8 +84,14 @@ class _Steps:
         self.classes: Dict[int, tuple] = {}  # id(object) -> (where, object, its class)
 
     def reads(self) -> Reads:
-        return Reads(list(self.hops.values()), list(self.values.values()), list(self.absent.values()),
-                     list(self.present.values()), list(self.classes.values()))
+        reads = Reads(list(self.hops.values()), list(self.values.values()), list(self.absent.values()),
+                      list(self.present.values()), list(self.classes.values()))
+        read = [d for _, d, _, _ in self.hops.values()] + [d for _, d, _, _ in self.values.values()] + \
+            [d for _, d, _ in self.absent.values()] + [d for _, d, _ in self.present.values()]
+        dicts = {id(d): d for d in map(_as_dict, read)}
+        if dict_version is not None and None not in dicts.values():
+            reads.versioned(dict_version, list(dicts.values()))
+        return reads
 
     def take(self, entry) -> bool:
         """Whether the guard is checked here instead (its reads recorded), not by Dynamo."""
@@ -123,6 +135,8 @@ class _Steps:
             return True
         if kind in ("NOT_PRESENT_IN_GENERIC_DICT", "HASATTR"):
             attr = (getattr(entry.orig_guard.create_fn, "keywords", None) or {}).get("attr")
+            if attr is None and kind == "HASATTR":  # torch before 2.12 names the attribute's own source
+                name, _, attr = name.rpartition(".")
             if not isinstance(attr, str) or not _PATH.fullmatch(name):
                 return False
             owner = self._walk(name)
@@ -218,6 +232,14 @@ def _runs_python(obj) -> bool:
     """An object (not a module) whose class's __getattribute__ is Python code."""
     return not isinstance(obj, torch.nn.Module) and isinstance(getattr(type(obj), "__getattribute__", None),
                                                                  types.FunctionType)
+
+
+def _as_dict(mapping) -> Optional[dict]:
+    """The dict itself: a class's mappingproxy refers to its class's dict alone."""
+    if type(mapping) is dict:
+        return mapping
+    inner = gc.get_referents(mapping) if type(mapping) is types.MappingProxyType else ()
+    return inner[0] if len(inner) == 1 and type(inner[0]) is dict else None
 
 
 def _own_dict(obj) -> Optional[dict]:

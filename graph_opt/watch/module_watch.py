@@ -334,11 +334,29 @@ class Reads:
         self.classes = list(classes)
         self.class_objs = [o for _, o, _ in classes]
         self.class_types = [c for _, _, c in classes]
+        self._version: Optional[Any] = None
+        self._versioned: List[dict] = []
+        self._seen: Optional[list] = None
 
     def __len__(self) -> int:
         return len(self.hop_objs) + len(self.values) + len(self.absent) + len(self.present) + len(self.classes)
 
+    def versioned(self, version, dicts: List[dict]) -> None:
+        """A fast path: `version(d)` moves at every write to d (the interpreter's dict version), and dicts
+        are all the dicts read; while none moved since the reads last held, nothing read changed."""
+        self._version, self._versioned = version, dicts
+
     def differs(self) -> bool:
+        if self._version is None:
+            return self._differs()
+        now = list(map(self._version, self._versioned))
+        if now == self._seen and all(map(operator.is_, map(type, self.class_objs), self.class_types)):
+            return False
+        changed = self._differs()
+        self._seen = None if changed else now
+        return changed
+
+    def _differs(self) -> bool:
         if not all(map(operator.is_, map(dict.get, self.hop_dicts, self.hop_keys, _GONE_ITER), self.hop_objs)):
             return True
         if _values_changed(self):

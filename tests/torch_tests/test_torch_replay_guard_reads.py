@@ -149,3 +149,30 @@ def test_reads_compare_values_by_type_and_sign_objects_by_identity_and_names_by_
     del obj.gone
     d["k"] = Holder()  # another object at a step on the way: not the one at capture
     assert reads.differs() and reads.first_change()[0] == "d.k"
+
+
+def test_reads_with_dict_versions_see_every_write_and_look_again_only_after_one():
+    from graph_opt.backends.torch.guard_reads import dict_version
+
+    class Holder:
+        pass
+
+    obj = Holder()
+    obj.scale = 2.0
+    d = vars(obj)
+    reads = Reads(hops=[], values=[("obj.scale", d, "scale", 2.0)], absent=[("obj.shift", d, "shift")],
+                  present=[], classes=[("obj.__class__", obj, Holder)])
+    looked = []
+    full = reads._differs
+    reads._differs = lambda: looked.append(1) or full()
+    reads.versioned(dict_version, [d])
+    assert not reads.differs() and not reads.differs()
+    assert len(looked) == 1  # the second call: no dict moved
+    obj.other = 1  # a write the forward never read: looked at again, still holds
+    assert not reads.differs() and len(looked) == 2
+    obj.scale = 3.0
+    assert reads.differs() and reads.differs() and len(looked) == 4
+    obj.scale = 2.0
+    assert not reads.differs()
+    obj.__class__ = type("Other", (Holder,), {})  # no dict write: compared at every call
+    assert reads.differs()
