@@ -1,5 +1,5 @@
 """Level >= 1 on torch: Dynamo's guards skip a module subtree whose dicts kept their version tags
-(backends/torch/dynamo.py, _tag_skipping_guards). Every change to what the forward read under the model
+(backends/torch/guard_reads.py, tag_skipping_guards). Every change to what the forward read under the model
 still stops replays (a `guard` fallback) and the call equals eager; undone, replays resume. (A
 submodule replaced: tests/both/test_replay_module_changes.py.) Simulated
 graphs on CPU replay the recorded graph, so a value baked into it would show here."""
