@@ -14,6 +14,7 @@ from graph_opt.watch.module_watch import GONE, Reads
 from replay_support import HIDDEN, capture, eager_padded, pair
 
 _CI_SECONDS = 2
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _INDUCTOR_ON_CPU = set()
 
 
@@ -61,7 +62,10 @@ def _both(m, twin, change):
 def test_the_settings_reads_leave_dynamos_guards_and_the_captured_graph_replays(F):
     m, twin = _captured(F)
     reads = [r for _, r in state_of(m).runner.strategy._guards._reads.values()]
-    assert reads and all(r.names == ["scale"] for r in reads), [r.names for r in reads]
+    # Before torch 2.12 Dynamo reads the value through object.__getattribute__ (C, no Python call) and
+    # keeps that guard; its hasattr guard runs the class's __getattribute__ and is taken out.
+    names = ["scale"] if _TORCH >= (2, 12) else []
+    assert reads and all(r.names == names for r in reads), [r.names for r in reads]
     assert all(("shift" in r.absent_names) for r in reads)
     _call(F, m, twin)
     assert graph_opt.stats(m).replays == 1 and not graph_opt.stats(m).fallback_reasons
@@ -88,7 +92,8 @@ def test_a_change_of_what_the_forward_read_stops_replays_until_undone(F, change,
     _call(F, m, twin)
     s = graph_opt.stats(m)
     assert s.replays == 0 and s.fallback_reasons == {"guard": 1}, s.fallback_reasons
-    said = [w for w in graph_opt_warnings() if "ReadsSettings.settings" in w and "changed since capture" in w]
+    said = [w for w in graph_opt_warnings() if "changed since capture" in w and
+            ("ReadsSettings.settings" in w or "settings" in w and "Dynamo's guard" in w)]
     assert said, graph_opt_warnings()
     if change == "name set on the class":
         monkeypatch.undo()
