@@ -2,6 +2,8 @@
 
     python -m graph_opt bench models [--out results] [--quick] [--smoke]
         [--only inference|training [--merge JSON] [--cases LIST]]
+    python -m graph_opt bench models --only training [--cases LIST] [--variants LIST] --runs N
+    python -m graph_opt bench models --summarize RUN.json ...
 
 Models are built from configs with random weights (nothing is downloaded), each inside a thin user module:
 - Llama: LlamaForCausalLM, 8 layers, hidden 1024, 16 heads, 4 KV heads (GQA), MLP 2816, vocab 32000, seq 64;
@@ -27,8 +29,8 @@ capture or a call that fell back to eager fails the run (exit 1, after the resul
 
 Training: float32 weights under torch.autocast(bf16, cache_enabled=False) in every variant
 (make_graphed_callables refuses autocast's weight cache), dropout on, a thin wrapper returning the loss of
-(input_ids, labels), labels = the input ids; micro-batches 1 and 8: BERT (SDPA attention), GPT-2, and BERT
-with attn_implementation="eager" (its mask code copies a Python number to the device: a capture of the
+(input_ids, labels), labels = the input ids; micro-batches 1 and 8: BERT (SDPA attention), GPT-2, the Llama
+above, and BERT with attn_implementation="eager" (its mask code copies a Python number to the device: a capture of the
 eager forward refuses it). A step: zero_grad(set_to_none=True), forward, backward, SGD(lr 1e-3, foreach).
 Variants: eager; graph_opt.autocudagraph on the whole wrapper at its default level (0; on the eager-attention
 BERT the eager capture is refused once and the keys are traced at level 1: retraced, not a failure), at level 1
@@ -38,8 +40,12 @@ REFUSED_STEP_LIMIT x eager's, else a failed check); torch.cuda.make_graphed_call
 micro-batch); torch.compile(mode="reduce-overhead", dynamic=False). Median ms per step of back-to-back
 steps after WARMUP_STEPS warm-up steps; beside it the wall time of each warm-up step (the trace, compile
 and capture happen there), and the capture or compile time alone where known (autocudagraph's
-capture_seconds, make_graphed_callables' call, torch.compile's first step). A variant that fails is
-recorded with its error; the others still run.
+capture_seconds, make_graphed_callables' call, torch.compile's first step), and the host's time in the
+step's forward, backward and optimizer (no sync: parts adding up to the step's time mean a host-bound
+step). A variant that fails is recorded with its error; the others still run. --variants LIST runs only
+those; --runs N runs the half N times in processes of their own and summarizes each variant against
+reduce-overhead as the median ratio and its range (training_runs.py); --summarize does so for runs made
+earlier.
 
 torch.compile(mode="reduce-overhead") runs last in each model's inference, with no other graph replayed
 after it: on an H200 (torch 2.11) a graph captured before its recording, hand-written or the plugin's,
@@ -86,7 +92,8 @@ HOST_BATCH = 8
 TOLERANCE = {0: 2e-2, 1: 2e-2, 2: 5e-2}
 LR = 1e-3
 WARMUP_STEPS = 5
-TRAINING_CASES = {"bert": ("bert", None), "gpt2": ("gpt2", None), "bert (eager attention)": ("bert", "eager")}
+TRAINING_CASES = {"bert": ("bert", None), "gpt2": ("gpt2", None), "llama": ("llama", None),
+                  "bert (eager attention)": ("bert", "eager")}
 INFERENCE_CASES = {name: (name, None) for name in MODELS}
 INFERENCE_CASES["bert (eager attention)"] = ("bert", "eager")
 # where a capture of the eager forward (the hand-written graph, plugin L0) is expected to be refused: a note
@@ -95,6 +102,7 @@ REFUSED_AT_LEVEL_0 = {"bert (eager attention)"}
 EAGER, HAND, COMPILE = "eager", "hand graph", "reduce-overhead"
 AUTO, AUTO_L0, AUTO_L1, AUTO_L2, MGC = ("autocudagraph", "autocudagraph (level 0)", "autocudagraph (level 1)",
                                         "autocudagraph (level 2)", "make_graphed_callables")
+TRAINING_VARIANTS = [EAGER, AUTO, AUTO_L0, AUTO_L1, AUTO_L2, MGC, COMPILE]
 # A refused key (level 0 asked for explicitly, where its capture is refused) may cost this much more than eager
 REFUSED_STEP_LIMIT = 1.05
 
@@ -358,13 +366,19 @@ class Step:
         self.model = model
         self.forward = forward or model
         self.opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=True)
+        self.host: List[tuple] = []  # per step: host seconds in forward, backward, optimizer (no sync)
 
     def __call__(self, ids, labels):
+        clock = time.perf_counter
+        t0 = clock()
         self.opt.zero_grad(set_to_none=True)
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, cache_enabled=False):
             loss = self.forward(ids, labels)
+        t1 = clock()
         loss.backward()
+        t2 = clock()
         self.opt.step()
+        self.host.append((t1 - t0, t2 - t1, clock() - t2))
         return loss
 
 
@@ -457,12 +471,15 @@ def refused_vs_eager(setup: Setup, name: str, attention: Optional[str], refused:
     return out
 
 
-def training(setup: Setup, case: str, problems: List[str], notes: List[str]) -> dict:
+def training(setup: Setup, case: str, problems: List[str], notes: List[str],
+             only_variants: Optional[List[str]] = None) -> dict:
     """Every variant of one case at every micro-batch. An autocudagraph that fell back to eager is a problem,
     except at level 0 on BERT with eager attention, whose capture is expected to be refused (a note)."""
     name, attention = TRAINING_CASES[case]
     out = {}
     for variant, prepare in training_variants(setup, name, attention).items():
+        if only_variants is not None and variant not in only_variants:
+            continue
         res = {"ms": {}, "warmup_step_s": {}, "capture_s": {}, "failed": None}
         make = step = graphed = None
         try:
@@ -481,7 +498,13 @@ def training(setup: Setup, case: str, problems: List[str], notes: List[str]) -> 
                     res["capture_s"][mb] = capture_s
                 elif variant == COMPILE:
                     res["capture_s"][mb] = walls[0]  # compile and the first run; recording is in the next ones
+                step.host.clear()
                 res["ms"][mb] = statistics.median(step_times_ms(setup, step, ids, setup.steps))
+                # Where the step's time goes on the host: a step whose host parts add up to its time is
+                # host-bound; one well under it waits for the GPU.
+                res.setdefault("host_ms", {})[mb] = {
+                    part: statistics.median(h[i] for h in step.host) * 1e3
+                    for i, part in enumerate(("forward", "backward", "optimizer"))}
                 step.opt.zero_grad(set_to_none=True)
                 print(f"{case:>22} {variant:>24}: micro-batch {mb}: {res['ms'][mb]:.2f} ms per step", flush=True)
         except Exception as exc:  # noqa: BLE001 - recorded; the other variants still run
@@ -518,21 +541,21 @@ def training(setup: Setup, case: str, problems: List[str], notes: List[str]) -> 
 
 # -- the run ----------------------------------------------------------------------------------------
 def run(out_dir: str, quick: bool, smoke: bool, only: Optional[str], merge: Optional[str] = None,
-        cases: Optional[List[str]] = None) -> int:
+        cases: Optional[List[str]] = None, variants: Optional[List[str]] = None) -> int:
     if smoke:
         # Tiny models gain nothing from intra-op threads, and on a busy host their spinning made a step
         # of the smoke BERT 80x slower (0.3 s instead of 4 ms on a 2-core machine).
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return _run(out_dir, quick, smoke, only, merge, cases)
+            return _run(out_dir, quick, smoke, only, merge, cases, variants)
         finally:
             torch.set_num_threads(threads)
-    return _run(out_dir, quick, smoke, only, merge, cases)
+    return _run(out_dir, quick, smoke, only, merge, cases, variants)
 
 
 def _run(out_dir: str, quick: bool, smoke: bool, only: Optional[str], merge: Optional[str],
-         cases: Optional[List[str]] = None) -> int:
+         cases: Optional[List[str]] = None, variants: Optional[List[str]] = None) -> int:
     setup = Setup(quick, smoke)
     if setup.cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -574,7 +597,7 @@ def _run(out_dir: str, quick: bool, smoke: bool, only: Optional[str], merge: Opt
                 write_json(out_dir, "models_bench.json", results)  # what a run cut short has measured
         if only in (None, "training"):
             for case in cases or TRAINING_CASES:
-                results["training"][case] = training(setup, case, problems, notes)
+                results["training"][case] = training(setup, case, problems, notes, variants)
                 write_json(out_dir, "models_bench.json", results)
     write_json(out_dir, "models_bench.json", results)
     plot(out_dir, results)
@@ -606,7 +629,7 @@ def inference_columns(results) -> List[str]:
 
 
 def training_variant_names(results) -> List[str]:
-    names = [EAGER, AUTO, AUTO_L0, AUTO_L1, AUTO_L2, MGC, COMPILE]
+    names = TRAINING_VARIANTS
     present = {v for r in results["training"].values() for v in r}
     return [v for v in names if v in present]
 
@@ -675,6 +698,15 @@ def print_tables(results) -> None:
                 if stats and (stats["fallbacks"] or stats["capture_failures"]):
                     tail += f" ({stats['fallbacks']} eager fallbacks, {stats['replays']} replays)"
                 print(f"| {case} | {v} | " + " | ".join(cells) + f" | {cap}{tail} |")
+        print("\nHost time per step, ms (median; forward / backward / optimizer, no sync): a step whose parts "
+              "add up to its time is host-bound")
+        for case, variants in results["training"].items():
+            for v, r in variants.items():
+                host = r.get("host_ms", {})
+                if host:
+                    print(f"  {case} {v}: " + "; ".join(
+                        f"mb {mb} " + " / ".join(f"{host[mb][k]:.2f}" for k in ("forward", "backward", "optimizer"))
+                        for mb in mbs if mb in host))
     for note in results.get("notes", []):
         print(f"Note: {note}")
     for case, variants in results["training"].items():
@@ -745,7 +777,24 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m graph_opt benc
     parser.add_argument("--cases", default=None, metavar="LIST",
                         help=f"with --only: a comma list of the cases to run, of {list(INFERENCE_CASES)} (inference) "
                              f"or {list(TRAINING_CASES)} (training)")
+    parser.add_argument("--variants", default=None, metavar="LIST",
+                        help=f"with --only training: a comma list of the variants to run, of {TRAINING_VARIANTS}")
+    parser.add_argument("--runs", type=int, default=1, metavar="N",
+                        help="with --only training: N runs, each in a process of its own, and a summary of each "
+                             "variant's step against reduce-overhead's: the median ratio and its range "
+                             "(training_runs.py)")
+    parser.add_argument("--summarize", nargs="+", default=None, metavar="JSON",
+                        help="the training summary of runs made earlier (their models_bench.json files)")
     args = parser.parse_args(argv)
+    if args.summarize:
+        from .training_runs import summarize
+
+        return summarize(args.summarize, args.out)
+    variants = None if args.variants is None else [v.strip() for v in args.variants.split(",") if v.strip()]
+    if variants is not None and (args.only != "training" or any(v not in TRAINING_VARIANTS for v in variants)):
+        parser.error(f"--variants {args.variants!r}: needs --only training and names of {TRAINING_VARIANTS}")
+    if args.runs < 1 or args.runs > 1 and args.only != "training":
+        parser.error(f"--runs {args.runs}: a number >= 1, above 1 only with --only training")
     if args.merge and not args.only:
         parser.error("--merge needs --only")
     cases = None if args.cases is None else [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -756,7 +805,11 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m graph_opt benc
     if not args.smoke and not torch.cuda.is_available():
         print("bench models needs a CUDA device (or --smoke on CPU)", file=sys.stderr)
         return 2
-    return run(args.out, args.quick, args.smoke, args.only, args.merge, cases)
+    if args.runs > 1:
+        from .training_runs import runs
+
+        return runs(args.runs, args.out, argv or [], prog)
+    return run(args.out, args.quick, args.smoke, args.only, args.merge, cases, variants)
 
 
 if __name__ == "__main__":

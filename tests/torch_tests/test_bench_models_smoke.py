@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from graph_opt.benchmarks import torch_models  # noqa: E402
 
-_CI_SECONDS = 10  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
+_CI_SECONDS = 25  # what this file costs on the 2-core CI host: heavier files run first (tests/conftest.py)
 
 
 def test_models_bench_smoke(tmp_path):
@@ -35,3 +35,28 @@ def test_models_bench_smoke(tmp_path):
             assert sorted(res["ms"]) == mbs, (case, name)
         stats = variants["autocudagraph"]["stats"]
         assert stats["fallbacks"] == 0 and stats["replays"] > 0 and stats["backward_replays"] > 0, (case, stats)
+
+
+def test_training_runs_summary_gives_each_variants_ratio_to_reduce_overhead_as_median_and_range(tmp_path):
+    from graph_opt.benchmarks import training_runs
+
+    files = []
+    for i, (auto, compiled) in enumerate([(4.0, 5.0), (5.0, 5.0), (6.0, 4.8)]):
+        run = {"device": "GPU", "torch": "x", "training": {"bert": {
+            "autocudagraph": {"ms": {"1": auto}, "host_ms": {"1": {"forward": 1.0, "backward": 0.5, "optimizer": 0.5}}},
+            "reduce-overhead": {"ms": {"1": compiled}}}}}
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps(run))
+        files.append(str(path))
+    assert torch_models.main(["--summarize", *files, "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "training_runs.json").read_text())["summary"]["bert"]["1"]["autocudagraph"]
+    assert row["ratios"] == pytest.approx([1.25, 1.0, 0.8]) and row["ratios_median"] == 1.0
+    assert (row["min"], row["max"]) == pytest.approx((0.8, 1.25))
+    assert row["host_share_median"] == 2.0 / 5.0
+
+
+def test_runs_and_variants_are_refused_outside_the_training_half():
+    with pytest.raises(SystemExit):
+        torch_models.main(["--smoke", "--runs", "2"])
+    with pytest.raises(SystemExit):
+        torch_models.main(["--smoke", "--only", "training", "--variants", "nope"])
