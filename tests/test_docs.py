@@ -1,5 +1,6 @@
 """The README stays a front door (at most 200 lines), and every relative link in README.md and docs/*.md
-reaches an existing file and, where it names one, an existing heading anchor. No framework is imported."""
+reaches an existing file and, where it names one, an existing heading anchor; every fallback reason has
+its cause and fix; no table cell is a paragraph. No framework is imported."""
 import glob
 import os
 import re
@@ -73,3 +74,22 @@ def test_every_fallback_reason_has_its_cause_and_fix_in_docs():
     assert documented == {r.value for r in Reason}
     for s in sections:
         assert "**Cause:**" in s and "**Fix:**" in s, s.splitlines()[0]
+
+
+MAX_CELL = 400
+
+
+def table_cells(path):
+    """Every cell of the Markdown tables outside code blocks (a `\\|` is not a border)."""
+    for line in prose_lines(path):
+        if line.lstrip().startswith("|"):
+            for cell in re.split(r"(?<!\\)\|", line.strip().strip("|")):
+                yield cell.strip()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[os.path.relpath(p, ROOT) for p in PAGES])
+def test_table_cells_stay_short(page):
+    """A table is for scanning: a cell of more than MAX_CELL characters is a paragraph, which belongs
+    below the table (a list of notes), with a short summary left in the cell."""
+    long_cells = [f"{len(c)} characters: {c[:70]}..." for c in table_cells(page) if len(c) > MAX_CELL]
+    assert not long_cells, long_cells
