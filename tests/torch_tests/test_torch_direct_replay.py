@@ -386,9 +386,9 @@ class _HelperWithDefault(torch.nn.Module):
 
 
 @pytest.mark.xfail(tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12),
-                   reason="torch 2.11 (an H200's host) replayed the default baked at capture with its dict-tag "
-                          "skipping on (its default); off is not yet measured there (docs/replay-assumptions.md)",
-                   strict=False)
+                   reason="torch 2.11's guards do not check a method's __defaults__: the default baked at capture "
+                          "replays, with its dict-tag skipping on or off (docs/replay-assumptions.md)",
+                   strict=True)
 def test_a_methods_default_rebound_after_capture_is_seen(graph_opt_warnings):
     """Dynamo guards a function's __defaults__; graph_opt keeps the guard (torch's dict-tag skipping
     does not assume function dunders constant): the calls run without graphs and equal eager."""
