@@ -35,8 +35,9 @@ from .replay.static_address import mark_static_address
 from .stats import CaptureReport, Stats, TrainingStats
 from .training.api import autocudagraph
 
-# No handler is added: without one, warnings reach stderr through logging's last resort, so
-# "CUDA graphs unavailable" and "capture failed" are seen even when the app configures no logging.
+from . import log  # noqa: E402
+
+log.install()
 __version__ = "0.1.0"
 
 __all__ = [
