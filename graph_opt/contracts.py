@@ -34,6 +34,8 @@ class Tensors(Protocol):
 
     def dtype(self, t) -> Any: ...  # compared with != on every replayed leaf
 
+    def device(self, t) -> Any: ...  # compared with != on every replayed leaf; str() names it
+
     def stride(self, t) -> Sequence[int]: ...
 
     def data_ptr(self, t) -> int: ...

@@ -65,6 +65,9 @@ class PaddleAdapter(PaddleHostCopies):
     def dtype(self, t):
         return t.dtype
 
+    def device(self, t):
+        return t.place
+
     def zeros_like(self, t, dim, size):
         shape = list(t.shape)
         if dim is not None:

@@ -79,6 +79,7 @@ class TorchAdapter(TorchHostCopies):
     # C-level callables, not methods: these run for every argument of every replay.
     shape = staticmethod(operator.attrgetter("shape"))
     dtype = staticmethod(operator.attrgetter("dtype"))
+    device = staticmethod(operator.attrgetter("device"))
 
     def zeros_like(self, t, dim, size):
         shape = list(t.shape)
