@@ -29,6 +29,7 @@ from .guards import (
 )
 from .replay.host_outputs import HostFuture, to_host_async
 from .lifecycle import capture_model, clear_graphs, stats
+from .explain import Explanation, config_of, explain
 from .capture.passes import optimize_program
 from .capture.split import splitting_op
 from .replay.static_address import mark_static_address
@@ -50,6 +51,9 @@ __all__ = [
     "capture_model",
     "clear_graphs",
     "stats",
+    "explain",
+    "Explanation",
+    "config_of",
     "Stats",
     "TrainingStats",
     "CaptureReport",

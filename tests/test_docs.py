@@ -73,3 +73,9 @@ def test_every_fallback_reason_has_its_cause_and_fix_in_docs():
     assert documented == {r.value for r in Reason}
     for s in sections:
         assert "**Cause:**" in s and "**Fix:**" in s, s.splitlines()[0]
+
+
+def test_every_fallback_reason_has_the_one_line_fix_explain_gives():
+    from graph_opt.watch.fallbacks import FIXES, Reason
+
+    assert set(FIXES) == set(Reason) and all(fix.strip() for fix in FIXES.values())
