@@ -238,6 +238,8 @@ class Modules(Protocol):
 
     def model_tensors(self, model) -> list: ...  # its parameters and buffers
 
+    def training_modules(self, model) -> list: ...  # 'path (Class)' of its dropout / batch-norm modules in training mode
+
     def named_buffers(self, model): ...
 
     def module_dicts(self, model) -> list: ...  # each module's __dict__, the model's first

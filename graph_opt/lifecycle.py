@@ -94,10 +94,11 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
         report.seconds = time.perf_counter() - start
         report.translations = _translations(state)
         return report
-    if getattr(model, "training", False):
-        msg = (f"{state.name} is in training mode: dropout draws other values at every run and batch norm uses the "
-               "batch's statistics, so the graphs capture that and padded calls cannot match eager. Call model.eval() "
-               "before capture_model() (graphs replay only under no_grad: for training steps use graph_opt.autocudagraph)")
+    in_training = state.adapter.training_modules(model)
+    if in_training:
+        msg = (f"{state.name} is in training mode, and {', '.join(in_training)} compute otherwise there: dropout draws "
+               "other values at every run, batch norm uses the batch's statistics, and padded calls cannot match eager. "
+               "Call model.eval() before capture_model() (for training steps use graph_opt.autocudagraph)")
         logger.warning(msg)
         report.notes.append(msg)
     group = ranks.group_for(state.adapter)  # None in a single process

@@ -125,6 +125,9 @@ class FakeAdapter:
     def device(self, t):
         return "host"
 
+    def training_modules(self, model):
+        return []
+
     def zeros_like(self, t, dim, size):
         shape = list(t.a.shape)
         if dim is not None:

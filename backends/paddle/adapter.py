@@ -222,6 +222,14 @@ class PaddleAdapter(PaddleHostCopies):
         with paddle.no_grad():
             t.set_(t.clone())
 
+    def training_modules(self, model) -> list:
+        from paddle.nn.layer import common, norm
+
+        kinds = (common.Dropout, common.Dropout2D, common.Dropout3D, common.AlphaDropout, common.FeatureAlphaDropout,
+                 norm.BatchNorm, norm._BatchNormBase)
+        return [f"{name or type(model).__name__} ({type(m).__name__})"
+                for name, m in model.named_sublayers(include_self=True) if m.training and isinstance(m, kinds)]
+
     def model_tensors(self, model) -> list:
         return [t for t in list(model.parameters()) + list(model.buffers()) if t._is_initialized()]
 

@@ -216,6 +216,11 @@ class TorchAdapter(TorchHostCopies):
         with (torch.inference_mode() if t.is_inference() else torch.no_grad()):
             t.set_(t.clone())
 
+    def training_modules(self, model) -> list:
+        kinds = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+        return [f"{name or type(model).__name__} ({type(m).__name__})" for name, m in model.named_modules()
+                if m.training and isinstance(m, kinds)]
+
     def model_tensors(self, model) -> list:
         return list(itertools.chain(model.parameters(), model.buffers()))
 

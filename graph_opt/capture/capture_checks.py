@@ -176,10 +176,10 @@ def _validate(capturer, sig, entry, leaves: List, expected) -> None:
 
 
 def _in_training(capturer) -> str:
-    """The likely cause where the model is in training mode (dropout draws anew at every run), else ''."""
+    """The likely cause where the model's dropout or batch norm is in training mode, else ''."""
     model = getattr(capturer.model_state, "model", None)
-    return f"{capturer.name} is in training mode, where dropout draws other values at every run" \
-        if getattr(model, "training", False) else ""
+    found = capturer.adapter.training_modules(model) if model is not None else []
+    return f"{', '.join(found)} in training mode, where dropout draws other values at every run" if found else ""
 
 
 def _padded_calls_differ(capturer, sig, why: str, remedy: str) -> None:

@@ -55,3 +55,22 @@ def test_an_argument_on_another_place_is_named_before_anything_is_written(monkey
             m(elsewhere)
         assert graph_opt.stats(m).replays == before.replays
         assert max_diff(m(x), eager(x)) < 1e-5
+
+
+def test_capturing_with_dropout_in_training_mode_warns_and_names_it_in_the_check(caplog):
+    @graph_opt.support_graph_optimization
+    class Dropped(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.lin = paddle.nn.Linear(8, 8)
+            self.drop = paddle.nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(self.lin(x))
+
+    with graph_opt.testing.simulate_cuda_graphs(), paddle.no_grad():
+        m = Dropped(graph_opt_config=config(cudagraph_capture_sizes=[2, 4]))
+        graph_opt.capture_model(m, lambda bs: paddle.randn([bs, 8]), progress=False)
+    said = [r.getMessage() for r in caplog.records if r.name == "graph_opt"]
+    assert any("Dropped is in training mode, and drop (Dropout)" in w and "model.eval()" in w for w in said), said
+    assert any("gave other values than eager" in w and "drop (Dropout) in training mode" in w for w in said), said

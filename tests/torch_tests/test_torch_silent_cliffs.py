@@ -39,7 +39,8 @@ def test_capturing_a_model_in_training_mode_warns_and_the_dropout_check_names_it
     with torch.no_grad():
         report = graph_opt.capture_model(m, lambda bs: torch.randn(bs, 8), progress=False)
     said = _warnings(caplog)
-    assert any("Net is in training mode" in w and "model.eval()" in w for w in said), said
+    assert any("Net is in training mode, and drop (Dropout) compute otherwise" in w and "model.eval()" in w
+               for w in said), said
     # The padded-call check blames training mode, not the forward's rows or branches.
     padded = [w for w in said if "gave other values than eager" in w]
     assert padded and all("in training mode, where dropout" in w and "model.eval()" in w for w in padded), said
@@ -47,8 +48,12 @@ def test_capturing_a_model_in_training_mode_warns_and_the_dropout_check_names_it
     assert any("training mode" in n for n in report.notes)
 
 
-def test_a_model_in_eval_mode_gets_no_training_warning(simulated, caplog):
-    m = _net(p=0.5).eval()
+@pytest.mark.parametrize("mode", ["eval", "train-without-dropout"])
+def test_a_model_whose_training_mode_changes_nothing_gets_no_training_warning(mode, simulated, caplog):
+    m = _net(p=0.5).eval() if mode == "eval" else Net(graph_opt_config=dict(cudagraph_capture_sizes=[2, 4]))
+    if mode != "eval":
+        del m.drop  # training mode, nothing in it that trains otherwise
+        m.drop = torch.nn.Identity()
     with torch.no_grad():
         report = graph_opt.capture_model(m, lambda bs: torch.randn(bs, 8), progress=False)
         x = torch.randn(3, 8)
