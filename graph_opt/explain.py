@@ -99,7 +99,7 @@ def explain(model, *args, **kwargs) -> Explanation:
                       "use_cudagraph: true to capture graphs")
     if runner is None and not state.graphs_available():
         return answer(WITHOUT, f"CUDA graphs are unavailable here ({state.adapter.name} has no CUDA graph support)",
-                      FIXES[Reason.NO_GRAPHS], reason=Reason.NO_GRAPHS)
+                      FIXES[Reason.NO_GRAPHS])  # not counted as a fallback: the model has no graphs to fall from
     if isinstance(runner, dispatch.KindDispatch):
         kind = runner.key_fn(*args, **kwargs)
         if kind not in runner.kinds:

@@ -160,3 +160,9 @@ def test_config_of_is_a_copy_that_says_where_each_value_came_from(monkeypatch):
     assert cfg.sources["full_cuda_graph"] == "default" and "env:GRAPH_OPT_NUM_WARMUPS" in cfg.describe()
     cfg.cudagraph_capture_sizes = [8]
     assert graph_opt.config_of(m).cudagraph_capture_sizes == [2, 4]
+
+
+def test_without_cuda_graphs_here_it_says_so_and_how_to_simulate_them():
+    said = graph_opt.explain(_model(), torch.randn(3, 4))  # CPU, no simulation
+    assert said.action == WITHOUT and "CUDA graphs are unavailable here (torch" in said.why
+    assert "simulate_cuda_graphs()" in said.fix and said.reason is None
