@@ -29,14 +29,16 @@ from .guards import (
 )
 from .replay.host_outputs import HostFuture, to_host_async
 from .lifecycle import capture_model, clear_graphs, stats
+from .explain import Explanation, config_of, explain
 from .capture.passes import optimize_program
 from .capture.split import splitting_op
 from .replay.static_address import mark_static_address
 from .stats import CaptureReport, Stats, TrainingStats
 from .training.api import autocudagraph
 
-# No handler is added: without one, warnings reach stderr through logging's last resort, so
-# "CUDA graphs unavailable" and "capture failed" are seen even when the app configures no logging.
+from . import log  # noqa: E402
+
+log.install()
 __version__ = "0.1.0"
 
 __all__ = [
@@ -49,6 +51,9 @@ __all__ = [
     "capture_model",
     "clear_graphs",
     "stats",
+    "explain",
+    "Explanation",
+    "config_of",
     "Stats",
     "TrainingStats",
     "CaptureReport",

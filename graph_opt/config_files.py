@@ -33,9 +33,20 @@ def read_yaml(path: str, via: str = "") -> Mapping[str, Any]:
             raise GraphOptConfigError(f"config file {path!r}{via} is not UTF-8 text ({exc.reason} at byte "
                                       f"{exc.start}): expected a YAML mapping of graph_opt_config keys") from None
         except yaml.YAMLError as exc:
-            raise GraphOptConfigError(
-                f"config file {path!r}{via} is not valid YAML (expected a mapping of graph_opt_config keys): {exc}"
-            ) from None
+            bare = _colon_missing(exc, text)
+            if bare is None:
+                raise GraphOptConfigError(
+                    f"config file {path!r}{via} is not valid YAML (expected a mapping of graph_opt_config keys): {exc}"
+                ) from None
+        else:
+            bare = _bare_line(text, data)
+    if bare is not None:
+        line, shown = bare
+        raise GraphOptConfigError(
+            f"config file {path!r}{via}, line {line}: {shown!r} is not a `key: value` pair; expected graph_opt_config "
+            f"keys (bare or nested under {NESTED_KEY}:), each as `key: value` with a colon and a space, as "
+            "'graph_opt_level: 1'"
+        )
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -44,6 +55,34 @@ def read_yaml(path: str, via: str = "") -> Mapping[str, Any]:
             f"graph_opt_config keys (bare or nested under {NESTED_KEY}:)"
         )
     return data
+
+
+def _bare_line(text: str, data):
+    """(line number, its text) of a plain value standing where a mapping was expected (the whole file, or
+    graph_opt_config's value): a `key value` or `key:value` line, which YAML reads as a string. Else None."""
+    import yaml
+
+    nested = isinstance(data, Mapping)
+    if not isinstance(data.get(NESTED_KEY) if nested else data, str):
+        return None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    if nested and isinstance(node, yaml.MappingNode):
+        node = next((value for key, value in node.value if key.value == NESTED_KEY), None)
+    if not isinstance(node, yaml.ScalarNode):
+        return None
+    line = node.start_mark.line
+    return line + 1, text.splitlines()[line].strip()
+
+
+def _colon_missing(exc, text: str):
+    """(line number, its text) of a line without its colon among `key: value` lines, from YAML's error; else None."""
+    mark = getattr(exc, "context_mark", None)
+    if getattr(exc, "problem", None) != "could not find expected ':'" or mark is None:
+        return None
+    return mark.line + 1, text.splitlines()[mark.line].strip()
 
 
 def is_json_text(value) -> bool:

@@ -34,6 +34,8 @@ class Tensors(Protocol):
 
     def dtype(self, t) -> Any: ...  # compared with != on every replayed leaf
 
+    def device(self, t) -> Any: ...  # compared with != on every replayed leaf; str() names it
+
     def stride(self, t) -> Sequence[int]: ...
 
     def data_ptr(self, t) -> int: ...
@@ -235,6 +237,8 @@ class Modules(Protocol):
     framework_attributes: frozenset  # a module's own bookkeeping attributes, never user state
 
     def model_tensors(self, model) -> list: ...  # its parameters and buffers
+
+    def training_modules(self, model) -> list: ...  # 'path (Class)' of its dropout / batch-norm modules in training mode
 
     def named_buffers(self, model): ...
 

@@ -94,6 +94,13 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
         report.seconds = time.perf_counter() - start
         report.translations = _translations(state)
         return report
+    in_training = state.adapter.training_modules(model)
+    if in_training:
+        msg = (f"{state.name} is in training mode, and {', '.join(in_training)} compute otherwise there: dropout draws "
+               "other values at every run, batch norm uses the batch's statistics, and padded calls cannot match eager. "
+               "Call model.eval() before capture_model() (for training steps use graph_opt.autocudagraph)")
+        logger.warning(msg)
+        report.notes.append(msg)
     group = ranks.group_for(state.adapter)  # None in a single process
     runner.group = group  # every replay is agreed between the ranks too
     with ranks.all_or_none(group, f"{state.name}: capture_model", GraphOptConfigError):

@@ -187,7 +187,7 @@ row("yaml-tab-indent", None, lambda c: GraphOptConfig.from_yaml(c.yaml("graph_op
 row("yaml-a-list", None, lambda c: GraphOptConfig.from_yaml(c.yaml("- 1\n- 2\n")), GraphOptConfigError,
     "cfg.yaml' must hold a mapping, got list", "expected graph_opt_config keys")
 row("yaml-a-scalar", None, lambda c: GraphOptConfig.from_yaml(c.yaml("graph_opt_level\n")), GraphOptConfigError,
-    "cfg.yaml' must hold a mapping, got str", "expected graph_opt_config keys")
+    "cfg.yaml', line 1: 'graph_opt_level' is not a `key: value` pair", "expected graph_opt_config keys")
 row("yaml-nested-not-a-mapping", None, lambda c: GraphOptConfig.from_yaml(c.yaml("graph_opt_config: 5\n")),
     GraphOptConfigError, "graph_opt_config must be a mapping", "got int")
 row("yaml-missing-file", None, lambda c: GraphOptConfig.from_yaml(str(c.tmp_path / "none.yaml")),

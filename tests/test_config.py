@@ -194,6 +194,21 @@ def test_bad_yaml_files(tmp_path):
         load_config(write(tmp_path, "levle: 1\n"))
 
 
+@pytest.mark.parametrize("text, line, shown", [
+    ("graph_opt_config:\n  graph_opt_level 1\n", 2, "graph_opt_level 1"),  # nested: was "must be a mapping, got str"
+    ("graph_opt_config:\n  graph_opt_level 1\n  use_cudagraph true\n", 2, "graph_opt_level 1"),
+    ("# decode\ngraph_opt_level:1\n", 2, "graph_opt_level:1"),  # no space after the colon: one string
+    ("graph_opt_level: 1\nuse_cudagraph true\nfull_cuda_graph: false\n", 2, "use_cudagraph true"),
+    ("graph_opt_config:\n  graph_opt_level: 1\n  use_cudagraph true\n", 3, "use_cudagraph true"),
+])
+def test_a_yaml_line_without_its_colon_is_named_with_the_file_and_line(tmp_path, text, line, shown):
+    path = write(tmp_path, text)
+    with pytest.raises(GraphOptConfigError) as err:
+        GraphOptConfig.from_yaml(path)
+    assert f"config file {path!r}, line {line}: {shown!r} is not a `key: value` pair" in str(err.value)
+    assert "'graph_opt_level: 1'" in str(err.value)  # the form expected
+
+
 def test_bad_keyword_argument_is_named():
     with pytest.raises(GraphOptConfigError, match="keyword argument: unknown key 'use_cuda_graph'"):
         load_config(use_cuda_graph=True)

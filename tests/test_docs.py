@@ -93,3 +93,9 @@ def test_table_cells_stay_short(page):
     below the table (a list of notes), with a short summary left in the cell."""
     long_cells = [f"{len(c)} characters: {c[:70]}..." for c in table_cells(page) if len(c) > MAX_CELL]
     assert not long_cells, long_cells
+
+
+def test_every_fallback_reason_has_the_one_line_fix_explain_gives():
+    from graph_opt.watch.fallbacks import FIXES, Reason
+
+    assert set(FIXES) == set(Reason) and all(fix.strip() for fix in FIXES.values())

@@ -122,6 +122,12 @@ class FakeAdapter:
     def dtype(self, t):
         return t.a.dtype
 
+    def device(self, t):
+        return "host"
+
+    def training_modules(self, model):
+        return []
+
     def zeros_like(self, t, dim, size):
         shape = list(t.a.shape)
         if dim is not None:

@@ -65,6 +65,9 @@ class PaddleAdapter(PaddleHostCopies):
     def dtype(self, t):
         return t.dtype
 
+    def device(self, t):
+        return t.place
+
     def zeros_like(self, t, dim, size):
         shape = list(t.shape)
         if dim is not None:
@@ -218,6 +221,14 @@ class PaddleAdapter(PaddleHostCopies):
         """A handed-out alias made to hold a copy of its values, in memory of its own."""
         with paddle.no_grad():
             t.set_(t.clone())
+
+    def training_modules(self, model) -> list:
+        from paddle.nn.layer import common, norm
+
+        kinds = (common.Dropout, common.Dropout2D, common.Dropout3D, common.AlphaDropout, common.FeatureAlphaDropout,
+                 norm.BatchNorm, norm._BatchNormBase)
+        return [f"{name or type(model).__name__} ({type(m).__name__})"
+                for name, m in model.named_sublayers(include_self=True) if m.training and isinstance(m, kinds)]
 
     def model_tensors(self, model) -> list:
         return [t for t in list(model.parameters()) + list(model.buffers()) if t._is_initialized()]

@@ -79,6 +79,7 @@ class TorchAdapter(TorchHostCopies):
     # C-level callables, not methods: these run for every argument of every replay.
     shape = staticmethod(operator.attrgetter("shape"))
     dtype = staticmethod(operator.attrgetter("dtype"))
+    device = staticmethod(operator.attrgetter("device"))
 
     def zeros_like(self, t, dim, size):
         shape = list(t.shape)
@@ -214,6 +215,11 @@ class TorchAdapter(TorchHostCopies):
         """A handed-out alias made to hold a copy of its values, in memory of its own."""
         with (torch.inference_mode() if t.is_inference() else torch.no_grad()):
             t.set_(t.clone())
+
+    def training_modules(self, model) -> list:
+        kinds = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+        return [f"{name or type(model).__name__} ({type(m).__name__})" for name, m in model.named_modules()
+                if m.training and isinstance(m, kinds)]
 
     def model_tensors(self, model) -> list:
         return list(itertools.chain(model.parameters(), model.buffers()))

@@ -160,18 +160,26 @@ def _validate(capturer, sig, entry, leaves: List, expected) -> None:
             differing = differing + read_later
     if differing:
         wrong = _captured_path_differs(capturer, sig, entry) if capturer.strategy.traits.verify_path else []
+        training = _in_training(capturer)
         if wrong:
             why = (f"a replay of size {padded} gave other values than the plain forward on the same {padded} rows "
-                   f"in {', '.join(wrong)}: the captured path computes otherwise ({capturer.strategy.traits.verify_path}), "
-                   "so the model runs its plain forward. Use graph_opt_level=0 for it")
+                   f"in {', '.join(wrong)}: " + (training + ". Call model.eval() before capture_model()" if training else "the captured path computes otherwise "
+                   f"({capturer.strategy.traits.verify_path}), so the model runs its plain forward. Use graph_opt_level=0 for it"))
             capturer.capture_failed(CaptureError(why), padded)
             return
         _padded_calls_differ(
             capturer, sig, f"a replay of size {padded} for a call of {rows} rows gave other values than eager in "
-                         f"{', '.join(differing)} (the forward reads other rows or branches on the batch size"
-                         f"{_PADDING_STATE if any(d.startswith(_STATE_NAMES) for d in differing) else ''})",
-            "Keep the forward row-independent (no batch statistics, no attention across the batch, no branch on "
-            "the batch size), or capture every batch size it is called with")
+                         f"{', '.join(differing)} (" + (training or "the forward reads other rows or branches on the "
+                         f"batch size{_PADDING_STATE if any(d.startswith(_STATE_NAMES) for d in differing) else ''}") + ")",
+            "Call model.eval() before capture_model()" if training else "Keep the forward row-independent (no batch "
+            "statistics, no attention across the batch, no branch on the batch size), or capture every batch size it is called with")
+
+
+def _in_training(capturer) -> str:
+    """The likely cause where the model's dropout or batch norm is in training mode, else ''."""
+    model = getattr(capturer.model_state, "model", None)
+    found = capturer.adapter.training_modules(model) if model is not None else []
+    return f"{', '.join(found)} in training mode, where dropout draws other values at every run" if found else ""
 
 
 def _padded_calls_differ(capturer, sig, why: str, remedy: str) -> None:

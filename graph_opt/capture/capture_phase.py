@@ -132,7 +132,7 @@ class Capturer:
         misfit = self.signatures.misfit(sig, leaves, f"make_inputs({size}): argument", size)
         if misfit is not None:
             reason = misfit[1]
-            if misfit[0] in ("rank", "dtype", "shape") and sig.entries:
+            if misfit[0] in ("device", "rank", "dtype", "shape") and sig.entries:
                 reason += ", as make_inputs gave it for the sizes captured before (every size must agree)"
         elif sig.batch_size(self.adapter, leaves) != size:
             reason = f"make_inputs({size}) returned inputs where {self.signatures.disagreement(sig, leaves)}"

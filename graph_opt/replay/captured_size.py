@@ -83,7 +83,7 @@ class CapturedSize:
         views = self.views.get(real)
         if views is None:
             views = self._views_for(adapter, real)
-        dsts, shapes, dtypes, strides, output, copier = views
+        dsts, shapes, dtypes, strides, output, copier, devices = views
         if _pending_host_copies:  # simulated slow copies (tests) still reading outputs land first
             land_pending_copies()
         sig = self.sig
@@ -95,9 +95,11 @@ class CapturedSize:
             leaves = own_buffers(adapter, sig, dsts, leaves)
         # Every check before anything is written: a call refused here has written nothing.
         if self.copy_inputs:
-            # The dtype check matters: copy_ would cast silently (torch) or fail inside the framework (Paddle).
-            for dst, shape, dtype, src in zip(dsts, shapes, dtypes, leaves):
-                if src is not dst and (adapter.shape(src) != shape or adapter.dtype(src) != dtype):
+            # The dtype and device checks matter: copy_ would cast or move silently (torch) or fail inside the
+            # framework (Paddle), and the eager forward would refuse such a call.
+            for dst, shape, dtype, device, src in zip(dsts, shapes, dtypes, devices, leaves):
+                if src is not dst and (adapter.shape(src) != shape or adapter.dtype(src) != dtype
+                                       or adapter.device(src) != device):
                     return _MISMATCH
         else:
             # The caller's own buffers: the very memory, shape and strides the graph read at capture
@@ -191,12 +193,13 @@ class CapturedSize:
         shapes = [adapter.shape(t) for t in dsts]
         dtypes = [adapter.dtype(t) for t in dsts]
         strides = [adapter.stride(t) for t in dsts]
+        devices = [adapter.device(t) for t in dsts]
         output = self.cut_outputs(adapter, self.captured.outputs, real) if self.captured.stable_outputs else None
         # The stored outputs are never handed out themselves: each call gets its own dicts and lists, and
         # (handed_outputs.py) its own tensor objects over the memory the replay writes.
         handed = self.handed
         copier = shallow_copier(output) if handed is None else handed.copier(output, self.written(adapter))
-        views = (dsts, shapes, dtypes, strides, output, copier)
+        views = (dsts, shapes, dtypes, strides, output, copier, devices)
         self.views[real] = views
         return views
 

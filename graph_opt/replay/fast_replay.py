@@ -5,7 +5,7 @@ signature, the padded size and the captured entry, then CapturedSize.run checks 
 common call most of that is the same every time. Once a size has replayed through that path, the
 runner keeps a ReplayPlan for it: the entry's views, shapes and dtypes, resolved. A later call whose
 arguments are those same positional tensors, at that real size, runs the plan: the checks a replay
-needs (every argument a tensor of the captured shape and dtype, no autograd, the model's state, the
+needs (every argument a tensor of the captured shape, dtype and device, no autograd, the model's state, the
 framework's guards) and nothing else. A call the plan does not answer, before anything was written,
 takes the full path, which finds the reason and says it.
 
@@ -35,6 +35,7 @@ class ReplayPlan:
     dsts: Sequence[Any]  # the static buffers' views at the real size
     shapes: Sequence[Any]
     dtypes: Sequence[Any]
+    devices: Sequence[Any]
     output: Any  # the outputs' views, when the replay writes them in place (stable)
     copier: Optional[Callable[[], Any]]  # a copy of output's dicts and lists per call (pytree.shallow_copier)
     stable: bool
@@ -48,7 +49,7 @@ class ReplayPlan:
     written: Sequence[Any]
     copied: Sequence[int]  # the arguments copied in: every one not marked
     marked: Sequence[Any]  # (i, the very tensor captured) of the marked arguments
-    checks: Sequence[Any]  # (i, static view, shape, dtype) of the copied ones
+    checks: Sequence[Any]  # (i, static view, shape, dtype, device) of the copied ones
 
 
 def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan]:
@@ -60,7 +61,7 @@ def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan
     views = entry.views.get(real)
     if views is None:
         return None
-    dsts, shapes, dtypes, _, output, copier = views
+    dsts, shapes, dtypes, _, output, copier, devices = views
     if sig.in_place:  # a marked argument must be the very tensor (the full path also takes a view of it)
         shapes = [None if i in sig.in_place else shape for i, shape in enumerate(shapes)]
     captured = entry.captured
@@ -68,8 +69,8 @@ def plan_for(runner, sig, entry: CapturedSize, real: int) -> Optional[ReplayPlan
     written = tuple(adapter.extent(sig.buffers[i]) for i in sig.mutated)  # marked: the caller's very tensors
     copied = tuple(i for i in range(len(dsts)) if i not in sig.in_place)
     marked = tuple((i, dsts[i]) for i in sorted(sig.in_place))
-    checks = tuple((i, dsts[i], shapes[i], dtypes[i]) for i in copied)
-    return ReplayPlan(entry, dsts, shapes, dtypes, output, copier, captured.stable_outputs, captured.diverged,
+    checks = tuple((i, dsts[i], shapes[i], dtypes[i], devices[i]) for i in copied)
+    return ReplayPlan(entry, dsts, shapes, dtypes, devices, output, copier, captured.stable_outputs, captured.diverged,
                       captured.replay, captured.check, sig.padding, real, written, copied, marked, checks)
 
 
@@ -94,7 +95,7 @@ def _shortcut(runner, sig):
     lead_at = sig.dynamic[0]  # the first argument with a batch dim: its size picks the plan
     dim = sig.dims[lead_at]
     plans_get = sig.plans.get
-    is_tensor, shape, dtype, copy_ = adapter.is_tensor, adapter.shape, adapter.dtype, adapter.copy_
+    is_tensor, shape, dtype, device, copy_ = adapter.is_tensor, adapter.shape, adapter.dtype, adapter.device, adapter.copy_
     grad_enabled, extent = adapter.grad_enabled, adapter.extent
     state = runner.model_state
     counters = runner.counters
@@ -129,15 +130,16 @@ def _shortcut(runner, sig):
             # Every argument checked before any is copied: a call the plan refuses has written nothing.
             dsts = plan.dsts
             if single:
-                if lead_shape != plan.shapes[0] or dtype(lead) != plan.dtypes[0]:
+                if lead_shape != plan.shapes[0] or dtype(lead) != plan.dtypes[0] or device(lead) != plan.devices[0]:
                     return MISS
             else:
                 for i, dst in plan.marked:
                     if args[i] is not dst:
                         return MISS
-                for i, dst, want, kind in plan.checks:
+                for i, dst, want, kind, place in plan.checks:
                     src = args[i]
-                    if src is not dst and (not is_tensor(src) or shape(src) != want or dtype(src) != kind):
+                    if src is not dst and (not is_tensor(src) or shape(src) != want or dtype(src) != kind
+                                           or device(src) != place):
                         return MISS
                 written = plan.written
                 if written:
@@ -159,7 +161,7 @@ def _shortcut(runner, sig):
                 if single:
                     copy_(dsts[0], lead)
                 else:
-                    for i, dst, _, _ in plan.checks:
+                    for i, dst, _, _, _ in plan.checks:
                         src = args[i]
                         if src is not dst:
                             copy_(dst, src)

@@ -64,6 +64,7 @@ class Signature:
         self.template = template  # the first call's (args, kwargs), to rebuild dataclass arguments
         # (dtype, shape with None at the dynamic dim) of each tensor leaf: what every call must match
         self.input_layout = layout or []
+        self.devices: List[Any] = []  # the device of each tensor leaf: where its static buffer is
         self.dynamic = [i for i, d in enumerate(dims) if d is not None]
         self.lazy = lazy  # made by a call rather than by capture_model
         self.entries: Dict[int, CapturedSize] = {}
@@ -208,13 +209,16 @@ class SignatureTable(dict):
     def misfit(self, sig: Signature, leaves, what: str, size: Optional[int] = None) -> Optional[Tuple[str, str]]:
         """(kind, message) saying why `leaves` cannot use `sig`'s graphs and buffers, or None when they can.
 
-        kind "rank" or "dtype" is the caller's error; "rows" (capture only: not `size` rows) too; "shape"
+        kind "device", "rank" or "dtype" is the caller's error; "rows" (capture only: not `size` rows) too; "shape"
         (another non-batch dimension) is reported only when nothing worse is found: a call runs it
         without graphs."""
         adapter = self.adapter
         names = self.leaf_names(sig.spec)
         found = None
-        for name, leaf, dim, (dtype, shape) in zip(names, leaves, sig.dims, sig.input_layout):
+        for name, leaf, dim, (dtype, shape), device in zip(names, leaves, sig.dims, sig.input_layout, sig.devices):
+            if adapter.device(leaf) != device:
+                return "device", (f"{what} {name} is on device {adapter.device(leaf)}; {self.name} takes it on device "
+                                  f"{device}, where its static buffer is (as at capture): move it there before the call")
             got = list(adapter.shape(leaf))
             if len(got) != len(shape):
                 return "rank", (f"{what} {name} has {len(got)} dimensions (shape {got}); "
@@ -342,6 +346,7 @@ class SignatureTable(dict):
                   for t, d in zip(leaves, dims)]
         self._check_pad_values(spec, leaves, dims)
         sig = Signature(next(self._numbers), spec, dims, (args, kwargs), layout, lazy=lazy)
+        sig.devices = [adapter.device(t) for t in leaves]
         if self.config.cudagraph_copy_inputs:
             sig.in_place = frozenset(i for i, t in enumerate(leaves) if adapter.static_address(t))
         self[spec] = sig
