@@ -5,6 +5,7 @@
 # them (its module fixtures run once), heaviest files first (tests/conftest.py); -n, --pdb or
 # -p no:xdist among the arguments turn that off.
 set -euo pipefail
+EXTRA=dev
 source "$(dirname "$0")/scripts/python-env.sh"
 WORKERS=(-n 2 --dist loadfile --no-loadscope-reorder)
 case " $* " in

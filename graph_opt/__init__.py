@@ -1,6 +1,6 @@
 """graph_opt: CUDA-graph capture and replay, one graph per padded batch size, for Paddle and PyTorch.
 
-    cfg = graph_opt.GraphOptConfig.from_yaml("configs/decode_piecewise.yaml")
+    cfg = graph_opt.GraphOptConfig.from_yaml("decode_piecewise")  # a preset, or a YAML path
 
     @graph_opt.support_graph_optimization
     class Decoder(paddle.nn.Layer): ...

@@ -1,4 +1,4 @@
-"""A config's text: a YAML file, or JSON text where a path is accepted (FastDeploy's
+"""A config's text: a YAML file, a preset shipped in graph_opt/presets/ by name, or JSON text where a path is accepted (FastDeploy's
 --graph-optimization-config '{...}'), read into a mapping of graph_opt_config keys with errors that name
 the file or the variable it came from. config.py validates what they hold."""
 from __future__ import annotations
@@ -10,6 +10,20 @@ from typing import Any, Mapping, Tuple
 from .errors import GraphOptConfigError
 
 NESTED_KEY = "graph_opt_config"
+PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
+
+
+def preset_names() -> list:
+    """The presets shipped in graph_opt/presets/ (configs/ links to the same files)."""
+    return sorted(name[:-len(".yaml")] for name in os.listdir(PRESET_DIR) if name.endswith(".yaml"))
+
+
+def _preset_or_path(path: str) -> str:
+    """A preset's bare name ("decode_full_graph") stands for its file, unless a file of that name exists."""
+    if os.path.exists(path) or os.path.dirname(path) or path.endswith((".yaml", ".yml", ".json")):
+        return path
+    preset = os.path.join(PRESET_DIR, path + ".yaml")
+    return preset if os.path.isfile(preset) else path
 
 
 def read_yaml(path: str, via: str = "") -> Mapping[str, Any]:
@@ -20,9 +34,10 @@ def read_yaml(path: str, via: str = "") -> Mapping[str, Any]:
         raise GraphOptConfigError(
             f"config file{via}: expected the path of a YAML file (a str or os.PathLike), got {type(path).__name__}"
         )
-    path = os.fspath(path)
+    path = _preset_or_path(os.fspath(path))
     if not os.path.exists(path):
-        raise GraphOptConfigError(f"config file {path!r} does not exist{via}: expected the path of a YAML file")
+        raise GraphOptConfigError(f"config file {path!r} does not exist{via}: expected the path of a YAML file "
+                                  f"or a preset's name ({', '.join(preset_names())})")
     if not os.path.isfile(path):
         raise GraphOptConfigError(f"config file {path!r} is not a file{via}: expected the path of a YAML file")
     with open(path, encoding="utf-8") as fh:

@@ -192,6 +192,8 @@ row("yaml-nested-not-a-mapping", None, lambda c: GraphOptConfig.from_yaml(c.yaml
     GraphOptConfigError, "graph_opt_config must be a mapping", "got int")
 row("yaml-missing-file", None, lambda c: GraphOptConfig.from_yaml(str(c.tmp_path / "none.yaml")),
     GraphOptConfigError, "none.yaml' does not exist", "expected the path of a YAML file")
+row("preset-misspelt", None, lambda c: GraphOptConfig.from_yaml("decode_ful_graph"), GraphOptConfigError,
+    "'decode_ful_graph' does not exist", "or a preset's name (decode_full_graph, decode_piecewise, default")
 row("yaml-a-directory", None, lambda c: load_config(str(c.tmp_path)), GraphOptConfigError,
     "is not a file", "expected the path of a YAML file")
 row("yaml-path-none", None, lambda c: GraphOptConfig.from_yaml(None), GraphOptConfigError,

@@ -112,6 +112,15 @@ def test_presets_load():
     assert GraphOptConfig.from_yaml(str(ROOT / "configs" / "static_no_graphs.yaml")).use_cudagraph is False
 
 
+def test_a_preset_loads_by_name_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    by_name = GraphOptConfig.from_yaml("decode_full_graph")
+    assert by_name.to_dict() == GraphOptConfig.from_yaml(str(ROOT / "configs" / "decode_full_graph.yaml")).to_dict()
+    assert load_config("static_no_graphs").use_cudagraph is False
+    (tmp_path / "default").write_text("graph_opt_level: 2\n")  # a file of that name wins over the preset
+    assert load_config("default").graph_opt_level == 2
+
+
 # -- bad input: every case names the key or variable and what is accepted -----------------------------
 BAD_CONFIGS = [
     ({"graph_opt_levle": 1}, "unknown key 'graph_opt_levle' (did you mean 'graph_opt_level'?)"),
