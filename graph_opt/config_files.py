@@ -19,8 +19,9 @@ def preset_names() -> list:
 
 
 def _preset_or_path(path: str) -> str:
-    """A preset's bare name ("decode_full_graph") stands for its file, unless a file of that name exists."""
-    if os.path.exists(path) or os.path.dirname(path) or path.endswith((".yaml", ".yml", ".json")):
+    """A preset's bare name ("decode_full_graph") stands for its file, unless a file of that name exists
+    (a folder of that name, as `default/`, does not hide the preset)."""
+    if os.path.isfile(path) or os.path.dirname(path) or path.endswith((".yaml", ".yml", ".json")):
         return path
     preset = os.path.join(PRESET_DIR, path + ".yaml")
     return preset if os.path.isfile(preset) else path

@@ -2,8 +2,8 @@
 runs where CUDA graphs cannot (CPU builds, CI). What the stand-in keeps of CUDA-graph discipline, and
 what it cannot imitate, is said in graph_opt/recorders/host_graphs.py, which holds it.
 
-- simulate_cuda_graphs(): within the block, captures are host stand-ins (GRAPH_OPT_SIMULATE_CUDAGRAPH=1:
-  process-wide); simulation_enabled() says whether they are now.
+- simulate_cuda_graphs(): within a `with` block, captures are host stand-ins; called alone, from then on
+  (GRAPH_OPT_SIMULATE_CUDAGRAPH=1: process-wide); simulation_enabled() says whether they are now.
 - as_host_tensor(t): marks t as host memory, whose value a real graph would bake in.
 - slow_host_copies(): host copies (to_host_async, host_outputs) that land late.
 - HostGraph: one stand-in graph.

@@ -121,6 +121,16 @@ def test_a_preset_loads_by_name_from_any_folder(tmp_path, monkeypatch):
     assert load_config("default").graph_opt_level == 2
 
 
+def test_a_folder_named_as_a_preset_does_not_hide_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "decode_piecewise").mkdir()  # a project folder that happens to share the preset's name
+    assert GraphOptConfig.from_yaml("decode_piecewise").full_cuda_graph is False
+    assert load_config("decode_piecewise").graph_opt_level == 1
+    (tmp_path / "mine").mkdir()  # no preset of that name: still said to be a folder, not a file
+    with pytest.raises(GraphOptConfigError, match="is not a file"):
+        load_config("mine")
+
+
 # -- bad input: every case names the key or variable and what is accepted -----------------------------
 BAD_CONFIGS = [
     ({"graph_opt_levle": 1}, "unknown key 'graph_opt_levle' (did you mean 'graph_opt_level'?)"),

@@ -17,6 +17,7 @@ import torch
 import torch._dynamo
 
 from ...errors import ReplayDivergence
+from ...watch.fallbacks import Fallback, Reason
 from ...watch.module_watch import Registrations
 from .adapter import ADAPTER
 from .module_counters import module_state
@@ -96,15 +97,36 @@ class _ModuleTensors:
 
         return replay_and_store
 
+    def with_check(self, guards):
+        """The replay's check (Captured.check): the framework's guards (None: none kept), then a parameter
+        or buffer replaced or relaid (see above), which refuses the replay before it runs, as "replaced",
+        so that explain() and the call say the same."""
+        registrations = self.registrations
+
+        def check():
+            failed = guards() if guards is not None else None
+            if failed is None and self.layouts is not None and registrations.count[0] != registrations.seen:
+                conflict = self._look()[1]
+                if conflict is not None:
+                    return Fallback(Reason.REPLACED, conflict + ". To keep it, clear_graphs() and capture_model() again")
+            return failed
+
+        return check
+
+    def _look(self):
+        """(registration count, what changed, fingerprint as captured), looked at once per registration count."""
+        count = self.registrations.count[0]
+        if self.relaid is None or self.relaid[0] != count:
+            fingerprint, layouts = module_state(self.model)
+            self.relaid = (count, self._conflict(layouts), fingerprint == self.registrations.ids)
+        return self.relaid
+
     def _unchanged(self) -> bool:
         """True when the model holds the captured tensors; False when some were replaced by tensors of
         the same layouts (the transformed code passes them in); ReplayDivergence otherwise (see above)."""
         registrations = self.registrations
         count = registrations.count[0]
-        if self.relaid is None or self.relaid[0] != count:
-            fingerprint, layouts = module_state(self.model)
-            self.relaid = (count, self._conflict(layouts), fingerprint == registrations.ids)
-        _, conflict, as_captured = self.relaid
+        _, conflict, as_captured = self._look()
         if conflict is not None:
             raise ReplayDivergence(conflict + ". To keep it, clear_graphs() and capture_model() again")
         if not self.moved and as_captured:

@@ -216,6 +216,7 @@ class DynamoStrategy:
         reads = self._guards.taken(code) if self._filtered else None
         check = _guard_check(self._graph_code, code, graph_fn, self.model, args, kwargs, self._trace_hook, reads) \
             if self.config.guarded_replays else None
+        check = self._tensors.with_check(check)  # a replaced parameter first: "replaced", not a replay that raises
         return Captured(outputs, replay, stable, graphs, graphs, keepalive=keepalive, check=check)
 
     def release(self) -> None:

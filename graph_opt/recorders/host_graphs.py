@@ -39,20 +39,26 @@ _simulating = False
 HOST_MARK = "_graph_opt_host_tensor"
 
 
-@contextlib.contextmanager
-def simulate_cuda_graphs():
-    """Within this block, graphs captured by graph_opt are host stand-ins (see the module docstring).
+class simulate_cuda_graphs:
+    """Graphs captured by graph_opt from this call on are host stand-ins (see the module docstring).
 
-    Graphs captured inside keep replaying after the block ends. GRAPH_OPT_SIMULATE_CUDAGRAPH=1 has the
-    same effect process-wide.
+    As `with simulate_cuda_graphs():` the stand-in is on within the block and off again after it; called
+    alone, `simulate_cuda_graphs()`, it stays on, as GRAPH_OPT_SIMULATE_CUDAGRAPH=1 does process-wide.
+    Graphs captured while it is on keep replaying after it is off.
     """
-    global _simulating
-    old = _simulating
-    _simulating = True
-    try:
-        yield
-    finally:
-        _simulating = old
+
+    def __init__(self):
+        global _simulating
+        self._old = _simulating
+        _simulating = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        global _simulating
+        _simulating = self._old
+        return False
 
 
 def simulation_enabled() -> bool:

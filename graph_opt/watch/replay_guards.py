@@ -260,10 +260,20 @@ class ModelState:
 
     def _changed_attributes(self) -> Fallback:
         parts = [f"{self.name}.{k} = {show(new)} (was {show(old)} at capture)" for k, (old, new) in self.changed.items()]
+        if all(self._held(old) or self._held(new) for old, new in self.changed.values()):
+            return Fallback(  # a submodule, parameter or buffer of the model's own: as one of a submodule's
+                Reason.REPLACED, f"{', '.join(f'{self.name}.{k}' for k in self.changed)} "
+                f"{'was' if len(self.changed) == 1 else 'were'} replaced by a new object since capture (or added or "
+                "removed); the graphs read the old one. Put the captured one back to replay again, or "
+                "clear_graphs() and capture_model() to capture the new one", ("attribute", tuple(self.changed)))
         return Fallback(
             Reason.ATTRIBUTE, "attribute changed since capture: " + "; ".join(parts) + ". Level-0 graphs bake the "
             "Python values forward read; set it back, or clear_graphs() and capture_model() to capture with the "
             "new value", ("attribute", tuple(self.changed)))
+
+    def _held(self, value) -> bool:
+        """A tensor or a module (what the model registers as a parameter, buffer or submodule)."""
+        return self.adapter.is_tensor(value) or self.adapter.framework_attributes <= getattr(value, "__dict__", {}).keys()
 
     def _submodule_attribute_changed(self) -> Fallback:
         where, new, old = self.attributes.first_change() or ("a submodule's attribute", _MISSING, _MISSING)
