@@ -114,7 +114,10 @@ def explain(model, *args, **kwargs) -> Explanation:
 
 
 def _without(answer, why: Fallback, **more) -> Explanation:
-    return answer(WITHOUT, why.message, FIXES.get(why.reason, ""), reason=why.reason, **more)
+    fix = FIXES.get(why.reason, "")
+    if why.reason is Reason.OUTPUTS and " in training mode" in why.message:  # the capture check named the cause
+        fix = "call model.eval() before capture_model()"
+    return answer(WITHOUT, why.message, fix, reason=why.reason, **more)
 
 
 def _misfit(answer, misfit, sizes) -> Explanation:

@@ -96,8 +96,9 @@ def capture_model(model, make_inputs: Callable[[int], Any], sizes: Optional[Sequ
         return report
     in_training = state.adapter.training_modules(model)
     if in_training:
-        msg = (f"{state.name} is in training mode, and {', '.join(in_training)} compute otherwise there: dropout draws "
-               "other values at every run, batch norm uses the batch's statistics, and padded calls cannot match eager. "
+        msg = (f"{state.name} is in training mode, and {', '.join(in_training)} compute otherwise there "
+               "(dropout draws other values at every run, batch norm uses the batch's own statistics): the graphs "
+               "bake that and padded calls cannot match eager. "
                "Call model.eval() before capture_model() (for training steps use graph_opt.autocudagraph)")
         logger.warning(msg)
         report.notes.append(msg)

@@ -228,7 +228,8 @@ class PaddleAdapter(PaddleHostCopies):
         kinds = (common.Dropout, common.Dropout2D, common.Dropout3D, common.AlphaDropout, common.FeatureAlphaDropout,
                  norm.BatchNorm, norm._BatchNormBase)
         return [f"{name or type(model).__name__} ({type(m).__name__})"
-                for name, m in model.named_sublayers(include_self=True) if m.training and isinstance(m, kinds)]
+                for name, m in model.named_sublayers(include_self=True)
+                if m.training and isinstance(m, kinds) and getattr(m, "p", 1) != 0]  # dropout at p=0 is the identity
 
     def model_tensors(self, model) -> list:
         return [t for t in list(model.parameters()) + list(model.buffers()) if t._is_initialized()]

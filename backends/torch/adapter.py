@@ -219,7 +219,7 @@ class TorchAdapter(TorchHostCopies):
     def training_modules(self, model) -> list:
         kinds = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
         return [f"{name or type(model).__name__} ({type(m).__name__})" for name, m in model.named_modules()
-                if m.training and isinstance(m, kinds)]
+                if m.training and isinstance(m, kinds) and getattr(m, "p", 1) != 0]  # dropout at p=0 is the identity
 
     def model_tensors(self, model) -> list:
         return list(itertools.chain(model.parameters(), model.buffers()))

@@ -179,7 +179,7 @@ def _in_training(capturer) -> str:
     """The likely cause where the model's dropout or batch norm is in training mode, else ''."""
     model = getattr(capturer.model_state, "model", None)
     found = capturer.adapter.training_modules(model) if model is not None else []
-    return f"{', '.join(found)} in training mode, where dropout draws other values at every run" if found else ""
+    return f"{', '.join(found)} in training mode, whose outputs change between runs or with the batch" if found else ""
 
 
 def _padded_calls_differ(capturer, sig, why: str, remedy: str) -> None:

@@ -43,15 +43,18 @@ def test_capturing_a_model_in_training_mode_warns_and_the_dropout_check_names_it
                for w in said), said
     # The padded-call check blames training mode, not the forward's rows or branches.
     padded = [w for w in said if "gave other values than eager" in w]
-    assert padded and all("in training mode, where dropout" in w and "model.eval()" in w for w in padded), said
+    assert padded and all("drop (Dropout) in training mode" in w and "model.eval()" in w for w in padded), said
     assert not any("reads other rows" in w for w in said), said
     assert any("training mode" in n for n in report.notes)
+    with torch.no_grad():
+        said = graph_opt.explain(m, torch.randn(3, 8))  # a padded call: what explain() advises is the same
+    assert said.reason is not None and said.reason.value == "outputs" and "model.eval()" in said.fix, str(said)
 
 
-@pytest.mark.parametrize("mode", ["eval", "train-without-dropout"])
+@pytest.mark.parametrize("mode", ["eval", "train-without-dropout", "train-with-dropout-at-p-0"])
 def test_a_model_whose_training_mode_changes_nothing_gets_no_training_warning(mode, simulated, caplog):
     m = _net(p=0.5).eval() if mode == "eval" else Net(graph_opt_config=dict(cudagraph_capture_sizes=[2, 4]))
-    if mode != "eval":
+    if mode == "train-without-dropout":
         del m.drop  # training mode, nothing in it that trains otherwise
         m.drop = torch.nn.Identity()
     with torch.no_grad():
