@@ -12,7 +12,9 @@ of a GPT-2's guard time). Such a guard is kept unless all of it is a dict read: 
 (every step from the model a key of a __dict__ or a dict), a value in the object's own __dict__ that no
 class descriptor overrides, a name absent from its __dict__ (NOT_PRESENT_IN_GENERIC_DICT), or a
 hasattr answered by the __dict__ and the classes (without a class __getattr__). What Dynamo guarded of
-the class itself (its __getattribute__, its attribute_map) stays with Dynamo.
+the class itself (its __getattribute__, its attribute_map) stays with Dynamo; what its guard's Python
+call went by is read too (_Steps._pin): the object's class, each class's __getattribute__, __getattr__
+and the name read, and every __dict__ on the way (one replaced writes none of the dicts read).
 """
 from __future__ import annotations
 
@@ -94,10 +96,11 @@ class _Steps:
         self.absent: Dict[Tuple[int, str], tuple] = {}
         self.present: Dict[Tuple[int, str], tuple] = {}
         self.classes: Dict[int, tuple] = {}  # id(object) -> (where, object, its class)
+        self.owners: Dict[int, tuple] = {}  # id(object) -> (where, object, its __dict__)
 
     def reads(self) -> Reads:
         reads = Reads(list(self.hops.values()), list(self.values.values()), list(self.absent.values()),
-                      list(self.present.values()), list(self.classes.values()))
+                      list(self.present.values()), list(self.classes.values()), list(self.owners.values()))
         read = [d for _, d, _, _ in self.hops.values()] + [d for _, d, _, _ in self.values.values()] + \
             [d for _, d, _ in self.absent.values()] + [d for _, d, _ in self.present.values()]
         dicts = {id(d): d for d in map(_as_dict, read)}
@@ -118,9 +121,11 @@ class _Steps:
                 return False
             obj = owner[1]
             d = _own_dict(obj)
-            if d is None or d.get(member, _MISSING) is not entry.value or _class_descriptor(type(obj), member):
+            if d is None or d.get(member, _MISSING) is not entry.value or _class_descriptor(type(obj), member) \
+                    or _class_dicts(obj) is None:
                 return False
-            self._add(owner[0])
+            self._add(owner)
+            self._pin(base, obj, d, member)
             self.values[(id(d), member)] = (_shown(name), d, member, entry.value)
             return True
         if kind == "DUPLICATE_INPUT":  # `a is b`: Dynamo evaluates it in Python, each path step by step
@@ -142,8 +147,8 @@ class _Steps:
                     self.classes[id(obj)] = (f"{_shown(where)}.__class__", obj, type(obj))
             elif one[1] is not two[1] or not _runs_python(one[1]):
                 return False
-            self._add(one[0])  # both places hold the objects they held: the one object still
-            self._add(two[0])
+            self._add(one)  # both places hold the objects they held: the one object still
+            self._add(two)
             return True
         if kind in ("NOT_PRESENT_IN_GENERIC_DICT", "HASATTR"):
             attr = (getattr(entry.orig_guard.create_fn, "keywords", None) or {}).get("attr")
@@ -156,7 +161,7 @@ class _Steps:
                 return False
             obj = owner[1]
             d = _own_dict(obj)
-            if d is None:
+            if d is None or _class_dicts(obj) is None:
                 return False
             where = f"{_shown(name)}.{attr}"
             if kind == "NOT_PRESENT_IN_GENERIC_DICT":
@@ -177,7 +182,8 @@ class _Steps:
                 else:
                     for c in [d] + classes:
                         self.absent[(id(c), attr)] = (where, c, attr)
-            self._add(owner[0])
+            self._add(owner)
+            self._pin(name, obj, d, attr)
             return True
         return False
 
@@ -199,12 +205,14 @@ class _Steps:
 
     def _walk(self, path: str):
         """(the dict reads from the model to the object at path, the object), or None where a step is not one."""
-        obj, hops, where = self.model, [], "self"
+        obj, hops, where, owners = self.model, [], "self", []
         for attr, key in _STEP.findall(path[len("self"):]):
             if attr:
                 d = _own_dict(obj)
-                if d is None or attr not in d or _class_descriptor(type(obj), attr):
+                if d is None or attr not in d or _class_descriptor(type(obj), attr) or \
+                        _runs_python(obj) and _class_dicts(obj) is None:
                     return None
+                owners.append((where, obj, d, attr))
                 step = attr
                 where += "." + attr
             else:
@@ -214,11 +222,30 @@ class _Steps:
                 where += f"[{key!r}]"
             obj = d[step]
             hops.append((_shown(where), d, step, obj))
-        return hops, obj
+        return hops, obj, owners
 
-    def _add(self, hops) -> None:
-        for hop in hops:
+    def _add(self, walked) -> None:
+        for hop in walked[0]:
             self.hops.setdefault((id(hop[1]), hop[2]), hop)
+        for where, obj, d, attr in walked[2]:
+            self.owners.setdefault(id(obj), (f"{_shown(where)}.__dict__".lstrip("."), obj, d))
+            if _runs_python(obj):
+                self._pin(where, obj, d, attr)
+
+    def _pin(self, where: str, obj, d: dict, name: str) -> None:
+        """A read through an object whose class runs Python goes by its class too: the object holds its
+        __dict__ and its class, and each class of its MRO the __getattribute__, __getattr__ and `name`
+        it held at capture (a property or a __getattr__ set on the class later is seen)."""
+        shown = _shown(where)
+        self.owners.setdefault(id(obj), (f"{shown}.__dict__".lstrip("."), obj, d))
+        self.classes.setdefault(id(obj), (f"{shown}.__class__".lstrip("."), obj, type(obj)))
+        for klass, cd in zip(type(obj).__mro__, _class_dicts(obj)):
+            for attr in ("__getattribute__", "__getattr__", name):
+                at = f"{shown}.{attr} (on class {klass.__name__})".lstrip(".")
+                if attr in cd:
+                    self.values.setdefault((id(cd), attr), (at, cd, attr, cd[attr]))
+                else:
+                    self.absent.setdefault((id(cd), attr), (at, cd, attr))
 
 
 def changed_read(reads: Reads, model) -> str:
@@ -252,6 +279,12 @@ def _as_dict(mapping) -> Optional[dict]:
         return mapping
     inner = gc.get_referents(mapping) if type(mapping) is types.MappingProxyType else ()
     return inner[0] if len(inner) == 1 and type(inner[0]) is dict else None
+
+
+def _class_dicts(obj) -> Optional[List[dict]]:
+    """The dicts of the classes of obj's MRO but object's, or None where one is not a plain dict."""
+    dicts = [_as_dict(vars(klass)) for klass in type(obj).__mro__[:-1]]
+    return None if None in dicts else dicts
 
 
 def _own_dict(obj) -> Optional[dict]:

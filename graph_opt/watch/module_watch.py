@@ -30,6 +30,7 @@ from .held_state import state_key
 _training = operator.itemgetter("training")  # every nn.Module / Layer keeps its flag in its __dict__
 GONE = object()  # what a deleted attribute reads as
 _GONE_ITER = itertools.repeat(GONE)
+_DICT_ITER = itertools.repeat("__dict__")
 NEVER = [0]  # the counter of a part that watches nothing: it never moves
 
 
@@ -190,6 +191,13 @@ def plain_attributes(adapter, modules: List[Tuple[str, dict]], own_root: bool, p
 
 
 
+class _Said(str):
+    """Words in a change's message where a value would be (shown as they are, not quoted)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 def _values_changed(w) -> bool:
     """Whether the plain values a watch holds (w.dicts[i][w.names[i]]) changed since it took them: by type,
     value and the sign of a zero; equal values in new objects are taken as they are now."""
@@ -310,9 +318,12 @@ class Reads:
     name, value); plain values by type and value, the rest by identity); each name that was absent, absent
     still from the instance and its classes (`absent`: (where, dict or class mapping, name)); each name
     found on a class, there still (`present`: the same); each object whose class was compared, of that
-    class still (`classes`: (where, object, class)). No counter: a config's attribute set is not counted."""
+    class still (`classes`: (where, object, class)); each object whose __dict__ was read, holding that
+    dict still (`owners`: (where, object, dict): a `__dict__` replaced writes no read dict). No
+    counter: a config's attribute set is not counted."""
 
-    def __init__(self, hops: list, values: list, absent: list, present: list, classes: list = ()):
+    def __init__(self, hops: list, values: list, absent: list, present: list, classes: list = (),
+                 owners: list = ()):
         self.hop_where = [w for w, _, _, _ in hops]
         self.hop_dicts = [d for _, d, _, _ in hops]
         self.hop_keys = [k for _, _, k, _ in hops]
@@ -334,12 +345,19 @@ class Reads:
         self.classes = list(classes)
         self.class_objs = [o for _, o, _ in classes]
         self.class_types = [c for _, _, c in classes]
+        self.owners = list(owners)
+        self.owner_objs = [o for _, o, _ in owners]
+        self.owner_dicts = [d for _, _, d in owners]
         self._version: Optional[Any] = None
         self._versioned: List[dict] = []
         self._seen: Optional[list] = None
 
     def __len__(self) -> int:
-        return len(self.hop_objs) + len(self.values) + len(self.absent) + len(self.present) + len(self.classes)
+        return len(self.hop_objs) + len(self.values) + len(self.absent) + len(self.present) + len(self.classes) + \
+            len(self.owners)
+
+    def _same_dicts(self) -> bool:
+        return all(map(operator.is_, map(object.__getattribute__, self.owner_objs, _DICT_ITER), self.owner_dicts))
 
     def versioned(self, version, dicts: List[dict]) -> None:
         """A fast path: `version(d)` moves at every write to d (the interpreter's dict version), and dicts
@@ -350,13 +368,16 @@ class Reads:
         if self._version is None:
             return self._differs()
         now = list(map(self._version, self._versioned))
-        if now == self._seen and all(map(operator.is_, map(type, self.class_objs), self.class_types)):
+        if now == self._seen and all(map(operator.is_, map(type, self.class_objs), self.class_types)) and \
+                self._same_dicts():
             return False
         changed = self._differs()
         self._seen = None if changed else now
         return changed
 
     def _differs(self) -> bool:
+        if not self._same_dicts():
+            return True
         if not all(map(operator.is_, map(dict.get, self.hop_dicts, self.hop_keys, _GONE_ITER), self.hop_objs)):
             return True
         if _values_changed(self):
@@ -370,6 +391,9 @@ class Reads:
     def first_change(self) -> Optional[Tuple[str, Any, Any]]:
         """(where, value now, value at capture) of the first read that no longer holds; GONE for a name
         not set."""
+        for where, obj, d in self.owners:
+            if object.__getattribute__(obj, "__dict__") is not d:
+                return where, _Said("another dict"), _Said("the dict it held")
         for where, d, key, was in zip(self.hop_where, self.hop_dicts, self.hop_keys, self.hop_objs):
             now = d.get(key, GONE)
             if now is not was:

@@ -65,7 +65,8 @@ def test_the_settings_reads_leave_dynamos_guards_and_the_captured_graph_replays(
     # Before torch 2.12 Dynamo reads the value through object.__getattribute__ (C, no Python call) and
     # keeps that guard; its hasattr guard runs the class's __getattribute__ and is taken out.
     names = ["scale"] if _TORCH >= (2, 12) else []
-    assert reads and all(r.names == names for r in reads), [r.names for r in reads]
+    own = [[n for d, n in zip(r.dicts, r.names) if d is vars(m.settings)] for r in reads]
+    assert reads and all(n == names for n in own), own
     assert all(("shift" in r.absent_names) for r in reads)
     _call(F, m, twin)
     assert graph_opt.stats(m).replays == 1 and not graph_opt.stats(m).fallback_reasons
@@ -101,6 +102,47 @@ def test_a_change_of_what_the_forward_read_stops_replays_until_undone(F, change,
         model.settings = original
         vars(original).pop("shift", None)
         original.scale = 2.0
+    _call(F, m, twin, seed=2)
+    assert graph_opt.stats(m).replays == 1, graph_opt.stats(m).fallback_reasons
+
+
+def _shift_by_getattr(self, name):
+    if name == "shift":
+        return 1.0
+    raise AttributeError(name)
+
+
+def _scale_by_getattribute(self, name):
+    return 5.0 if name == "scale" else object.__getattribute__(self, name)
+
+
+CLASS_CHANGES = {
+    "a __getattr__ set on the class": lambda mp: mp.setattr(Settings, "__getattr__", _shift_by_getattr,
+                                                            raising=False),
+    "a property set on the class": lambda mp: mp.setattr(Settings, "scale", property(lambda self: 5.0),
+                                                         raising=False),
+    "the class's __getattribute__ replaced": lambda mp: mp.setattr(Settings, "__getattribute__",
+                                                                   _scale_by_getattribute),
+}
+
+
+@pytest.mark.parametrize("change", list(CLASS_CHANGES) + ["the object's __dict__ replaced"])
+def test_a_change_of_how_the_object_answers_its_reads_stops_replays_until_undone(F, change, monkeypatch):
+    """Dynamo's guard ran the class's __getattribute__; the dict reads standing for it see the class's
+    lookup change (a property or __getattr__ added, __getattribute__ replaced) and the object's __dict__
+    replaced (the dict read at capture is not written)."""
+    m, twin = _captured(F)
+    dicts = (vars(m.settings), vars(twin.settings))
+    if change in CLASS_CHANGES:
+        CLASS_CHANGES[change](monkeypatch)
+    else:
+        _both(m, twin, lambda model: setattr(model.settings, "__dict__", dict(vars(model.settings), scale=5.0)))
+    _call(F, m, twin)
+    s = graph_opt.stats(m)
+    assert s.replays == 0 and s.fallback_reasons == {"guard": 1}, s.fallback_reasons
+    monkeypatch.undo()
+    for model, d in zip((m, twin), dicts):
+        model.settings.__dict__ = d
     _call(F, m, twin, seed=2)
     assert graph_opt.stats(m).replays == 1, graph_opt.stats(m).fallback_reasons
 
@@ -181,3 +223,26 @@ def test_reads_with_dict_versions_see_every_write_and_look_again_only_after_one(
     assert not reads.differs()
     obj.__class__ = type("Other", (Holder,), {})  # no dict write: compared at every call
     assert reads.differs()
+
+
+def test_reads_see_a_dict_on_the_way_replaced_though_no_dict_read_moved():
+    """`holder.__dict__ = {...}` writes none of the dicts read at capture: each object whose __dict__ a
+    read went through is compared with that dict, with and without the dict versions' fast path."""
+    from graph_opt.backends.torch.guard_reads import dict_version
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.scale = 2.0
+    d = vars(holder)
+    for fast in (False, True):
+        reads = Reads(hops=[], values=[("holder.scale", d, "scale", 2.0)], absent=[], present=[],
+                      owners=[("holder.__dict__", holder, d)])
+        if fast:
+            reads.versioned(dict_version, [d])
+        assert not reads.differs() and not reads.differs()
+        holder.__dict__ = {"scale": 5.0}
+        assert reads.differs() and reads.first_change()[0] == "holder.__dict__"
+        holder.__dict__ = d
+        assert not reads.differs()
