@@ -246,6 +246,8 @@ class Modules(Protocol):
 
     def module_classes(self, model) -> list: ...  # in module_dicts' order
 
+    def modules(self, model) -> list: ...  # the model and every submodule, in module_dicts' order
+
     def module_tensor_ids(self, model): ...  # (name, id) of every parameter, buffer and submodule
 
     def tensor_fingerprint(self, model): ...  # (id, address, dtype, device, shape, strides) of each

@@ -101,3 +101,29 @@ def test_a_change_under_the_model_stops_replays_and_equals_eager(change, graph_o
         assert graph_opt.stats(m).replays == 2, graph_opt.stats(m).fallback_reasons
     finally:
         _restore_classes()
+
+
+class Doubled(Head):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_submodules_class_assigned_after_capture_stops_replays_and_equals_eager(level, graph_opt_warnings):
+    """`layer.__class__ = Other` (how quantization and adapter libraries swap a layer) writes no dict."""
+    torch.manual_seed(0)
+    m = graph_opt.support_graph_optimization(type("Graphed", (Model,), {}))(
+        graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=level, cudagraph_capture_sizes=SIZES))
+    with graph_opt.testing.simulate_cuda_graphs():
+        graph_opt.capture_model(m, make_x, progress=False)
+    x = make_x(4)
+    with graph_opt.testing.simulate_cuda_graphs(), torch.no_grad():
+        assert torch.equal(m(x), Model.forward(m, x))
+        m.head.__class__ = Doubled
+        assert torch.equal(m(x), Model.forward(m, x))
+        s = graph_opt.stats(m)
+        assert s.replays == 1 and s.fallback_reasons == {"replaced": 1}, s.fallback_reasons
+        assert any("head is a Doubled (was a Head)" in w for w in graph_opt_warnings()), graph_opt_warnings()
+        m.head.__class__ = Head
+        assert torch.equal(m(x), Model.forward(m, x))
+    assert graph_opt.stats(m).replays == 2
