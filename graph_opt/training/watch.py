@@ -40,6 +40,8 @@ class TrainingWatch:
         self.registrations = Registrations(adapter)
         self.hooks = Hooks(adapter)
         self.attributes = Attributes(adapter)
+        self.module_objs: List[Any] = []  # the module and its submodules, and their classes, at capture
+        self.module_types: List[type] = []
         self.owners: List[dict] = []  # owner dicts, names and tensors of parameters and buffers
         self.names: List[str] = []
         self.tensors: List[Any] = []
@@ -83,6 +85,8 @@ class TrainingWatch:
         self.all_params = self.bridge.all_parameters(self.module)
         self.trainable = self.bridge.trainable_flags(self.all_params)
         self.registrations.snapshot(self.module)
+        self.module_objs = self.adapter.modules(self.module)  # a class assigned moves no counter, writes no dict
+        self.module_types = list(map(type, self.module_objs))
         # Hooks of submodules run inside the forward, so a graph replays those there were at capture
         # (the module's own run around the block at every call)
         self.hooks.snapshot(self.flags.dicts)
@@ -90,7 +94,7 @@ class TrainingWatch:
 
     def moved(self) -> bool:
         """A parameter or buffer replaced (a new object, or its data swapped), one added or a submodule
-        replaced (a new head, a LoRA adapter), the trainable set changed (a parameter frozen or
+        replaced (a new head, a LoRA adapter) or given another class, the trainable set changed (a parameter frozen or
         unfrozen), a plain attribute set to another value, or a hook of a submodule registered or
         removed: the graphs read and compute gradients for what was captured."""
         tensors = self.tensors
@@ -99,6 +103,7 @@ class TrainingWatch:
                 or self.bridge.trainable_flags(self.all_params) != self.trainable
                 or self.attributes.differs()
                 or self.registrations.changed(self.module)
+                or not all(map(operator.is_, map(type, self.module_objs), self.module_types))
                 or self.hooks.changed())
 
     # -- what the forward writes itself ------------------------------------------------------------

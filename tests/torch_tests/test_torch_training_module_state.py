@@ -462,3 +462,50 @@ def test_a_hook_on_a_submodule_registered_or_removed_after_capture_is_captured_a
             for a, b in zip(*got):
                 assert torch.equal(a, b), f"step {step}: differs by {(a - b).abs().max().item()}"
         assert graph_opt.stats(m).recaptures == 3, graph_opt.stats(m)
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _ScaledTwice(_Scaled):
+    def forward(self, x):
+        return self.lin(x) * 2
+
+
+class _WithHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = _Scaled()
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.head(x), y)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_submodule_given_another_class_after_capture_is_captured_again(device, level):
+    """`layer.__class__ = Other` (how quantization and adapter libraries swap a layer) writes no dict and
+    registers nothing: the block compares the classes at every call."""
+    torch.manual_seed(0)
+    ref = _WithHead().to(device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level, warmup_steps=1)
+    with _graphs(device):
+        for step in range(5):
+            if step == 3:
+                ref.head.__class__ = _ScaledTwice
+                m.head.__class__ = _ScaledTwice
+            x, y = torch.randn(6, 8, device=device), torch.arange(6, device=device) % 3
+            got = []
+            for model in (ref, m):
+                model.zero_grad(set_to_none=True)
+                loss = model(x, y)
+                loss.backward()
+                got.append((loss.detach(), model.head.lin.weight.grad))
+            assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
+    s = graph_opt.stats(m)
+    assert s.recaptures == 1 and s.backward_replays >= (3 if level == 0 else 2), s  # level 1 traces anew first
