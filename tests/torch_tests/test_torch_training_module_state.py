@@ -38,23 +38,33 @@ class _ClassWeighted(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.lin(x), y, weight=self.cw)
 
 
-def test_a_tensor_attribute_set_anew_is_read_as_eager_reads_it(device):
-    torch.manual_seed(0)
-    ref = _ClassWeighted(device).to(device)
-    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
+def _steps_equal_eager(ref, m, device, change, weight, steps=5, at=3):
+    """Training steps of the eager module and the block, `change` made to both before step `at`: the loss
+    and a weight's gradient equal at every step."""
     with _graphs(device):
-        for step in range(5):
-            if step == 3:
-                ref.cw = torch.tensor([1.0, 5.0, 0.1], device=device)
-                m.cw = ref.cw.clone()
+        for step in range(steps):
+            if step == at:
+                change(ref)
+                change(m)
             x, y = torch.randn(6, 8, device=device), torch.arange(6, device=device) % 3
             got = []
             for model in (ref, m):
                 model.zero_grad(set_to_none=True)
                 loss = model(x, y)
                 loss.backward()
-                got.append((loss.detach(), model.lin.weight.grad))
+                got.append((loss.detach(), weight(model).grad))
             assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
+
+
+def test_a_tensor_attribute_set_anew_is_read_as_eager_reads_it(device):
+    torch.manual_seed(0)
+    ref = _ClassWeighted(device).to(device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), warmup_steps=1)
+
+    def change(model):
+        model.cw = torch.tensor([1.0, 5.0, 0.1], device=device)
+
+    _steps_equal_eager(ref, m, device, change, lambda model: model.lin.weight)
     s = graph_opt.stats(m)
     assert s.recaptures == 1 and s.backward_replays >= 3, s
 
@@ -494,18 +504,7 @@ def test_a_submodule_given_another_class_after_capture_is_captured_again(device,
     torch.manual_seed(0)
     ref = _WithHead().to(device)
     m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level, warmup_steps=1)
-    with _graphs(device):
-        for step in range(5):
-            if step == 3:
-                ref.head.__class__ = _ScaledTwice
-                m.head.__class__ = _ScaledTwice
-            x, y = torch.randn(6, 8, device=device), torch.arange(6, device=device) % 3
-            got = []
-            for model in (ref, m):
-                model.zero_grad(set_to_none=True)
-                loss = model(x, y)
-                loss.backward()
-                got.append((loss.detach(), model.head.lin.weight.grad))
-            assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"step {step}"
+    _steps_equal_eager(ref, m, device, lambda model: setattr(model.head, "__class__", _ScaledTwice),
+                       lambda model: model.head.lin.weight)
     s = graph_opt.stats(m)
     assert s.recaptures == 1 and s.backward_replays >= (3 if level == 0 else 2), s  # level 1 traces anew first
