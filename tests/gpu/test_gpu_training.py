@@ -26,6 +26,7 @@ from test_torch_training_module_state import (  # noqa: E402,F401  the module's 
     test_torch_compile_around_a_block_breaks_its_graph_there_and_the_block_replays,
     test_a_math_mode_change_between_steps_gets_a_graph_of_its_own,
     test_a_hook_on_a_submodule_registered_or_removed_after_capture_is_captured_again,
+    test_a_submodule_given_another_class_after_capture_is_captured_again,
 )
 
 globals().update(shared_tests("test_training_spec"))
