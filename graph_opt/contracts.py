@@ -246,7 +246,7 @@ class Modules(Protocol):
 
     def module_classes(self, model) -> list: ...  # in module_dicts' order
 
-    def modules(self, model) -> list: ...  # the model and every submodule, in module_dicts' order
+    def named_modules(self, model) -> list: ...  # (path, module) of the model and every submodule, in module_dicts' order
 
     def module_tensor_ids(self, model): ...  # (name, id) of every parameter, buffer and submodule
 

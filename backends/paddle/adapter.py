@@ -304,8 +304,8 @@ class PaddleAdapter(PaddleHostCopies):
     def module_dicts(self, model):
         return [(path, layer.__dict__) for path, layer in model.named_sublayers(include_self=True)]
 
-    def modules(self, model) -> list:
-        return [layer for _, layer in model.named_sublayers(include_self=True)]
+    def named_modules(self, model) -> list:
+        return list(model.named_sublayers(include_self=True))
 
     def module_classes(self, model) -> list:
         """The class of each module, in module_dicts' order."""

@@ -297,8 +297,8 @@ class TorchAdapter(TorchHostCopies):
     def module_dicts(self, model):
         return [(path, m.__dict__) for path, m in model.named_modules(remove_duplicate=False)]
 
-    def modules(self, model) -> list:
-        return [m for _, m in model.named_modules(remove_duplicate=False)]
+    def named_modules(self, model) -> list:
+        return list(model.named_modules(remove_duplicate=False))
 
     def module_classes(self, model) -> list:
         """The class of each module, in module_dicts' order."""

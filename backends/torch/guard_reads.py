@@ -116,13 +116,11 @@ class _Steps:
             base, dot, member = name.rpartition(".")
             if not dot or not _PATH.fullmatch(base) or not member.isidentifier():
                 return False
-            owner = self._walk(base)
-            if owner is None or not _runs_python(owner[1]):
+            owner = self._python_object(base)
+            if owner is None:
                 return False
-            obj = owner[1]
-            d = _own_dict(obj)
-            if d is None or d.get(member, _MISSING) is not entry.value or _class_descriptor(type(obj), member) \
-                    or _class_dicts(obj) is None:
+            obj, d = owner[1], owner[3]
+            if d.get(member, _MISSING) is not entry.value or _class_descriptor(type(obj), member):
                 return False
             self._add(owner)
             self._pin(base, obj, d, member)
@@ -156,13 +154,10 @@ class _Steps:
                 name, _, attr = name.rpartition(".")
             if not isinstance(attr, str) or not _PATH.fullmatch(name):
                 return False
-            owner = self._walk(name)
-            if owner is None or not _runs_python(owner[1]):
+            owner = self._python_object(name)
+            if owner is None:
                 return False
-            obj = owner[1]
-            d = _own_dict(obj)
-            if d is None or _class_dicts(obj) is None:
-                return False
+            obj, d = owner[1], owner[3]
             where = f"{_shown(name)}.{attr}"
             if kind == "NOT_PRESENT_IN_GENERIC_DICT":
                 if attr in d:
@@ -202,6 +197,17 @@ class _Steps:
             if attr not in vars(klass):
                 where = f"{_shown(found.group(1))}.{attr} (set on class {klass.__name__})".lstrip(".")
                 self.absent[(id(klass), attr)] = (where, vars(klass), attr)
+
+    def _python_object(self, path: str):
+        """_walk's answer and the object's own __dict__, for an object at path whose class runs Python on
+        attribute reads and whose reads are all dict reads (its __dict__ and its classes' plain dicts); else None."""
+        owner = self._walk(path)
+        if owner is None or not _runs_python(owner[1]):
+            return None
+        d = _own_dict(owner[1])
+        if d is None or _class_dicts(owner[1]) is None:
+            return None
+        return (*owner, d)
 
     def _walk(self, path: str):
         """(the dict reads from the model to the object at path, the object), or None where a step is not one."""

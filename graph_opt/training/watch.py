@@ -19,7 +19,7 @@ import sys
 from typing import Any, Callable, Dict, List, Tuple
 
 from ..errors import GraphOptInputError
-from ..watch.module_watch import Attributes, Hooks, Registrations, TrainingFlags, plain_attributes
+from ..watch.module_watch import Attributes, Classes, Hooks, Registrations, TrainingFlags, plain_attributes
 from ..watch.held_state import state_key
 from ..pytree import flatten
 
@@ -40,8 +40,7 @@ class TrainingWatch:
         self.registrations = Registrations(adapter)
         self.hooks = Hooks(adapter)
         self.attributes = Attributes(adapter)
-        self.module_objs: List[Any] = []  # the module and its submodules, and their classes, at capture
-        self.module_types: List[type] = []
+        self.classes = Classes(adapter)
         self.owners: List[dict] = []  # owner dicts, names and tensors of parameters and buffers
         self.names: List[str] = []
         self.tensors: List[Any] = []
@@ -85,8 +84,7 @@ class TrainingWatch:
         self.all_params = self.bridge.all_parameters(self.module)
         self.trainable = self.bridge.trainable_flags(self.all_params)
         self.registrations.snapshot(self.module)
-        self.module_objs = self.adapter.modules(self.module)  # a class assigned moves no counter, writes no dict
-        self.module_types = list(map(type, self.module_objs))
+        self.classes.snapshot(self.module)
         # Hooks of submodules run inside the forward, so a graph replays those there were at capture
         # (the module's own run around the block at every call)
         self.hooks.snapshot(self.flags.dicts)
@@ -103,7 +101,7 @@ class TrainingWatch:
                 or self.bridge.trainable_flags(self.all_params) != self.trainable
                 or self.attributes.differs()
                 or self.registrations.changed(self.module)
-                or not all(map(operator.is_, map(type, self.module_objs), self.module_types))
+                or self.classes.changed()
                 or self.hooks.changed())
 
     # -- what the forward writes itself ------------------------------------------------------------

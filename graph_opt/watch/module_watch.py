@@ -6,6 +6,7 @@ it, backends/call_counters.py), the look at the module only after it moved.
 - Registrations: parameters, buffers and submodules replaced, added or removed (their ids);
 - Conversions: parameters and buffers converted in place (to(), half()) or their `.data` assigned:
   the same objects at other addresses, dtypes or devices;
+- Classes: the class of the module and of every submodule (one assigned writes no dict);
 - Hooks: hooks of submodules and global module hooks registered or removed;
 - Attributes: plain values (numbers, strings, bool, None) of the module's and its submodules'
   attributes, class defaults set over on an instance, and the other objects the module holds itself,
@@ -78,6 +79,32 @@ class TrainingFlags:
             if now is not was:
                 return path, now, was
         return None
+
+
+class Classes:
+    """The class of the module and of every submodule, compared at every call: a class assigned
+    (`layer.__class__ = Quantized`, as quantization libraries swap a layer) writes no dict and moves no
+    counter. Holds the modules (a C-level pass over them: ~2 µs for 150 modules)."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.paths: List[str] = []
+        self.objs: list = []
+        self.types: list = []
+
+    def snapshot(self, model) -> None:
+        named = self.adapter.named_modules(model)
+        self.paths = [path for path, _ in named]
+        self.objs = [m for _, m in named]
+        self.types = list(map(type, self.objs))
+
+    def changed(self) -> bool:
+        return not all(map(operator.is_, map(type, self.objs), self.types))
+
+    def first_change(self) -> Optional[Tuple[str, type, type]]:
+        """(path, class now, class at the snapshot) of the first module whose class changed."""
+        return next(((path, type(m), was) for path, m, was in zip(self.paths, self.objs, self.types)
+                     if type(m) is not was), None)
 
 
 class Registrations:
@@ -190,12 +217,17 @@ def plain_attributes(adapter, modules: List[Tuple[str, dict]], own_root: bool, p
     return out
 
 
-
 class _Said(str):
     """Words in a change's message where a value would be (shown as they are, not quoted)."""
 
     def __repr__(self) -> str:
         return str(self)
+
+
+def _value_changed(now, key, was) -> bool:
+    """One watched plain value against the one at the snapshot: by type and value, and a zero's sign."""
+    return state_key(now) != key or type(now) is float and now == 0.0 and \
+        math.copysign(1.0, now) != math.copysign(1.0, was)
 
 
 def _values_changed(w) -> bool:
@@ -208,6 +240,7 @@ def _values_changed(w) -> bool:
         w.values = values  # equal values in new objects
     zeros = w.zeros
     return bool(zeros) and [math.copysign(1.0, values[i]) for i in zeros] != w.signs
+
 
 class Attributes:
     """The plain attributes of the module and its submodules (a dropout schedule sets `p`), and the
@@ -296,8 +329,7 @@ class Attributes:
         is "path.name" ("layer.drop.p"). GONE for an attribute not set."""
         for d, name, key, was in zip(self.dicts, self.names, self.keys, self.values):
             now = d.get(name, GONE)
-            if state_key(now) != key or type(now) is float and now == 0.0 and \
-                    math.copysign(1.0, now) != math.copysign(1.0, was):
+            if _value_changed(now, key, was):
                 return self._where(d, name), now, was
         for d, name, was in zip(self.obj_dicts, self.obj_names, self.obj_values):
             now = d.get(name, GONE)
@@ -400,8 +432,7 @@ class Reads:
                 return where, now, was
         for where, d, name, key, was in zip(self.where, self.dicts, self.names, self.keys, self.values):
             now = d.get(name, GONE)
-            if state_key(now) != key or type(now) is float and now == 0.0 and \
-                    math.copysign(1.0, now) != math.copysign(1.0, was):
+            if _value_changed(now, key, was):
                 return where, now, was
         for where, d, name in self.absent:
             if name in d:

@@ -44,7 +44,7 @@ from ..backends import patches
 from ..capture.failures import model_code
 from .fallbacks import Fallback, Reason
 from .held_state import NOTHING_HELD, HeldState, state_key
-from .module_watch import GONE, Attributes, Conversions, Hooks, Registrations, TrainingFlags
+from .module_watch import GONE, Attributes, Classes, Conversions, Hooks, Registrations, TrainingFlags
 
 STATE_ATTR = "_graph_opt_state"  # the instance attribute where the decorator keeps a model's state
 
@@ -75,8 +75,7 @@ class ModelState:
         self._read_before: frozenset = frozenset()
         self._stop_reading = None
         self.flags = TrainingFlags(adapter)
-        self.module_objs: list = []  # the model and its submodules, and their classes, at the snapshot
-        self.module_types: list = []
+        self.classes = Classes(adapter)
         self.registrations = Registrations(adapter)
         self.conversions = Conversions(adapter)
         self.hooks = Hooks(adapter)
@@ -102,8 +101,7 @@ class ModelState:
         """Record the state the graphs are captured in (at the first capture after a release)."""
         adapter, model = self.adapter, self.model
         self.flags.snapshot(adapter.module_dicts(model))
-        self.module_objs = adapter.modules(model)
-        self.module_types = list(map(type, self.module_objs))
+        self.classes.snapshot(model)
         self.ambient = adapter.ambient()
         self.ambient_now = adapter.ambient
         self.math_changed = adapter.math_mode_counter()
@@ -164,7 +162,7 @@ class ModelState:
             self.read.clear()
         patches.release(self)
         self.flags = TrainingFlags(self.adapter)
-        self.module_objs, self.module_types = [], []
+        self.classes = Classes(self.adapter)
         self.hooks = Hooks(self.adapter)
         self.attributes = Attributes(self.adapter, own_root=False)
         self.original.clear()
@@ -249,8 +247,7 @@ class ModelState:
             replaced = self._registrations_changed()
             if replaced is not None:
                 return replaced
-        # A class assigned to a submodule (`layer.__class__ = Quantized`) writes no dict and moves no counter.
-        if not all(map(operator.is_, map(type, self.module_objs), self.module_types)):
+        if self.classes.changed():
             return self._class_changed()
         conversions = self.conversions
         if conversions.count[0] != conversions.seen:
@@ -284,9 +281,8 @@ class ModelState:
         return self.adapter.is_tensor(value) or self.adapter.framework_attributes <= getattr(value, "__dict__", {}).keys()
 
     def _class_changed(self) -> Fallback:
-        where = next(f"{self.name}.{path}".rstrip(".") + f" is a {type(m).__name__} (was a {was.__name__})"
-                     for (path, _), m, was in zip(self.flags.modules, self.module_objs, self.module_types)
-                     if type(m) is not was)
+        path, now, was = self.classes.first_change()
+        where = f"{self.name}.{path}".rstrip(".") + f" is a {now.__name__} (was a {was.__name__})"
         return Fallback(Reason.REPLACED, f"a module's class changed since capture: {where}; the graphs run the "
                         "code of the class they were captured with. Set it back, or clear_graphs() and "
                         "capture_model() to capture the new one")
