@@ -219,6 +219,10 @@ class TorchAutogradBridge:
                     "fail_on_recompile_limit_hit": True}
         if hasattr(dynamo_config, "skip_nnmodule_hook_guards"):
             settings["skip_nnmodule_hook_guards"] = False
+        # These guards run at a key's warm-ups and captures only, never at a replay: nothing to gain from
+        # skipping module subtrees by their dict tags (torch 2.11's default), which misses a submodule
+        # given another class (no dict written) and would hand a recapture the old class's trace.
+        settings["use_recursive_dict_tags_for_guards"] = False
         patch = dynamo_config.patch(**settings)
         owner = getattr(fn, "__self__", None)
         owner = owner if isinstance(owner, torch.nn.Module) else None
