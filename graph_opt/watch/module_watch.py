@@ -26,6 +26,7 @@ import math
 import operator
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import dict_watch
 from .held_state import state_key
 
 _training = operator.itemgetter("training")  # every nn.Module / Layer keeps its flag in its __dict__
@@ -382,7 +383,7 @@ class Reads:
         self.owner_dicts = [d for _, _, d in owners]
         self._version: Optional[Any] = None
         self._versioned: List[dict] = []
-        self._seen: Optional[list] = None
+        self._seen: Any = None  # the versions when the reads last held, or the watch's moved()
 
     def __len__(self) -> int:
         return len(self.hop_objs) + len(self.values) + len(self.absent) + len(self.present) + len(self.classes) + \
@@ -393,16 +394,23 @@ class Reads:
 
     def versioned(self, version, dicts: List[dict]) -> None:
         """A fast path: `version(d)` moves at every write to d (the interpreter's dict version), and dicts
-        are all the dicts read; while none moved since the reads last held, nothing read changed."""
+        are all the dicts read; while none moved since the reads last held, nothing read changed. From
+        Python 3.12 a dict watcher answers for all of them in one compare (dict_watch.py)."""
         self._version, self._versioned = version, dicts
 
     def differs(self) -> bool:
         if self._version is None:
             return self._differs()
-        now = list(map(self._version, self._versioned))
-        if now == self._seen and all(map(operator.is_, map(type, self.class_objs), self.class_types)) and \
+        seen = self._seen
+        if seen is not None and all(map(operator.is_, map(type, self.class_objs), self.class_types)) and \
                 self._same_dicts():
-            return False
+            if seen.__class__ is list:
+                if list(map(self._version, self._versioned)) == seen:
+                    return False
+            elif not seen():
+                return False
+        # watched (or their versions taken) before the reads: a write during them shows at the next call
+        now = dict_watch.watch(self._versioned) or list(map(self._version, self._versioned))
         changed = self._differs()
         self._seen = None if changed else now
         return changed

@@ -199,7 +199,9 @@ def test_reads_compare_values_by_type_and_sign_objects_by_identity_and_names_by_
 
 
 def test_reads_with_dict_versions_see_every_write_and_look_again_only_after_one():
+    """Before Python 3.12 each dict's version is compared; from 3.12 one dict watcher answers for all."""
     from graph_opt.backends.torch.guard_reads import dict_version
+    from graph_opt.watch import dict_watch
 
     class Holder:
         pass
@@ -215,6 +217,7 @@ def test_reads_with_dict_versions_see_every_write_and_look_again_only_after_one(
     reads.versioned(dict_version, [d])
     assert not reads.differs() and not reads.differs()
     assert len(looked) == 1  # the second call: no dict moved
+    assert callable(reads._seen) == dict_watch.can_watch()  # the watcher where there is one
     obj.other = 1  # a write the forward never read: looked at again, still holds
     assert not reads.differs() and len(looked) == 2
     obj.scale = 3.0
