@@ -14,7 +14,8 @@ class descriptor overrides, a name absent from its __dict__ (NOT_PRESENT_IN_GENE
 hasattr answered by the __dict__ and the classes (without a class __getattr__). What Dynamo guarded of
 the class itself (its __getattribute__, its attribute_map) stays with Dynamo; what its guard's Python
 call went by is read too (_Steps._pin): the object's class, each class's __getattribute__, __getattr__
-and the name read, and every __dict__ on the way (one replaced writes none of the dicts read).
+(their code, defaults and closure cells too) and the name read, and every __dict__ on the way (one
+replaced writes none of the dicts read).
 """
 from __future__ import annotations
 
@@ -97,10 +98,12 @@ class _Steps:
         self.present: Dict[Tuple[int, str], tuple] = {}
         self.classes: Dict[int, tuple] = {}  # id(object) -> (where, object, its class)
         self.owners: Dict[int, tuple] = {}  # id(object) -> (where, object, its __dict__)
+        self.pinned: Dict[tuple, tuple] = {}  # (id, name) -> (where, object, name, value)
 
     def reads(self) -> Reads:
         reads = Reads(list(self.hops.values()), list(self.values.values()), list(self.absent.values()),
-                      list(self.present.values()), list(self.classes.values()), list(self.owners.values()))
+                      list(self.present.values()), list(self.classes.values()), list(self.owners.values()),
+                      list(self.pinned.values()))
         read = [d for _, d, _, _ in self.hops.values()] + [d for _, d, _, _ in self.values.values()] + \
             [d for _, d, _ in self.absent.values()] + [d for _, d, _ in self.present.values()]
         dicts = {id(d): d for d in map(_as_dict, read)}
@@ -250,8 +253,23 @@ class _Steps:
                 at = f"{shown}.{attr} (on class {klass.__name__})".lstrip(".")
                 if attr in cd:
                     self.values.setdefault((id(cd), attr), (at, cd, attr, cd[attr]))
+                    if attr != name and type(cd[attr]) is types.FunctionType:
+                        self._pin_function(f"{shown}.{attr}".lstrip("."), klass.__name__, cd[attr])
                 else:
                     self.absent.setdefault((id(cd), attr), (at, cd, attr))
+
+    def _pin_function(self, where: str, owner: str, fn) -> None:
+        """A class's __getattribute__ or __getattr__ runs as its code, defaults and closure say: the same
+        function object with its __code__ swapped (or a cell rebound) answers otherwise."""
+        for attr in ("__code__", "__defaults__", "__kwdefaults__"):
+            self.pinned.setdefault((id(fn), attr), (f"{where}.{attr} (on class {owner})", fn, attr, getattr(fn, attr)))
+        for i, cell in enumerate(fn.__closure__ or ()):
+            try:
+                self.pinned.setdefault((id(cell), "cell_contents"), (
+                    f"{where}.__closure__[{i}].cell_contents (on class {owner})", cell, "cell_contents",
+                    cell.cell_contents))
+            except ValueError:  # an empty cell: nothing the function reads now
+                continue
 
 
 def changed_read(reads: Reads, model) -> str:

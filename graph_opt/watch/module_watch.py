@@ -352,11 +352,12 @@ class Reads:
     still from the instance and its classes (`absent`: (where, dict or class mapping, name)); each name
     found on a class, there still (`present`: the same); each object whose class was compared, of that
     class still (`classes`: (where, object, class)); each object whose __dict__ was read, holding that
-    dict still (`owners`: (where, object, dict): a `__dict__` replaced writes no read dict). No
-    counter: a config's attribute set is not counted."""
+    dict still (`owners`: (where, object, dict): a `__dict__` replaced writes no read dict); each
+    attribute that no dict holds, the same object still (`pinned`: (where, object, name, value): the
+    `__code__` of a class's `__getattribute__`). No counter: a config's attribute set is not counted."""
 
     def __init__(self, hops: list, values: list, absent: list, present: list, classes: list = (),
-                 owners: list = ()):
+                 owners: list = (), pinned: list = ()):
         self.hop_where = [w for w, _, _, _ in hops]
         self.hop_dicts = [d for _, d, _, _ in hops]
         self.hop_keys = [k for _, _, k, _ in hops]
@@ -381,16 +382,24 @@ class Reads:
         self.owners = list(owners)
         self.owner_objs = [o for _, o, _ in owners]
         self.owner_dicts = [d for _, _, d in owners]
+        self.pinned = list(pinned)
+        self.pin_objs, self.pin_names, self.pin_values = ([r[i] for r in pinned] for i in (1, 2, 3))
         self._version: Optional[Any] = None
         self._versioned: List[dict] = []
         self._seen: Any = None  # the versions when the reads last held, or the watch's moved()
 
     def __len__(self) -> int:
         return len(self.hop_objs) + len(self.values) + len(self.absent) + len(self.present) + len(self.classes) + \
-            len(self.owners)
+            len(self.owners) + len(self.pinned)
 
     def _same_dicts(self) -> bool:
-        return all(map(operator.is_, map(object.__getattribute__, self.owner_objs, _DICT_ITER), self.owner_dicts))
+        """The owners' __dict__s and the pinned attributes, which no dict write shows."""
+        if not all(map(operator.is_, map(object.__getattribute__, self.owner_objs, _DICT_ITER), self.owner_dicts)):
+            return False
+        try:
+            return all(map(operator.is_, map(object.__getattribute__, self.pin_objs, self.pin_names), self.pin_values))
+        except (AttributeError, ValueError):  # deleted, or a cell emptied
+            return False
 
     def versioned(self, version, dicts: List[dict]) -> None:
         """A fast path: `version(d)` moves at every write to d (the interpreter's dict version), and dicts
@@ -434,6 +443,10 @@ class Reads:
         for where, obj, d in self.owners:
             if object.__getattribute__(obj, "__dict__") is not d:
                 return where, _Said("another dict"), _Said("the dict it held")
+        for where, obj, name, was in self.pinned:
+            now = getattr(obj, name, GONE) if name != "cell_contents" else _cell(obj)
+            if now is not was:
+                return where, now, was
         for where, d, key, was in zip(self.hop_where, self.hop_dicts, self.hop_keys, self.hop_objs):
             now = d.get(key, GONE)
             if now is not was:
@@ -452,6 +465,13 @@ class Reads:
             if type(obj) is not cls:
                 return where, type(obj), cls
         return None
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return GONE
 
 
 def _class_defaults(adapter, modules: List[Tuple[str, dict]], classes: list) -> list:

@@ -147,6 +147,32 @@ def test_a_change_of_how_the_object_answers_its_reads_stops_replays_until_undone
     assert graph_opt.stats(m).replays == 1, graph_opt.stats(m).fallback_reasons
 
 
+class _AnswersShift:
+    def __getattribute__(self, name):  # super() as Settings': the same one free variable, __class__
+        if name == "shift":
+            return 1.0
+        return super().__getattribute__(name)
+
+
+def test_the_classs_getattribute_given_other_code_stops_replays_until_undone(F, graph_opt_warnings):
+    """The same __getattribute__ function object, its __code__ swapped: it now answers hasattr(settings,
+    'shift') with True. No dict holds __code__; it is pinned with the function."""
+    m, twin = _captured(F)
+    fn = Settings.__dict__["__getattribute__"]
+    code = fn.__code__
+    _call(F, m, twin)
+    fn.__code__ = _AnswersShift.__dict__["__getattribute__"].__code__
+    try:
+        _call(F, m, twin, seed=2)
+        s = graph_opt.stats(m)
+        assert s.fallback_reasons == {"guard": 1}, s.fallback_reasons
+        assert any("__getattribute__.__code__" in w for w in graph_opt_warnings()), graph_opt_warnings()
+    finally:
+        fn.__code__ = code
+    _call(F, m, twin, seed=3)
+    assert graph_opt.stats(m).replays == 2, graph_opt.stats(m).fallback_reasons
+
+
 def test_a_settings_attribute_the_forward_never_read_changes_nothing(F):
     m, twin = _captured(F)
     _both(m, twin, lambda model: setattr(model.settings, "note", "changed"))
