@@ -734,9 +734,10 @@ def plot(out_dir: str, results) -> None:
         for label, ms_of, sizes in rows:
             for n in sizes:
                 groups.append(f"{label}\n{key} {n}")
+                eager = ms_of.get(EAGER, {}).get(n)  # absent where --variants left eager out: no bar
                 for c in cols:
                     ms = ms_of.get(c, {}).get(n)
-                    series[c].append(ms_of[EAGER][n] / ms if ms and ms_of[EAGER].get(n) else np.nan)
+                    series[c].append(eager / ms if ms and eager else np.nan)
         return groups, series
 
     if results["inference"]:

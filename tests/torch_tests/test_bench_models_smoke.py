@@ -60,3 +60,26 @@ def test_runs_and_variants_are_refused_outside_the_training_half():
         torch_models.main(["--smoke", "--runs", "2"])
     with pytest.raises(SystemExit):
         torch_models.main(["--smoke", "--only", "training", "--variants", "nope"])
+
+
+def test_the_plot_of_training_runs_without_eager_is_drawn(tmp_path, monkeypatch):
+    """--variants may leave eager out (runs compared with reduce-overhead only): no speed-up bars then,
+    and the figure is still drawn (it raised KeyError: 'eager' after the results were saved)."""
+    from unittest import mock
+
+    import numpy as np
+
+    fig, ax = mock.MagicMock(), mock.MagicMock()
+    fig.subplots.return_value = (mock.MagicMock(), mock.MagicMock())
+    drawn, saved = [], []
+    monkeypatch.setattr(torch_models, "new_figure", lambda: (fig, ax))
+    monkeypatch.setattr(torch_models, "grouped_bars", lambda axis, groups, series: drawn.append(series))
+    monkeypatch.setattr(torch_models, "save_figure", lambda *a: saved.append(a[3]))
+    results = {"device": "GPU", "inference": {}, "micro_batches": [1, 8], "training": {"bert": {
+        "autocudagraph": {"ms": {1: 5.2, 8: 8.5}}, "reduce-overhead": {"ms": {1: 5.8, 8: 5.1}}}}}
+    torch_models.plot(str(tmp_path), results)
+    assert saved == ["models_bench.png"]
+    assert drawn and all(np.isnan(v) for series in drawn[0].values() for v in series)
+    results["training"]["bert"]["eager"] = {"ms": {1: 52.0, 8: 51.0}}
+    torch_models.plot(str(tmp_path), results)
+    assert drawn[1]["autocudagraph"] == [52.0 / 5.2, 51.0 / 8.5]
