@@ -237,7 +237,7 @@ class DynamoStrategy:
         self._graph_code = self._graph_fn.__code__
         _OWNERS[id(self._graph_code)] = self
         _install_hook()
-        self._guards = ReplayGuards(self.model)
+        self._guards = ReplayGuards(self.model, getattr(self.forward_fn, "__globals__", None))
         self._compiled = torch.compile(self._graph_fn, backend=_WeakBackend(self), fullgraph=True, dynamic=None,
                                        options={"guard_filter_fn": self._guards})
         self._filtered = True

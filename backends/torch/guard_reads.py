@@ -1,5 +1,5 @@
 """Which of Dynamo's guards a guarded replay evaluates (the graph path's guard_filter_fn), and the reads
-taken out of Dynamo's guard tree to be checked as dict reads instead (module_watch.Reads).
+taken out of Dynamo's guard tree to be checked as dict reads instead (dict_reads.Reads).
 
 Left out, as before: the parameters' and buffers' tensor metadata. Replays run under no_grad, so
 requires_grad_ does not matter, and a conversion (to(), half()) is seen by the model-state check
@@ -16,9 +16,16 @@ the class itself (its __getattribute__, its attribute_map) stays with Dynamo; wh
 call went by is read too (_Steps._pin): the object's class, each class's __getattribute__, __getattr__
 (their code, defaults and closure cells too) and the name read, and every __dict__ on the way (one
 replaced writes none of the dicts read).
+
+Taken out too: a guard on an object that the forward found by dict reads alone from its module's
+globals or through a class's or an object's own dict (guard_paths.py): its identity, class, plain value,
+a key present or absent, a dict's size or keys. Dynamo's C++ walks those paths at every check; here they
+are compared again only after one of their dicts was written (a dict watcher from Python 3.12: one
+compare per call). The model's own tree stays with Dynamo, which skips it by its dict tags.
 """
 from __future__ import annotations
 
+import collections
 import gc
 import re
 import types
@@ -32,13 +39,21 @@ try:  # a dict's version: moves at every write (CPython's version tag, or a dict
 except ImportError:  # pragma: no cover - every torch graph_opt supports has it; the full check runs without
     dict_version = None
 
-from ...watch.module_watch import Reads
+from ...watch.dict_reads import Reads
+from . import guard_paths
 from ...watch.replay_guards import show
 
 _STEP = re.compile(r"\.(\w+)|\['([^'\\]*)'\]")
 _PATH = re.compile(r"self(?:\.\w+|\['[^'\\]*'\])*")
 _MRO = re.compile(r"dict\(type\((self[^()]*)\)\.__mro__\[(\d+)\]\.__dict__\)\['(\w+)'\].*")
 _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH", "ID_MATCH"})
+# Guards answered by the object a walk reaches (guard_paths.py) and the dicts it read.
+_WALKED_KINDS = frozenset({"ID_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "TYPE_MATCH",
+                           "CONSTANT_MATCH", "EQUALS_MATCH", "DICT_CONTAINS", "NOT_PRESENT_IN_GENERIC_DICT",
+                           "DUPLICATE_INPUT", "DICT_KEYS_MATCH", "SEQUENCE_LENGTH"})
+_IDENTITY_KINDS = frozenset({"ID_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH",
+                             "DUPLICATE_INPUT"})
+_FROZEN = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 _MISSING = object()
 
 
@@ -63,13 +78,16 @@ class ReplayGuards:
     transformed code of the frame being compiled (the bytecode hook runs before the guards are built);
     taken(code) hands back the reads taken out of that code's guards."""
 
-    def __init__(self, model):
+    def __init__(self, model, f_globals: Optional[dict] = None):
         self.model = weakref.ref(model)
+        self.f_globals = f_globals  # the forward's globals: Dynamo's G
         self.code = None
         self._reads: Dict[int, Tuple[Any, Reads]] = {}
 
     def __call__(self, entries) -> List[bool]:
-        steps = _Steps(self.model())
+        identity = frozenset(e.name for e in entries if e.guard_type in _IDENTITY_KINDS and e.name
+                             and e.guard_type != "DUPLICATE_INPUT")
+        steps = _Steps(self.model(), self.f_globals, identity)
         keep = []
         for entry in entries:
             keep.append(not _tensor_metadata(entry) and not steps.take(entry))
@@ -90,8 +108,10 @@ class ReplayGuards:
 class _Steps:
     """The model's objects along guard sources (`self._modules['lm'].config`), resolved as dict reads."""
 
-    def __init__(self, model):
+    def __init__(self, model, f_globals: Optional[dict] = None, identity=frozenset()):
         self.model = model
+        self.f_globals = f_globals
+        self.identity = identity  # the sources Dynamo guards by identity (guard_paths.walk)
         self.hops: Dict[Tuple[int, str], tuple] = {}  # (id of dict, key) -> (where, dict, key, object)
         self.values: Dict[Tuple[int, str], tuple] = {}
         self.absent: Dict[Tuple[int, str], tuple] = {}
@@ -99,12 +119,14 @@ class _Steps:
         self.classes: Dict[int, tuple] = {}  # id(object) -> (where, object, its class)
         self.owners: Dict[int, tuple] = {}  # id(object) -> (where, object, its __dict__)
         self.pinned: Dict[tuple, tuple] = {}  # (id, name) -> (where, object, name, value)
+        self.sizes: Dict[int, tuple] = {}  # id(dict) -> (where, dict, its keys in order or None, its length)
 
     def reads(self) -> Reads:
         reads = Reads(list(self.hops.values()), list(self.values.values()), list(self.absent.values()),
                       list(self.present.values()), list(self.classes.values()), list(self.owners.values()),
-                      list(self.pinned.values()))
+                      list(self.pinned.values()), list(self.sizes.values()))
         read = [d for _, d, _, _ in self.hops.values()] + [d for _, d, _, _ in self.values.values()] + \
+            [d for _, d, _, _ in self.sizes.values()] + \
             [d for _, d, _ in self.absent.values()] + [d for _, d, _ in self.present.values()]
         dicts = {id(d): d for d in map(_as_dict, read)}
         if dict_version is not None and None not in dicts.values():
@@ -113,6 +135,10 @@ class _Steps:
 
     def take(self, entry) -> bool:
         """Whether the guard is checked here instead (its reads recorded), not by Dynamo."""
+        return self._take_python(entry) or self._take_walked(entry)
+
+    def _take_python(self, entry) -> bool:
+        """A guard on what the forward read through an object whose class runs Python on reads."""
         kind, name = entry.guard_type, entry.name
         self._shadows(name)
         if kind in _VALUE_GUARDS and entry.has_value:
@@ -184,6 +210,76 @@ class _Steps:
             self._pin(name, obj, d, attr)
             return True
         return False
+
+    def _take_walked(self, entry) -> bool:
+        """A guard on an object found by dict reads alone (guard_paths.py), from the model or the forward's
+        globals: its identity, class, plain value, or a key's presence in a dict it reads."""
+        kind, name = entry.guard_type, entry.name
+        if kind not in _WALKED_KINDS or not name or self.f_globals is None or \
+                name.startswith("self") and kind != "DUPLICATE_INPUT":
+            return False  # the model's own tree: Dynamo skips it by its dict tags while they hold
+        keywords = getattr(getattr(entry.orig_guard, "create_fn", None), "keywords", None) or {}
+        walked = guard_paths.walk(name, self.model, self.f_globals, self.identity)
+        if walked is None or (kind in _IDENTITY_KINDS and entry.has_value and walked.obj is not entry.value):
+            return False
+        obj = walked.obj
+        where = walked.hops[-1][0] if walked.hops else name
+        if kind == "TYPE_MATCH" and name not in self.identity and where.startswith("global ") and \
+                guard_paths._instance(obj):
+            return False  # Dynamo holds that global to its class, not to the object (a request object per call)
+        if kind == "DUPLICATE_INPUT":
+            other = _local_name(keywords.get("source_b"))
+            twin = guard_paths.walk(other, self.model, self.f_globals) if other else None
+            if twin is None or twin.obj is not obj:
+                return False
+            self._add_walked(twin)
+        elif kind == "TYPE_MATCH":
+            if entry.has_value and type(obj) is not type(entry.value):
+                return False
+            if guard_paths.class_can_change(obj) and not isinstance(obj, torch.nn.Module):
+                walked.classes.append((f"{where}.__class__", obj, type(obj)))
+        elif kind in ("DICT_KEYS_MATCH", "SEQUENCE_LENGTH"):
+            # keys in order: only a write reorders a dict's (an OrderedDict's move_to_end writes none)
+            if type(obj) is dict:
+                self.sizes[id(obj)] = (where, obj, tuple(obj) if kind == "DICT_KEYS_MATCH" else None, len(obj))
+            elif not (type(obj) is collections.OrderedDict and kind == "SEQUENCE_LENGTH") and type(obj) is not tuple:
+                return False
+            elif type(obj) is collections.OrderedDict:
+                self.sizes[id(obj)] = (where, obj, None, len(obj))
+        elif kind in ("CONSTANT_MATCH", "EQUALS_MATCH"):
+            last = walked.hops.pop() if walked.hops and walked.hops[-1][3] is obj else None
+            if last is None or not _frozen(obj) or obj != entry.value:
+                return False
+            _, d, key, _ = last
+            self.values[(id(d), key)] = (where, d, key, entry.value)
+        elif kind == "DICT_CONTAINS":
+            key = keywords.get("key")
+            if type(obj) not in (dict, collections.OrderedDict) or not isinstance(key, str) or \
+                    (key in obj) == bool(keywords.get("invert")):
+                return False
+            (self.absent if keywords.get("invert") else self.present)[(id(obj), key)] = (f"{where}[{key!r}]", obj, key)
+        elif kind == "NOT_PRESENT_IN_GENERIC_DICT":
+            attr, own = keywords.get("attr"), _own_dict(obj)
+            if not isinstance(attr, str) or own is None or attr in own:
+                return False
+            walked.owners.append((where, obj, own, attr))
+            self.absent[(id(own), attr)] = (f"{where}.{attr}", own, attr)
+        self._add_walked(walked)
+        return True
+
+    def _add_walked(self, walked) -> None:
+        for hop in walked.hops:
+            self.hops.setdefault((id(hop[1]), hop[2]), hop)
+        for where, obj, d, attr in walked.owners:
+            self.owners.setdefault(id(obj), (f"{where}.__dict__", obj, d))
+            if _runs_python(obj):
+                self._pin(where, obj, d, attr)
+        for where, obj, cls in walked.classes:
+            self.classes.setdefault(id(obj), (where, obj, cls))
+        for where, obj, attr, value in walked.pinned:
+            self.pinned.setdefault((id(obj), attr), (where, obj, attr, value))
+        for where, d, name in walked.absent:
+            self.absent.setdefault((id(d), name), (where, d, name))
 
     def _shadows(self, name: str) -> None:
         """A class attribute read through an instance (`self.eps`, `self.helper()`): Dynamo guards its value
@@ -260,8 +356,14 @@ class _Steps:
 
     def _pin_function(self, where: str, owner: str, fn) -> None:
         """A class's __getattribute__ or __getattr__ runs as its code, defaults and closure say: the same
-        function object with its __code__ swapped (or a cell rebound) answers otherwise."""
-        for attr in ("__code__", "__defaults__", "__kwdefaults__"):
+        function object with its __code__ swapped (or a cell rebound) answers otherwise. Its defaults only
+        where the code has parameters past (self, name), the two the interpreter passes: reading a
+        function's __code__ or __defaults__ raises an audit event, ~0.25 µs where a library installed an
+        audit hook (filelock 4 does)."""
+        code = fn.__code__
+        pins = ["__code__"] + (["__defaults__"] if code.co_argcount > 2 else []) + \
+            (["__kwdefaults__"] if code.co_kwonlyargcount else [])
+        for attr in pins:
             self.pinned.setdefault((id(fn), attr), (f"{where}.{attr} (on class {owner})", fn, attr, getattr(fn, attr)))
         for i, cell in enumerate(fn.__closure__ or ()):
             try:
@@ -275,7 +377,8 @@ class _Steps:
 def changed_read(reads: Reads, model) -> str:
     """What a replay's GUARD fallback says when a read taken out of Dynamo's guards no longer holds."""
     where, now, was = reads.first_change() or ("an attribute the forward read", None, None)
-    return (f"Python state the forward read changed since capture: {type(model).__name__}.{where} is "
+    where = where if where.startswith("global ") else f"{type(model).__name__}.{where}"
+    return (f"Python state the forward read changed since capture: {where} is "
             f"{show(now)} (was {show(was)} at capture). Replays resume when it holds again; to keep the "
             "change, clear_graphs() and capture_model() again")
 
@@ -291,6 +394,10 @@ def _local_name(source) -> Optional[str]:
     return re.sub(r"L\['(\w+)'\]", r"\1", name) if isinstance(name, str) else None
 
 
+def _frozen(value) -> bool:
+    return type(value) in _FROZEN or type(value) is tuple and all(map(_frozen, value))
+
+
 def _runs_python(obj) -> bool:
     """An object (not a module) whose class's __getattribute__ is Python code."""
     return not isinstance(obj, torch.nn.Module) and isinstance(getattr(type(obj), "__getattribute__", None),
@@ -299,7 +406,7 @@ def _runs_python(obj) -> bool:
 
 def _as_dict(mapping) -> Optional[dict]:
     """The dict itself: a class's mappingproxy refers to its class's dict alone."""
-    if type(mapping) is dict:
+    if type(mapping) in (dict, collections.OrderedDict):
         return mapping
     inner = gc.get_referents(mapping) if type(mapping) is types.MappingProxyType else ()
     return inner[0] if len(inner) == 1 and type(inner[0]) is dict else None

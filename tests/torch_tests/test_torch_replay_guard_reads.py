@@ -1,6 +1,6 @@
 """Level >= 1 on torch: what the forward read through an object whose attribute reads run Python (a
 Hugging Face config's __getattribute__) is taken out of Dynamo's guards and checked as dict reads
-(backends/torch/guard_reads.py, module_watch.Reads). Every change Dynamo's guards caught is still
+(backends/torch/guard_reads.py, dict_reads.Reads). Every change Dynamo's guards caught is still
 caught: a value read, the object replaced, a name the forward asked for and did not find set on the
 object or its class; what the forward never read changes nothing. Simulated graphs on CPU."""
 import copy
@@ -10,7 +10,8 @@ import torch
 
 import graph_opt
 from graph_opt.decorator import state_of
-from graph_opt.watch.module_watch import GONE, Reads
+from graph_opt.watch.dict_reads import Reads
+from graph_opt.watch.module_watch import GONE
 from replay_support import HIDDEN, capture, eager_padded, pair
 
 _CI_SECONDS = 2
@@ -62,9 +63,9 @@ def _both(m, twin, change):
 def test_the_settings_reads_leave_dynamos_guards_and_the_captured_graph_replays(F):
     m, twin = _captured(F)
     reads = [r for _, r in state_of(m).runner.strategy._guards._reads.values()]
-    # Before torch 2.12 Dynamo reads the value through object.__getattribute__ (C, no Python call) and
-    # keeps that guard; its hasattr guard runs the class's __getattribute__ and is taken out.
-    names = ["scale"] if _TORCH >= (2, 12) else []
+    # Before torch 2.12 Dynamo reads the value through object.__getattribute__ (C, no Python call): that
+    # guard is taken out as a walked dict read (guard_paths.py), the hasattr one as a Python object's read.
+    names = ["scale"]
     own = [[n for d, n in zip(r.dicts, r.names) if d is vars(m.settings)] for r in reads]
     assert reads and all(n == names for n in own), own
     assert all(("shift" in r.absent_names) for r in reads)

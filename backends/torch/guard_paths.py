@@ -1,0 +1,218 @@
+"""A guard's source, walked as dict reads: where Dynamo's guard reads an object that graph_opt can find
+again by dict reads alone, the guard can leave Dynamo's tree for dict_reads.Reads (guard_reads.py).
+
+Sources are Dynamo's names with the frame's locals plain: `self._modules['lm'].config`,
+`G['__import_torch'].fx.Proxy` (the forward's globals), `dict(type(X).__mro__[1].__dict__)['k']` (a
+class's dict), `object.__getattribute__(X, '__dict__')` (an object's own dict). A step is taken when
+the object it reaches is fixed by dicts (an instance's or a module's __dict__, a class's own dict, a
+plain dict or OrderedDict) and by what is recorded besides (the walked objects' classes, the classes'
+__mro__, the objects' __dict__s themselves): anything else (a property, a __getattr__, a function's
+__code__ or closure, a list) leaves the guard with Dynamo. The forward's globals are not walked when
+they are a script's (`__main__`: its own loop writes them at every step).
+"""
+from __future__ import annotations
+
+import ast
+import collections
+import gc
+import sys
+import types
+from typing import Any, List, NamedTuple, Optional
+
+import torch
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: instances of other classes cannot have __class__ assigned
+
+
+class Walked(NamedTuple):
+    hops: List[tuple]  # (where, dict, key, object read there)
+    obj: Any
+    owners: List[tuple]  # (where, object, its own __dict__, name read) of every instance read through
+    classes: List[tuple]  # (where, object, its class) of every object whose class a step went by
+    pinned: List[tuple]  # (where, class, "__mro__", mro)
+    absent: List[tuple]  # (where, dict, name) of a name a class attribute's read went past
+
+
+class _NotWalked(Exception):
+    pass
+
+
+def walk(name: str, model, f_globals: dict, identity=frozenset()) -> Optional[Walked]:
+    """The dict reads that find the object at Dynamo's source `name`, or None where a step is not one.
+    `identity`: the sources whose object Dynamo guards by identity. An instance reached through the
+    globals is walked through only where it is one of them: the hops compare each object on the way by
+    identity, and a global rebound to another object of its class (a request object per call) passes
+    Dynamo's type guard; it must pass here too."""
+    try:
+        tree = ast.parse(name, mode="eval").body
+    except SyntaxError:
+        return None
+    out = Walked([], None, [], [], [], [])
+    main = getattr(sys.modules.get("__main__"), "__dict__", None)
+    try:
+        obj, _ = _step(tree, model, f_globals if f_globals is not main else None, out, identity)
+    except (_NotWalked, AttributeError, KeyError, IndexError, TypeError):
+        return None
+    return out._replace(obj=obj)
+
+
+_TENSOR_SLOTS = frozenset({"_modules", "_parameters", "_buffers"})  # shown as `lm.head.weight`
+
+
+def _step(node, model, f_globals, out, identity):
+    """(object, where) at node."""
+    if isinstance(node, ast.Name) and node.id == "self":
+        return model, ""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        key = node.slice.value
+        if isinstance(node.value, ast.Name) and node.value.id == "G":
+            if f_globals is None or key not in f_globals:
+                raise _NotWalked
+            value = f_globals[key]
+            where = "global " + _global_name(key)
+            out.hops.append((where, f_globals, key, value))
+            return value, where
+        base, where = _step(node.value, model, f_globals, out, identity)
+        if type(base) is tuple:  # a class's __mro__ (pinned): immutable
+            return base[key], f"{where}[{key!r}]"
+        if type(base) not in (dict, collections.OrderedDict) or key not in base:
+            raise _NotWalked
+        value = base[key]
+        slot = isinstance(node.value, ast.Attribute) and node.value.attr in _TENSOR_SLOTS
+        where = f"{where}.{key}" if slot else f"{where}[{key!r}]"
+        out.hops.append((where.lstrip("."), base, key, value))
+        return value, where
+    if isinstance(node, ast.Attribute):
+        base, where = _step(node.value, model, f_globals, out, identity)
+        if where.startswith("global ") and _instance(base) and ast.unparse(node.value) not in identity:
+            raise _NotWalked
+        if node.attr in _TENSOR_SLOTS:
+            return _attribute(base, node.attr, f"{where}.{node.attr}".lstrip("."), out), where
+        return _attribute(base, node.attr, f"{where}.{node.attr}".lstrip("."), out), f"{where}.{node.attr}"
+    if isinstance(node, ast.Call) and not node.keywords:
+        func = ast.unparse(node.func)
+        if func == "type" and len(node.args) == 1:
+            base, where = _step(node.args[0], model, f_globals, out, identity)
+            _classed(base, where, out)
+            return type(base), f"type({where})"
+        if func == "dict" and len(node.args) == 1 and isinstance(node.args[0], ast.Attribute) \
+                and node.args[0].attr == "__dict__":
+            base, where = _step(node.args[0].value, model, f_globals, out, identity)
+            if not isinstance(base, type):
+                raise _NotWalked
+            return _class_dict(base), f"{where}.__dict__"
+        if func == "object.__getattribute__" and len(node.args) == 2 and isinstance(node.args[1], ast.Constant):
+            base, where = _step(node.args[0], model, f_globals, out, identity)
+            if where.startswith("global ") and ast.unparse(node.args[0]) not in identity:
+                raise _NotWalked
+            attr = node.args[1].value
+            own = _own_dict(base)
+            if own is None:
+                raise _NotWalked
+            out.owners.append((where.lstrip("."), base, own, attr))
+            _classed(base, where, out)
+            if attr == "__dict__":
+                return own, f"{where}.__dict__"
+            if _data_descriptor(type(base), attr):
+                raise _NotWalked
+            at = f"{where}.{attr}".lstrip(".")
+            if attr in own:
+                out.hops.append((at, own, attr, own[attr]))
+                return own[attr], f"{where}.{attr}"
+            return _class_attribute(base, own, attr, at, out), f"{where}.{attr}"
+    raise _NotWalked
+
+
+def _attribute(obj, attr: str, where: str, out):
+    if attr == "__mro__" and isinstance(obj, type):
+        out.pinned.append((f"{where}", obj, "__mro__", obj.__mro__))
+        return obj.__mro__
+    if type(obj) is types.MethodType and attr in ("__self__", "__func__"):
+        return getattr(obj, attr)  # read-only
+    if attr.startswith("__") and attr.endswith("__"):
+        raise _NotWalked  # __code__, __closure__, __defaults__, __dict__ ...: Dynamo reads those itself
+    if isinstance(obj, types.ModuleType):
+        if type(obj).__getattribute__ is not types.ModuleType.__getattribute__ or attr not in obj.__dict__ \
+                or _data_descriptor(type(obj), attr):
+            raise _NotWalked
+        _classed(obj, where.rpartition(".")[0], out)
+        d = obj.__dict__
+    elif isinstance(obj, type):
+        d = _class_dict(obj)
+        if type(obj).__getattribute__ is not type.__getattribute__ or attr not in d \
+                or _data_descriptor(type(obj), attr):
+            raise _NotWalked
+        _classed(obj, where.rpartition(".")[0], out)
+    else:
+        d = _own_dict(obj)
+        if d is None or attr not in d or _data_descriptor(type(obj), attr):
+            raise _NotWalked
+        out.owners.append((where.rpartition(".")[0], obj, d, attr))
+        _classed(obj, where.rpartition(".")[0], out)
+    value = d[attr]
+    out.hops.append((where, d, attr, value))
+    return value
+
+
+def _class_attribute(obj, own: dict, attr: str, where: str, out):
+    """A plain class attribute read through obj (object.__getattribute__): absent from obj's __dict__ and
+    from every class before the one that holds it (one set there later would be read instead)."""
+    cls = type(obj)
+    out.pinned.append((f"{where} (the MRO of {cls.__name__})", cls, "__mro__", cls.__mro__))
+    out.absent.append((where, own, attr))
+    for klass in cls.__mro__:
+        d = _class_dict(klass)
+        if attr in d:
+            value = d[attr]
+            if hasattr(type(value), "__get__") and not isinstance(value, (types.FunctionType, classmethod, staticmethod)):
+                raise _NotWalked  # a descriptor's __get__ runs Python
+            out.hops.append((f"{where} (on class {klass.__name__})", d, attr, value))
+            return getattr(obj, attr) if isinstance(value, (types.FunctionType, classmethod)) else value
+        out.absent.append((f"{where} (set on class {klass.__name__})", d, attr))
+    raise _NotWalked
+
+
+def _instance(obj) -> bool:
+    """An object that a global may be rebound to another of (not a module, class, function or dict)."""
+    return not isinstance(obj, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, dict, tuple))
+
+
+def class_can_change(obj) -> bool:
+    """Whether `obj.__class__ = other` is possible: for instances of Python classes and for modules."""
+    return bool(type(obj).__flags__ & _HEAP_TYPE) or isinstance(obj, types.ModuleType)
+
+
+def _classed(obj, where: str, out) -> None:
+    # The model's submodules' classes are compared at every replay by the model-state check.
+    if class_can_change(obj) and not isinstance(obj, torch.nn.Module):
+        out.classes.append((f"{where}.__class__".lstrip("."), obj, type(obj)))
+
+
+def _class_dict(cls) -> dict:
+    inner = gc.get_referents(vars(cls))
+    if len(inner) != 1 or type(inner[0]) is not dict:
+        raise _NotWalked
+    return inner[0]
+
+
+def _own_dict(obj) -> Optional[dict]:
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return None
+    return d if type(d) is dict else None
+
+
+def _data_descriptor(cls, name: str) -> bool:
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            kind = type(vars(klass)[name])
+            return hasattr(kind, "__set__") or hasattr(kind, "__delete__")
+    return False
+
+
+def _global_name(key: str) -> str:
+    """`__import_transformers_dot_masking_utils` as `transformers.masking_utils`."""
+    if key.startswith("__import_"):
+        return key[len("__import_"):].replace("_dot_", ".")
+    return key

@@ -1,0 +1,154 @@
+"""Reads taken out of a framework's guards, checked as dict reads.
+
+What a traced forward read through objects the framework's guards would read slowly or that graph_opt
+can find again by dict reads alone (a Hugging Face config, the forward's globals, a class's dict):
+each object on the way, each value, each name absent or present, compared at every replay as C-level
+dict reads, and only after a dict watcher (dict_watch.py) or a version saw a write. The backends fill
+it (backends/torch/guard_reads.py); a change names what was read and where.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, List, Optional, Tuple
+
+from . import dict_watch
+from .held_state import state_key
+from .module_watch import _DICT_ITER, _GONE_ITER, GONE, _Said, _value_changed, _values_changed
+
+
+class Reads:
+    """What a traced forward read through objects whose attribute reads run Python code (a Hugging Face
+    config's __getattribute__: ~0.7 µs a read in the framework's guards, over 1 µs for a missing name),
+    compared at every replay as C-level dict reads: each object on the way from the model, the one at
+    capture (`hops`: (where, dict, key, object)); each value read, as at capture (`values`: (where, dict,
+    name, value); plain values by type and value, the rest by identity); each name that was absent, absent
+    still from the instance and its classes (`absent`: (where, dict or class mapping, name)); each name
+    found on a class, there still (`present`: the same); each object whose class was compared, of that
+    class still (`classes`: (where, object, class)); each object whose __dict__ was read, holding that
+    dict still (`owners`: (where, object, dict): a `__dict__` replaced writes no read dict); each
+    attribute that no dict holds, the same object still (`pinned`: (where, object, name, value): the
+    `__code__` of a class's `__getattribute__`). No counter: a config's attribute set is not counted."""
+
+    def __init__(self, hops: list, values: list, absent: list, present: list, classes: list = (),
+                 owners: list = (), pinned: list = (), sizes: list = ()):
+        self.hop_where = [w for w, _, _, _ in hops]
+        self.hop_dicts = [d for _, d, _, _ in hops]
+        self.hop_keys = [k for _, _, k, _ in hops]
+        self.hop_objs = [o for _, _, _, o in hops]
+        self.where = [w for w, _, _, _ in values]
+        self.dicts = [d for _, d, _, _ in values]
+        self.names = [n for _, _, n, _ in values]
+        self.values = [v for _, _, _, v in values]
+        self.types = list(map(type, self.values))
+        self.keys = list(map(state_key, self.values))
+        self.zeros = [i for i, v in enumerate(self.values) if type(v) is float and v == 0.0]  # 0.0 == -0.0
+        self.signs = [math.copysign(1.0, self.values[i]) for i in self.zeros]
+        self.absent = absent
+        self.absent_in = [d for _, d, _ in absent]
+        self.absent_names = [n for _, _, n in absent]
+        self.present = present
+        self.present_in = [d for _, d, _ in present]
+        self.present_names = [n for _, _, n in present]
+        self.classes = list(classes)
+        self.class_objs = [o for _, o, _ in classes]
+        self.class_types = [c for _, _, c in classes]
+        self.owners = list(owners)
+        self.owner_objs = [o for _, o, _ in owners]
+        self.owner_dicts = [d for _, _, d in owners]
+        self.pinned = list(pinned)
+        self.sizes = list(sizes)  # (where, dict, its keys in order or None, its length): dicts written only
+        self.pin_objs, self.pin_names, self.pin_values = ([r[i] for r in pinned] for i in (1, 2, 3))
+        self._version: Optional[Any] = None
+        self._versioned: List[dict] = []
+        self._seen: Any = None  # the versions when the reads last held, or the watch's moved()
+
+    def __len__(self) -> int:
+        return len(self.hop_objs) + len(self.values) + len(self.absent) + len(self.present) + len(self.classes) + \
+            len(self.owners) + len(self.pinned) + len(self.sizes)
+
+    def _same_dicts(self) -> bool:
+        """The owners' __dict__s and the pinned attributes, which no dict write shows."""
+        if not all(map(operator.is_, map(object.__getattribute__, self.owner_objs, _DICT_ITER), self.owner_dicts)):
+            return False
+        try:
+            return all(map(operator.is_, map(object.__getattribute__, self.pin_objs, self.pin_names), self.pin_values))
+        except (AttributeError, ValueError):  # deleted, or a cell emptied
+            return False
+
+    def versioned(self, version, dicts: List[dict]) -> None:
+        """A fast path: `version(d)` moves at every write to d (the interpreter's dict version), and dicts
+        are all the dicts read; while none moved since the reads last held, nothing read changed. From
+        Python 3.12 a dict watcher answers for all of them in one compare (dict_watch.py)."""
+        self._version, self._versioned = version, dicts
+
+    def differs(self) -> bool:
+        if self._version is None:
+            return self._differs()
+        seen = self._seen
+        if seen is not None and all(map(operator.is_, map(type, self.class_objs), self.class_types)) and \
+                self._same_dicts():
+            if seen.__class__ is list:
+                if list(map(self._version, self._versioned)) == seen:
+                    return False
+            elif not seen():
+                return False
+        # watched (or their versions taken) before the reads: a write during them shows at the next call
+        now = dict_watch.watch(self._versioned) or list(map(self._version, self._versioned))
+        changed = self._differs()
+        self._seen = None if changed else now
+        return changed
+
+    def _differs(self) -> bool:
+        if not self._same_dicts():
+            return True
+        if not all(map(operator.is_, map(dict.get, self.hop_dicts, self.hop_keys, _GONE_ITER), self.hop_objs)):
+            return True
+        if _values_changed(self):
+            return True
+        if any(map(operator.contains, self.absent_in, self.absent_names)):
+            return True
+        if not all(map(operator.is_, map(type, self.class_objs), self.class_types)):
+            return True
+        if any(len(d) != n or keys is not None and tuple(d) != keys for _, d, keys, n in self.sizes):
+            return True
+        return not all(map(operator.contains, self.present_in, self.present_names))
+
+    def first_change(self) -> Optional[Tuple[str, Any, Any]]:
+        """(where, value now, value at capture) of the first read that no longer holds; GONE for a name
+        not set."""
+        for where, obj, d in self.owners:
+            if object.__getattribute__(obj, "__dict__") is not d:
+                return where, _Said("another dict"), _Said("the dict it held")
+        for where, obj, name, was in self.pinned:
+            now = getattr(obj, name, GONE) if name != "cell_contents" else _cell(obj)
+            if now is not was:
+                return where, now, was
+        for where, d, key, was in zip(self.hop_where, self.hop_dicts, self.hop_keys, self.hop_objs):
+            now = d.get(key, GONE)
+            if now is not was:
+                return where, now, was
+        for where, d, name, key, was in zip(self.where, self.dicts, self.names, self.keys, self.values):
+            now = d.get(name, GONE)
+            if _value_changed(now, key, was):
+                return where, now, was
+        for where, d, name in self.absent:
+            if name in d:
+                return where, d[name], GONE
+        for where, d, name in self.present:
+            if name not in d:
+                return where, GONE, "(set)"
+        for where, obj, cls in self.classes:
+            if type(obj) is not cls:
+                return where, type(obj), cls
+        for where, d, keys, n in self.sizes:
+            if len(d) != n or keys is not None and tuple(d) != keys:
+                return where, _Said(f"{len(d)} keys"), _Said(f"{n} keys" if keys is None else f"keys {list(keys)}")
+        return None
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return GONE
