@@ -39,10 +39,10 @@ class _NotWalked(Exception):
 
 def walk(name: str, model, f_globals: dict, identity=frozenset()) -> Optional[Walked]:
     """The dict reads that find the object at Dynamo's source `name`, or None where a step is not one.
-    `identity`: the sources whose object Dynamo guards by identity. An instance reached through the
-    globals is walked through only where it is one of them: the hops compare each object on the way by
-    identity, and a global rebound to another object of its class (a request object per call) passes
-    Dynamo's type guard; it must pass here too."""
+    `identity`: the sources whose object Dynamo guards by identity. The hops compare each object on the
+    way by identity; a global of the forward's module rebound at every call to another object of its
+    class (a request object) or to an equal tuple passes Dynamo's guards, so no walk goes through one
+    that Dynamo does not hold by identity (rebindable)."""
     try:
         tree = ast.parse(name, mode="eval").body
     except SyntaxError:
@@ -50,7 +50,7 @@ def walk(name: str, model, f_globals: dict, identity=frozenset()) -> Optional[Wa
     out = Walked([], None, [], [], [], [])
     main = getattr(sys.modules.get("__main__"), "__dict__", None)
     try:
-        obj, _ = _step(tree, model, f_globals if f_globals is not main else None, out, identity)
+        obj, _ = _step(tree, model, f_globals if f_globals is not main else None, out, (identity, tree))
     except (_NotWalked, AttributeError, KeyError, IndexError, TypeError):
         return None
     return out._replace(obj=obj)
@@ -59,7 +59,7 @@ def walk(name: str, model, f_globals: dict, identity=frozenset()) -> Optional[Wa
 _TENSOR_SLOTS = frozenset({"_modules", "_parameters", "_buffers"})  # shown as `lm.head.weight`
 
 
-def _step(node, model, f_globals, out, identity):
+def _step(node, model, f_globals, out, seen):
     """(object, where) at node."""
     if isinstance(node, ast.Name) and node.id == "self":
         return model, ""
@@ -69,10 +69,12 @@ def _step(node, model, f_globals, out, identity):
             if f_globals is None or key not in f_globals:
                 raise _NotWalked
             value = f_globals[key]
+            if rebindable(key, value, seen[0]) and node is not seen[1]:
+                raise _NotWalked  # a step through it would hold the object, where Dynamo holds its class
             where = "global " + _global_name(key)
             out.hops.append((where, f_globals, key, value))
             return value, where
-        base, where = _step(node.value, model, f_globals, out, identity)
+        base, where = _step(node.value, model, f_globals, out, seen)
         if type(base) is tuple:  # a class's __mro__ (pinned): immutable
             return base[key], f"{where}[{key!r}]"
         if type(base) not in (dict, collections.OrderedDict) or key not in base:
@@ -83,28 +85,24 @@ def _step(node, model, f_globals, out, identity):
         out.hops.append((where.lstrip("."), base, key, value))
         return value, where
     if isinstance(node, ast.Attribute):
-        base, where = _step(node.value, model, f_globals, out, identity)
-        if where.startswith("global ") and _instance(base) and ast.unparse(node.value) not in identity:
-            raise _NotWalked
+        base, where = _step(node.value, model, f_globals, out, seen)
         if node.attr in _TENSOR_SLOTS:
             return _attribute(base, node.attr, f"{where}.{node.attr}".lstrip("."), out), where
         return _attribute(base, node.attr, f"{where}.{node.attr}".lstrip("."), out), f"{where}.{node.attr}"
     if isinstance(node, ast.Call) and not node.keywords:
         func = ast.unparse(node.func)
         if func == "type" and len(node.args) == 1:
-            base, where = _step(node.args[0], model, f_globals, out, identity)
+            base, where = _step(node.args[0], model, f_globals, out, seen)
             _classed(base, where, out)
             return type(base), f"type({where})"
         if func == "dict" and len(node.args) == 1 and isinstance(node.args[0], ast.Attribute) \
                 and node.args[0].attr == "__dict__":
-            base, where = _step(node.args[0].value, model, f_globals, out, identity)
+            base, where = _step(node.args[0].value, model, f_globals, out, seen)
             if not isinstance(base, type):
                 raise _NotWalked
             return _class_dict(base), f"{where}.__dict__"
         if func == "object.__getattribute__" and len(node.args) == 2 and isinstance(node.args[1], ast.Constant):
-            base, where = _step(node.args[0], model, f_globals, out, identity)
-            if where.startswith("global ") and ast.unparse(node.args[0]) not in identity:
-                raise _NotWalked
+            base, where = _step(node.args[0], model, f_globals, out, seen)
             attr = node.args[1].value
             own = _own_dict(base)
             if own is None:
@@ -170,6 +168,14 @@ def _class_attribute(obj, own: dict, attr: str, where: str, out):
             return getattr(obj, attr) if isinstance(value, (types.FunctionType, classmethod)) else value
         out.absent.append((f"{where} (set on class {klass.__name__})", d, attr))
     raise _NotWalked
+
+
+def rebindable(key: str, value, identity) -> bool:
+    """A global of the forward's module that a server may rebind at every call to another object of its
+    class (a request object, an equal tuple or dict) and that Dynamo holds to its class or contents only:
+    no step goes through it, and a guard on it stays with Dynamo unless it compares a plain value."""
+    return not key.startswith(("__import_", "__builtins_dict")) and f"G[{key!r}]" not in identity and \
+        (_instance(value) or type(value) in (dict, tuple, list, collections.OrderedDict))
 
 
 def _instance(obj) -> bool:
