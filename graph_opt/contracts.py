@@ -332,7 +332,8 @@ class AutogradBridge(Protocol):
 
     def leaf_hooks_off(self, tensors) -> ContextManager: ...
 
-    def hand_out(self, buffers, inputs, lent): ...  # the gradients backward returns, one per input
+    def hand_out(self, buffers, inputs, lent, nodes): ...  # the gradients backward returns, one per input
+    # (nodes: a dict the block keeps per parameter, {id: (param, None)} at first, for the bridge's own use)
 
     def unshared(self, grads, taken): ...
 

@@ -169,7 +169,7 @@ class PaddleAutogradBridge:
     def set_grad(self, t, grad) -> None:
         t.grad = grad
 
-    def hand_out(self, buffers, inputs, lent):
+    def hand_out(self, buffers, inputs, lent, nodes):
         """The gradients backward returns, one per input, each a copy: Paddle's accumulation shares the
         first gradient a leaf gets (also after clear_gradients(set_to_zero=False)), and a non-leaf
         input's gradient goes to its tensor hooks and on upstream, where it may be kept. The next backward

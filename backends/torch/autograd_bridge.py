@@ -13,7 +13,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import grad_hooks, math_mode
-from .grad_hooks import graph_nodes, leaves_reached
+from .grad_hooks import accumulates as _accumulates, graph_nodes, leaves_reached
 from ...errors import TraceLimitReached
 
 
@@ -22,27 +22,14 @@ _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 _default_dtype = torch.get_default_dtype
 _float32 = torch.float32
 _keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: False)
-_will_run = getattr(torch._C, "_will_engine_execute_node", None)
 _saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def _pack_view(t):
-    return t.detach()
+_pack_view = torch.Tensor.detach  # saved tensors as detached views: no reference cycle through a grad_fn
 
 
 def _unpack_view(t):
     return t
-
-
-def _accumulates(t) -> bool:
-    """Inside a backward: whether autograd will add this leaf's gradient into its .grad (loss.backward()),
-    rather than hand it to the caller (torch.autograd.grad)."""
-    if _will_run is None:
-        return False
-    try:
-        return _will_run(torch.autograd.graph.get_gradient_edge(t).node)
-    except RuntimeError:  # "... currently running autograd.grad()": nothing accumulates into .grad
-        return False
 
 
 _math_changes = math_mode.counter()
@@ -172,7 +159,7 @@ class TorchAutogradBridge:
         with torch.no_grad():
             t.grad = grad
 
-    def hand_out(self, buffers, inputs, lent):
+    def hand_out(self, buffers, inputs, lent, nodes):
         """The gradients backward returns, one per input. Where autograd accumulates it into a leaf's
         .grad (loss.backward()), the static buffer itself: added in place into an existing .grad, or
         lent to a leaf without one (a tensor over the buffer, no copy, recorded in `lent`: the block gives
@@ -182,7 +169,7 @@ class TorchAutogradBridge:
         out = []
         for buf, t in zip(buffers, inputs):
             if buf is not None:
-                if t.is_leaf and not t._backward_hooks and _accumulates(t):
+                if t.is_leaf and not t._backward_hooks and _accumulates(t, nodes):
                     if t.grad is None:
                         lent.append((t, buf))
                         buf = buf.detach()

@@ -64,6 +64,7 @@ class GraphedBlock:
         self.lent: List[Tuple[Any, Any]] = []  # (leaf, gradient buffer) handed out by the last backward
         self.watch: Optional[TrainingWatch] = None  # a module's: made at binding
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
+        self.grad_nodes: dict = {}  # the bridge's per-parameter lookups (hand_out)
         self.lazy = False  # the module had lazy parameters when bound: graphs wait until they are made
         self.disabled_reason: Optional[str] = None
         self.warned: set = set()
@@ -116,6 +117,7 @@ class GraphedBlock:
             self.watch = TrainingWatch(self.adapter, self.bridge, self.module)
             self.lazy = self.bridge.uninitialized(self.module)
             self.params = self.bridge.trainable_parameters(self.module)
+            self.grad_nodes = {id(p): (p, None) for p in self.params}
             if not self.lazy:
                 self.watch.arm()
 
@@ -283,7 +285,7 @@ class GraphedBlock:
         self.counters.backward_replays += 1
         if not self.bridge.keeps_graph():  # retain_graph=True: a second backward may read the activations
             pending.release()
-        return self.bridge.hand_out(buffers, pending.inputs, self.lent)
+        return self.bridge.hand_out(buffers, pending.inputs, self.lent, self.grad_nodes)
 
     def _root_left_out(self, graphs: StepGraphs) -> None:
         """A loss that leaves out the output computed from all the others, at a traced level: the traced
@@ -357,6 +359,7 @@ class GraphedBlock:
                                self.name)
         self.release(keep_warmups=True)
         self.params = self.bridge.trainable_parameters(self.module)
+        self.grad_nodes = {id(p): (p, None) for p in self.params}
         self.watch.arm()
 
     # -- keys --------------------------------------------------------------------------------------
