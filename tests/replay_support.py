@@ -124,3 +124,17 @@ class KeepsRowsMixin:
     def forward(self, x):
         self.rows = x.shape[0]
         return self.lin(x)
+
+
+def captured_pair(F, cls, level=1):
+    """(decorated model captured at SIZES, its undecorated twin): a model of HIDDEN features."""
+    m, twin = pair(F, cls, level)
+    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    return m, twin
+
+
+def replays_as_eager(F, m, twin, seed=1):
+    """A call of 3 rows: bitwise what the twin computes on them padded to the captured size."""
+    x = F.randn(3, HIDDEN, seed=seed)
+    with F.no_grad():
+        assert F.equal(m(x), eager_padded(F, twin, x))

@@ -104,14 +104,14 @@ def _step(node, model, f_globals, out, seen):
         if func == "object.__getattribute__" and len(node.args) == 2 and isinstance(node.args[1], ast.Constant):
             base, where = _step(node.args[0], model, f_globals, out, seen)
             attr = node.args[1].value
-            own = _own_dict(base)
+            own = own_dict(base)
             if own is None:
                 raise _NotWalked
             out.owners.append((where.lstrip("."), base, own, attr))
             _classed(base, where, out)
             if attr == "__dict__":
                 return own, f"{where}.__dict__"
-            if _data_descriptor(type(base), attr):
+            if data_descriptor(type(base), attr):
                 raise _NotWalked
             at = f"{where}.{attr}".lstrip(".")
             if attr in own:
@@ -131,19 +131,19 @@ def _attribute(obj, attr: str, where: str, out):
         raise _NotWalked  # __code__, __closure__, __defaults__, __dict__ ...: Dynamo reads those itself
     if isinstance(obj, types.ModuleType):
         if type(obj).__getattribute__ is not types.ModuleType.__getattribute__ or attr not in obj.__dict__ \
-                or _data_descriptor(type(obj), attr):
+                or data_descriptor(type(obj), attr):
             raise _NotWalked
         _classed(obj, where.rpartition(".")[0], out)
         d = obj.__dict__
     elif isinstance(obj, type):
         d = _class_dict(obj)
         if type(obj).__getattribute__ is not type.__getattribute__ or attr not in d \
-                or _data_descriptor(type(obj), attr):
+                or data_descriptor(type(obj), attr):
             raise _NotWalked
         _classed(obj, where.rpartition(".")[0], out)
     else:
-        d = _own_dict(obj)
-        if d is None or attr not in d or _data_descriptor(type(obj), attr):
+        d = own_dict(obj)
+        if d is None or attr not in d or data_descriptor(type(obj), attr):
             raise _NotWalked
         out.owners.append((where.rpartition(".")[0], obj, d, attr))
         _classed(obj, where.rpartition(".")[0], out)
@@ -201,7 +201,8 @@ def _class_dict(cls) -> dict:
     return inner[0]
 
 
-def _own_dict(obj) -> Optional[dict]:
+def own_dict(obj) -> Optional[dict]:
+    """The object's own __dict__ (not through its class's __getattribute__), where it is a plain dict."""
     try:
         d = object.__getattribute__(obj, "__dict__")
     except AttributeError:
@@ -209,7 +210,8 @@ def _own_dict(obj) -> Optional[dict]:
     return d if type(d) is dict else None
 
 
-def _data_descriptor(cls, name: str) -> bool:
+def data_descriptor(cls, name: str) -> bool:
+    """A class attribute that a read of the instance's name goes through (a property, a slot)."""
     for klass in cls.__mro__:
         if name in vars(klass):
             kind = type(vars(klass)[name])

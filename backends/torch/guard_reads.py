@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - every torch graph_opt supports has it;
 
 from ...watch.dict_reads import Reads
 from . import guard_paths
+from .guard_paths import data_descriptor as _class_descriptor, own_dict as _own_dict
 from ...watch.replay_guards import show
 
 _STEP = re.compile(r"\.(\w+)|\['([^'\\]*)'\]")
@@ -416,23 +417,6 @@ def _class_dicts(obj) -> Optional[List[dict]]:
     """The dicts of the classes of obj's MRO but object's, or None where one is not a plain dict."""
     dicts = [_as_dict(vars(klass)) for klass in type(obj).__mro__[:-1]]
     return None if None in dicts else dicts
-
-
-def _own_dict(obj) -> Optional[dict]:
-    try:
-        d = object.__getattribute__(obj, "__dict__")
-    except AttributeError:
-        return None
-    return d if type(d) is dict else None
-
-
-def _class_descriptor(cls, name: str) -> bool:
-    """A class attribute that a read of the instance's name goes through (a property, a slot)."""
-    for klass in cls.__mro__:
-        if name in vars(klass):
-            kind = type(vars(klass)[name])
-            return hasattr(kind, "__set__") or hasattr(kind, "__delete__")
-    return False
 
 
 def _shown(path: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graph_opt
-from replay_support import HIDDEN, capture, eager_padded, pair
+from replay_support import HIDDEN, captured_pair, replays_as_eager
 
 SCALE = 2.0
 REGISTRY = {"relu": torch.relu}
@@ -39,15 +39,10 @@ class ReadsGlobals(torch.nn.Module):
 
 
 def _captured(F):
-    m, twin = pair(F, ReadsGlobals, 1)
-    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
-    return m, twin
+    return captured_pair(F, ReadsGlobals)
 
 
-def _call(F, m, twin, seed=1):
-    x = F.randn(3, HIDDEN, seed=seed)
-    with torch.no_grad():
-        assert torch.equal(m(x), eager_padded(F, twin, x))
+_call = replays_as_eager
 
 
 def _taken(m):
@@ -142,8 +137,7 @@ def test_globals_rebound_at_every_call_to_equal_objects_keep_replaying(F):
     """A server's request object made anew per call, a tuple rebound to an equal one: Dynamo holds them to
     their class and values, not to the object, and so do the reads; a changed value still stops replays."""
     global REQUEST, PAIR
-    m, twin = pair(F, ReadsPerCallGlobals, 1)
-    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
+    m, twin = captured_pair(F, ReadsPerCallGlobals)
     for seed in (1, 2, 3):
         REQUEST, PAIR = _Request(), (1.0, 2.0)
         _call(F, m, twin, seed=seed)

@@ -12,7 +12,7 @@ import graph_opt
 from graph_opt.decorator import state_of
 from graph_opt.watch.dict_reads import Reads
 from graph_opt.watch.module_watch import GONE
-from replay_support import HIDDEN, capture, eager_padded, pair
+from replay_support import HIDDEN, capture, captured_pair, pair, replays_as_eager
 
 _CI_SECONDS = 2
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -44,15 +44,10 @@ class ReadsSettings(torch.nn.Module):
 
 
 def _captured(F, level=1):
-    m, twin = pair(F, ReadsSettings, level)
-    capture(F, m, lambda n: F.randn(n, HIDDEN, seed=n))
-    return m, twin
+    return captured_pair(F, ReadsSettings, level)
 
 
-def _call(F, m, twin, seed=1):
-    x = F.randn(3, HIDDEN, seed=seed)
-    with torch.no_grad():
-        assert torch.equal(m(x), eager_padded(F, twin, x))
+_call = replays_as_eager
 
 
 def _both(m, twin, change):
