@@ -207,9 +207,12 @@ class TorchAutogradBridge:
         if hasattr(dynamo_config, "skip_nnmodule_hook_guards"):
             settings["skip_nnmodule_hook_guards"] = False
         # These guards run at a key's warm-ups and captures only, never at a replay: nothing to gain from
-        # skipping module subtrees by their dict tags (torch 2.11's default), which misses a submodule
-        # given another class (no dict written) and would hand a recapture the old class's trace.
+        # skipping module subtrees or tensors by their dict tags (torch 2.11's defaults), which miss a
+        # submodule given another class and a parameter frozen or unfrozen (no dict written) and would hand
+        # a capture the trace made before.
         settings["use_recursive_dict_tags_for_guards"] = False
+        if hasattr(dynamo_config, "skip_tensor_guards_with_matching_dict_tags"):
+            settings["skip_tensor_guards_with_matching_dict_tags"] = False
         patch = dynamo_config.patch(**settings)
         owner = getattr(fn, "__self__", None)
         owner = owner if isinstance(owner, torch.nn.Module) else None

@@ -508,3 +508,38 @@ def test_a_submodule_given_another_class_after_capture_is_captured_again(device,
                        lambda model: model.head.lin.weight)
     s = graph_opt.stats(m)
     assert s.recaptures == 1 and s.backward_replays >= (3 if level == 0 else 2), s  # level 1 traces anew first
+
+
+class _Frozen(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.b(torch.tanh(self.a(x))), y)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+@pytest.mark.parametrize("at", [1, 3])
+def test_a_parameter_unfrozen_between_a_warmup_and_the_capture_gets_its_gradient(device, level, at):
+    """Frozen (requires_grad_(False)) for one step, then trained again, before the capture (at 1: the warm-up
+    traced it frozen) and after it (at 3). Dynamo's tensor guards read requires_grad; torch 2.11 skips them
+    where the parameters' dict kept its tag, and handed the capture the frozen trace (no gradient, silently)."""
+    torch.manual_seed(0)
+    ref = _Frozen().to(device)
+    m = graph_opt.autocudagraph(copy.deepcopy(ref), level=level, warmup_steps=1)
+
+    with _graphs(device):
+        for step in range(6):
+            frozen = step == at
+            x, y = torch.randn(6, 8, device=device), torch.arange(6, device=device) % 3
+            got = []
+            for model in (ref, m):
+                model.a.weight.requires_grad_(not frozen)
+                model.zero_grad(set_to_none=True)
+                loss = model(x, y)
+                loss.backward()
+                got.append((loss.detach(), model.a.weight.grad, model.b.weight.grad))
+            (l0, a0, b0), (l1, a1, b1) = got
+            assert torch.equal(l0, l1) and torch.equal(b0, b1), f"step {step}"
+            assert (a0 is None) == (a1 is None) == frozen and (frozen or torch.equal(a0, a1)), f"step {step}"
