@@ -54,8 +54,13 @@ class Reads:
         self.class_objs = [o for _, o, _ in classes]
         self.class_types = [c for _, _, c in classes]
         self.owners = list(owners)
-        self.owner_objs = [o for _, o, _ in owners]
-        self.owner_dicts = [d for _, _, d in owners]
+        # vars() (a C call) where the class reads attributes generically; object.__getattribute__ (a slot
+        # wrapper, twice the time) where its own __getattribute__ would run Python
+        plain = [type(o).__getattribute__ is object.__getattribute__ for _, o, _ in owners]
+        self.vars_objs = [o for (_, o, _), p in zip(owners, plain) if p]
+        self.vars_dicts = [d for (_, _, d), p in zip(owners, plain) if p]
+        self.owner_objs = [o for (_, o, _), p in zip(owners, plain) if not p]
+        self.owner_dicts = [d for (_, _, d), p in zip(owners, plain) if not p]
         self.pinned = list(pinned)
         self.sizes = list(sizes)  # (where, dict, its keys in order or None, its length): dicts written only
         self.pin_objs, self.pin_names, self.pin_values = ([r[i] for r in pinned] for i in (1, 2, 3))
@@ -69,7 +74,8 @@ class Reads:
 
     def _same_dicts(self) -> bool:
         """The owners' __dict__s and the pinned attributes, which no dict write shows."""
-        if not all(map(operator.is_, map(object.__getattribute__, self.owner_objs, _DICT_ITER), self.owner_dicts)):
+        if not all(map(operator.is_, map(object.__getattribute__, self.owner_objs, _DICT_ITER), self.owner_dicts)) \
+                or not all(map(operator.is_, map(vars, self.vars_objs), self.vars_dicts)):
             return False
         try:
             return all(map(operator.is_, map(object.__getattribute__, self.pin_objs, self.pin_names), self.pin_values))
