@@ -40,9 +40,9 @@ class _NotWalked(Exception):
 def walk(name: str, model, f_globals: dict, identity=frozenset()) -> Optional[Walked]:
     """The dict reads that find the object at Dynamo's source `name`, or None where a step is not one.
     `identity`: the sources whose object Dynamo guards by identity. The hops compare each object on the
-    way by identity; a global of the forward's module rebound at every call to another object of its
-    class (a request object) or to an equal tuple passes Dynamo's guards, so no walk goes through one
-    that Dynamo does not hold by identity (rebindable)."""
+    way by identity; a global of the forward's module or of another module, rebound at every call to
+    another object of its class (a request object) or to an equal tuple, passes Dynamo's guards, so no
+    walk goes through one that Dynamo does not hold by identity (rebinds)."""
     try:
         tree = ast.parse(name, mode="eval").body
     except SyntaxError:
@@ -88,7 +88,11 @@ def _step(node, model, f_globals, out, seen):
         base, where = _step(node.value, model, f_globals, out, seen)
         if node.attr in _TENSOR_SLOTS:
             return _attribute(base, node.attr, f"{where}.{node.attr}".lstrip("."), out), where
-        return _attribute(base, node.attr, f"{where}.{node.attr}".lstrip("."), out), f"{where}.{node.attr}"
+        value = _attribute(base, node.attr, f"{where}.{node.attr}".lstrip("."), out)
+        if isinstance(base, types.ModuleType) and node is not seen[1] and ast.unparse(node) not in seen[0] and \
+                rebinds(value):
+            raise _NotWalked  # another module's object, which it may rebind: only where Dynamo holds it by identity
+        return value, f"{where}.{node.attr}"
     if isinstance(node, ast.Call) and not node.keywords:
         func = ast.unparse(node.func)
         if func == "type" and len(node.args) == 1:
@@ -174,8 +178,12 @@ def rebindable(key: str, value, identity) -> bool:
     """A global of the forward's module that a server may rebind at every call to another object of its
     class (a request object, an equal tuple or dict) and that Dynamo holds to its class or contents only:
     no step goes through it, and a guard on it stays with Dynamo unless it compares a plain value."""
-    return not key.startswith(("__import_", "__builtins_dict")) and f"G[{key!r}]" not in identity and \
-        (_instance(value) or type(value) in (dict, tuple, list, collections.OrderedDict))
+    return not key.startswith(("__import_", "__builtins_dict")) and f"G[{key!r}]" not in identity and rebinds(value)
+
+
+def rebinds(value) -> bool:
+    """An object a module may bind anew to another of its kind (an instance, a tuple, a dict, a list)."""
+    return _instance(value) or type(value) in (dict, tuple, list, collections.OrderedDict)
 
 
 def _instance(obj) -> bool:

@@ -225,9 +225,9 @@ class _Steps:
             return False
         obj = walked.obj
         where = walked.hops[-1][0] if walked.hops else name
-        if kind not in ("CONSTANT_MATCH", "EQUALS_MATCH") and name.startswith("G[") and len(walked.hops) == 1 and \
-                guard_paths.rebindable(walked.hops[0][2], obj, self.identity):
-            return False  # Dynamo holds that global to its class or contents, not to the object
+        if kind not in ("CONSTANT_MATCH", "EQUALS_MATCH") and name.startswith("G[") and name not in self.identity \
+                and guard_paths.rebinds(obj):
+            return False  # Dynamo holds that global (or another module's) to its class or contents, not to the object
         if kind == "DUPLICATE_INPUT":
             other = _local_name(keywords.get("source_b"))
             twin = guard_paths.walk(other, self.model, self.f_globals) if other else None

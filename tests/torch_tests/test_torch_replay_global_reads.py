@@ -122,6 +122,7 @@ class _Request:
 
 REQUEST = _Request()
 PAIR = (1.0, 2.0)
+helpers.CURRENT = _Request()  # another module's per-call object
 
 
 class ReadsPerCallGlobals(torch.nn.Module):
@@ -130,16 +131,17 @@ class ReadsPerCallGlobals(torch.nn.Module):
         self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
 
     def forward(self, x):
-        return self.lin(x) * REQUEST.scale * type(REQUEST).BOOST + PAIR[0]
+        return self.lin(x) * REQUEST.scale * type(REQUEST).BOOST + PAIR[0] + helpers.CURRENT.scale
 
 
 def test_globals_rebound_at_every_call_to_equal_objects_keep_replaying(F):
-    """A server's request object made anew per call, a tuple rebound to an equal one: Dynamo holds them to
-    their class and values, not to the object, and so do the reads; a changed value still stops replays."""
+    """A server's request object made anew per call (in the forward's module or another), a tuple rebound to
+    an equal one: Dynamo holds them to their class and values, not to the object, and so do the reads; a
+    changed value still stops replays."""
     global REQUEST, PAIR
     m, twin = captured_pair(F, ReadsPerCallGlobals)
     for seed in (1, 2, 3):
-        REQUEST, PAIR = _Request(), (1.0, 2.0)
+        REQUEST, PAIR, helpers.CURRENT = _Request(), (1.0, 2.0), _Request()
         _call(F, m, twin, seed=seed)
     assert graph_opt.stats(m).replays == 3 and not graph_opt.stats(m).fallback_reasons
     REQUEST = _Request()
