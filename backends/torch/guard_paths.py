@@ -166,7 +166,8 @@ def _class_attribute(obj, own: dict, attr: str, where: str, out):
         d = _class_dict(klass)
         if attr in d:
             value = d[attr]
-            if hasattr(type(value), "__get__") and not isinstance(value, (types.FunctionType, classmethod, staticmethod)):
+            if hasattr(type(value), "__get__") and \
+                    not isinstance(value, (types.FunctionType, classmethod, staticmethod)):
                 raise _NotWalked  # a descriptor's __get__ runs Python
             out.hops.append((f"{where} (on class {klass.__name__})", d, attr, value))
             return getattr(obj, attr) if isinstance(value, (types.FunctionType, classmethod)) else value

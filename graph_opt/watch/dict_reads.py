@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import math
 import operator
+import types
 from typing import Any, List, Optional, Tuple
 
-from . import dict_watch
+from . import dict_watch, function_fields
 from .held_state import state_key
 from .module_watch import _DICT_ITER, _GONE_ITER, GONE, _Said, _value_changed, _values_changed
+
+_FUNCTION_FIELDS = frozenset({"__code__", "__defaults__", "__kwdefaults__"})
+_POINTER = operator.attrgetter("value")
 
 
 class Reads:
@@ -63,7 +67,12 @@ class Reads:
         self.owner_dicts = [d for (_, _, d), p in zip(owners, plain) if not p]
         self.pinned = list(pinned)
         self.sizes = list(sizes)  # (where, dict, its keys in order or None, its length): dicts written only
-        self.pin_objs, self.pin_names, self.pin_values = ([r[i] for r in pinned] for i in (1, 2, 3))
+        view = function_fields.viewer()
+        viewed = [view is not None and type(r[1]) is types.FunctionType and r[2] in _FUNCTION_FIELDS for r in pinned]
+        self.views, self.view_ids = (list(c) for c in zip(*[view(r[1], r[2]) for r, v in zip(pinned, viewed) if v])) \
+            if any(viewed) else ([], [])
+        read = [r for r, v in zip(pinned, viewed) if not v]
+        self.pin_objs, self.pin_names, self.pin_values = ([r[i] for r in read] for i in (1, 2, 3))
         self._version: Optional[Any] = None
         self._versioned: List[dict] = []
         self._seen: Any = None  # the versions when the reads last held, or the watch's moved()
@@ -76,6 +85,8 @@ class Reads:
         """The owners' __dict__s and the pinned attributes, which no dict write shows."""
         if not all(map(operator.is_, map(object.__getattribute__, self.owner_objs, _DICT_ITER), self.owner_dicts)) \
                 or not all(map(operator.is_, map(vars, self.vars_objs), self.vars_dicts)):
+            return False
+        if not all(map(operator.eq, map(_POINTER, self.views), self.view_ids)):
             return False
         try:
             return all(map(operator.is_, map(object.__getattribute__, self.pin_objs, self.pin_names), self.pin_values))
