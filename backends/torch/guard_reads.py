@@ -153,7 +153,7 @@ class _Steps:
             if d.get(member, _MISSING) is not entry.value or _class_descriptor(type(obj), member):
                 return False
             self._add(owner)
-            self._pin(base, obj, d, member)
+            self._pin(_shown(base), obj, d, member)
             self.values[(id(d), member)] = (_shown(name), d, member, entry.value)
             return True
         if kind == "DUPLICATE_INPUT":  # `a is b`: Dynamo evaluates it in Python, each path step by step
@@ -208,7 +208,7 @@ class _Steps:
                     for c in [d] + classes:
                         self.absent[(id(c), attr)] = (where, c, attr)
             self._add(owner)
-            self._pin(name, obj, d, attr)
+            self._pin(_shown(name), obj, d, attr)
             return True
         return False
 
@@ -272,7 +272,7 @@ class _Steps:
         for hop in walked.hops:
             self.hops.setdefault((id(hop[1]), hop[2]), hop)
         for where, obj, d, attr in walked.owners:
-            self.owners.setdefault(id(obj), (f"{where}.__dict__", obj, d))
+            self.owners.setdefault(id(obj), (f"{where}.__dict__".lstrip("."), obj, d))
             if _runs_python(obj):
                 self._pin(where, obj, d, attr)
         for where, obj, cls in walked.classes:
@@ -336,13 +336,13 @@ class _Steps:
         for where, obj, d, attr in walked[2]:
             self.owners.setdefault(id(obj), (f"{_shown(where)}.__dict__".lstrip("."), obj, d))
             if _runs_python(obj):
-                self._pin(where, obj, d, attr)
+                self._pin(_shown(where), obj, d, attr)
 
-    def _pin(self, where: str, obj, d: dict, name: str) -> None:
+    def _pin(self, shown: str, obj, d: dict, name: str) -> None:
         """A read through an object whose class runs Python goes by its class too: the object holds its
         __dict__ and its class, and each class of its MRO the __getattribute__, __getattr__ and `name`
-        it held at capture (a property or a __getattr__ set on the class later is seen)."""
-        shown = _shown(where)
+        it held at capture (a property or a __getattr__ set on the class later is seen). `shown`: the
+        object's place as messages show it (`lm.config`, `global helpers.cfg`)."""
         self.owners.setdefault(id(obj), (f"{shown}.__dict__".lstrip("."), obj, d))
         self.classes.setdefault(id(obj), (f"{shown}.__class__".lstrip("."), obj, type(obj)))
         for klass, cd in zip(type(obj).__mro__, _class_dicts(obj)):

@@ -177,6 +177,21 @@ def test_the_classs_getattribute_given_other_code_stops_replays_until_undone(F, 
     assert graph_opt.stats(m).replays == 2, graph_opt.stats(m).fallback_reasons
 
 
+def test_reads_through_a_walked_object_that_runs_python_name_its_place():
+    """What a change's message names: the object's place (`settings.__getattribute__.__code__ (on class
+    Settings)`), for reads recorded by a walk of Dynamo's source as for the others."""
+    from graph_opt.backends.torch import guard_paths
+    from graph_opt.backends.torch.guard_reads import _Steps
+
+    holder = torch.nn.Module()
+    holder.settings = Settings()
+    steps = _Steps(holder, {})
+    steps._add_walked(guard_paths.walk("object.__getattribute__(self.settings, 'scale')", holder, {}))
+    places = [w for w, o, *_ in [*steps.owners.values(), *steps.classes.values(), *steps.pinned.values()]
+              if o is holder.settings or getattr(o, "__qualname__", "").startswith("Settings.")]
+    assert places and all(w.startswith("settings.") for w in places), places
+
+
 def test_a_settings_attribute_the_forward_never_read_changes_nothing(F):
     m, twin = _captured(F)
     _both(m, twin, lambda model: setattr(model.settings, "note", "changed"))
