@@ -127,30 +127,29 @@ def _step(node, model, f_globals, out, seen):
 
 def _attribute(obj, attr: str, where: str, out):
     if attr == "__mro__" and isinstance(obj, type):
-        out.pinned.append((f"{where}", obj, "__mro__", obj.__mro__))
+        out.pinned.append((where, obj, "__mro__", obj.__mro__))
         return obj.__mro__
     if type(obj) is types.MethodType and attr in ("__self__", "__func__"):
         return getattr(obj, attr)  # read-only
     if attr.startswith("__") and attr.endswith("__"):
         raise _NotWalked  # __code__, __closure__, __defaults__, __dict__ ...: Dynamo reads those itself
+    place = where.rpartition(".")[0]  # obj's
     if isinstance(obj, types.ModuleType):
         if type(obj).__getattribute__ is not types.ModuleType.__getattribute__ or attr not in obj.__dict__ \
                 or data_descriptor(type(obj), attr):
             raise _NotWalked
-        _classed(obj, where.rpartition(".")[0], out)
         d = obj.__dict__
     elif isinstance(obj, type):
         d = _class_dict(obj)
         if type(obj).__getattribute__ is not type.__getattribute__ or attr not in d \
                 or data_descriptor(type(obj), attr):
             raise _NotWalked
-        _classed(obj, where.rpartition(".")[0], out)
     else:
         d = own_dict(obj)
         if d is None or attr not in d or data_descriptor(type(obj), attr):
             raise _NotWalked
-        out.owners.append((where.rpartition(".")[0], obj, d, attr))
-        _classed(obj, where.rpartition(".")[0], out)
+        out.owners.append((place, obj, d, attr))
+    _classed(obj, place, out)
     value = d[attr]
     out.hops.append((where, d, attr, value))
     return value
@@ -183,13 +182,10 @@ def rebindable(key: str, value, identity) -> bool:
 
 
 def rebinds(value) -> bool:
-    """An object a module may bind anew to another of its kind (an instance, a tuple, a dict, a list)."""
-    return _instance(value) or type(value) in (dict, tuple, list, collections.OrderedDict)
-
-
-def _instance(obj) -> bool:
-    """An object that a global may be rebound to another of (not a module, class, function or dict)."""
-    return not isinstance(obj, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, dict, tuple))
+    """An object a module may bind anew to another of its kind: an instance, a plain tuple, dict or list
+    (not a module, class or function, nor a subclass of tuple or dict)."""
+    return type(value) in (dict, tuple, list, collections.OrderedDict) or not isinstance(
+        value, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, dict, tuple))
 
 
 def class_can_change(obj) -> bool:
@@ -203,11 +199,19 @@ def _classed(obj, where: str, out) -> None:
         out.classes.append((f"{where}.__class__".lstrip("."), obj, type(obj)))
 
 
+def real_dict(mapping) -> Optional[dict]:
+    """The dict itself: a class's mappingproxy refers to its class's dict alone; None for another mapping."""
+    if type(mapping) in (dict, collections.OrderedDict):
+        return mapping
+    inner = gc.get_referents(mapping) if type(mapping) is types.MappingProxyType else ()
+    return inner[0] if len(inner) == 1 and type(inner[0]) is dict else None
+
+
 def _class_dict(cls) -> dict:
-    inner = gc.get_referents(vars(cls))
-    if len(inner) != 1 or type(inner[0]) is not dict:
+    d = real_dict(vars(cls))
+    if d is None:
         raise _NotWalked
-    return inner[0]
+    return d
 
 
 def own_dict(obj) -> Optional[dict]:

@@ -26,7 +26,6 @@ compare per call). The model's own tree stays with Dynamo, which skips it by its
 from __future__ import annotations
 
 import collections
-import gc
 import re
 import types
 import weakref
@@ -41,7 +40,7 @@ except ImportError:  # pragma: no cover - every torch graph_opt supports has it;
 
 from ...watch.dict_reads import Reads
 from . import guard_paths
-from .guard_paths import data_descriptor as _class_descriptor, own_dict as _own_dict
+from .guard_paths import data_descriptor as _class_descriptor, own_dict as _own_dict, real_dict as _as_dict
 from ...watch.replay_guards import show
 
 _STEP = re.compile(r"\.(\w+)|\['([^'\\]*)'\]")
@@ -52,8 +51,7 @@ _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH", "ID_M
 _WALKED_KINDS = frozenset({"ID_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "TYPE_MATCH",
                            "CONSTANT_MATCH", "EQUALS_MATCH", "DICT_CONTAINS", "NOT_PRESENT_IN_GENERIC_DICT",
                            "DUPLICATE_INPUT", "DICT_KEYS_MATCH", "SEQUENCE_LENGTH"})
-_IDENTITY_KINDS = frozenset({"ID_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH",
-                             "DUPLICATE_INPUT"})
+_ID_GUARDS = frozenset({"ID_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH"})
 _FROZEN = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 _MISSING = object()
 
@@ -86,8 +84,7 @@ class ReplayGuards:
         self._reads: Dict[int, Tuple[Any, Reads]] = {}
 
     def __call__(self, entries) -> List[bool]:
-        identity = frozenset(e.name for e in entries if e.guard_type in _IDENTITY_KINDS and e.name
-                             and e.guard_type != "DUPLICATE_INPUT")
+        identity = frozenset(e.name for e in entries if e.guard_type in _ID_GUARDS and e.name)
         steps = _Steps(self.model(), self.f_globals, identity)
         keep = []
         for entry in entries:
@@ -157,7 +154,7 @@ class _Steps:
             self.values[(id(d), member)] = (_shown(name), d, member, entry.value)
             return True
         if kind == "DUPLICATE_INPUT":  # `a is b`: Dynamo evaluates it in Python, each path step by step
-            other = _local_name((getattr(entry.orig_guard.create_fn, "keywords", None) or {}).get("source_b"))
+            other = _local_name(_keywords(entry).get("source_b"))
             if other is None:
                 return False
             classes = name.endswith(".__class__") and other.endswith(".__class__")  # `type(a) is type(b)`
@@ -179,7 +176,7 @@ class _Steps:
             self._add(two)
             return True
         if kind in ("NOT_PRESENT_IN_GENERIC_DICT", "HASATTR"):
-            attr = (getattr(entry.orig_guard.create_fn, "keywords", None) or {}).get("attr")
+            attr = _keywords(entry).get("attr")
             if attr is None and kind == "HASATTR":  # torch before 2.12 names the attribute's own source
                 name, _, attr = name.rpartition(".")
             if not isinstance(attr, str) or not _PATH.fullmatch(name):
@@ -219,9 +216,10 @@ class _Steps:
         if kind not in _WALKED_KINDS or not name or self.f_globals is None or \
                 name.startswith("self") and kind != "DUPLICATE_INPUT":
             return False  # the model's own tree: Dynamo skips it by its dict tags while they hold
-        keywords = getattr(getattr(entry.orig_guard, "create_fn", None), "keywords", None) or {}
+        keywords = _keywords(entry)
         walked = guard_paths.walk(name, self.model, self.f_globals, self.identity)
-        if walked is None or (kind in _IDENTITY_KINDS and entry.has_value and walked.obj is not entry.value):
+        same = kind in _ID_GUARDS or kind == "DUPLICATE_INPUT"  # the very object Dynamo saw
+        if walked is None or (same and entry.has_value and walked.obj is not entry.value):
             return False
         obj = walked.obj
         where = walked.hops[-1][0] if walked.hops else name
@@ -241,12 +239,10 @@ class _Steps:
                 walked.classes.append((f"{where}.__class__", obj, type(obj)))
         elif kind in ("DICT_KEYS_MATCH", "SEQUENCE_LENGTH"):
             # keys in order: only a write reorders a dict's (an OrderedDict's move_to_end writes none)
-            if type(obj) is dict:
+            if type(obj) is dict or type(obj) is collections.OrderedDict and kind == "SEQUENCE_LENGTH":
                 self.sizes[id(obj)] = (where, obj, tuple(obj) if kind == "DICT_KEYS_MATCH" else None, len(obj))
-            elif not (type(obj) is collections.OrderedDict and kind == "SEQUENCE_LENGTH") and type(obj) is not tuple:
+            elif type(obj) is not tuple:  # a tuple: the object itself, held by its hop
                 return False
-            elif type(obj) is collections.OrderedDict:
-                self.sizes[id(obj)] = (where, obj, None, len(obj))
         elif kind in ("CONSTANT_MATCH", "EQUALS_MATCH"):
             last = walked.hops.pop() if walked.hops and walked.hops[-1][3] is obj else None
             if last is None or not _frozen(obj) or obj != entry.value:
@@ -272,9 +268,7 @@ class _Steps:
         for hop in walked.hops:
             self.hops.setdefault((id(hop[1]), hop[2]), hop)
         for where, obj, d, attr in walked.owners:
-            self.owners.setdefault(id(obj), (f"{where}.__dict__".lstrip("."), obj, d))
-            if _runs_python(obj):
-                self._pin(where, obj, d, attr)
+            self._add_owner(where, obj, d, attr)
         for where, obj, cls in walked.classes:
             self.classes.setdefault(id(obj), (where, obj, cls))
         for where, obj, attr, value in walked.pinned:
@@ -334,9 +328,15 @@ class _Steps:
         for hop in walked[0]:
             self.hops.setdefault((id(hop[1]), hop[2]), hop)
         for where, obj, d, attr in walked[2]:
-            self.owners.setdefault(id(obj), (f"{_shown(where)}.__dict__".lstrip("."), obj, d))
-            if _runs_python(obj):
-                self._pin(_shown(where), obj, d, attr)
+            self._add_owner(_shown(where), obj, d, attr)
+
+    def _add_owner(self, shown: str, obj, d: dict, name: str) -> None:
+        """An object whose own __dict__ a read went through (`name` in it): it holds that dict still, and
+        where its class runs Python on reads, the class lookup is pinned too."""
+        if _runs_python(obj):
+            self._pin(shown, obj, d, name)
+        else:
+            self.owners.setdefault(id(obj), (f"{shown}.__dict__".lstrip("."), obj, d))
 
     def _pin(self, shown: str, obj, d: dict, name: str) -> None:
         """A read through an object whose class runs Python goes by its class too: the object holds its
@@ -395,6 +395,11 @@ def _local_name(source) -> Optional[str]:
     return re.sub(r"L\['(\w+)'\]", r"\1", name) if isinstance(name, str) else None
 
 
+def _keywords(entry) -> dict:
+    """The arguments Dynamo made the guard with (`attr`, `key`, `invert`, `source_b`)."""
+    return getattr(getattr(entry.orig_guard, "create_fn", None), "keywords", None) or {}
+
+
 def _frozen(value) -> bool:
     return type(value) in _FROZEN or type(value) is tuple and all(map(_frozen, value))
 
@@ -403,14 +408,6 @@ def _runs_python(obj) -> bool:
     """An object (not a module) whose class's __getattribute__ is Python code."""
     return not isinstance(obj, torch.nn.Module) and isinstance(getattr(type(obj), "__getattribute__", None),
                                                                  types.FunctionType)
-
-
-def _as_dict(mapping) -> Optional[dict]:
-    """The dict itself: a class's mappingproxy refers to its class's dict alone."""
-    if type(mapping) in (dict, collections.OrderedDict):
-        return mapping
-    inner = gc.get_referents(mapping) if type(mapping) is types.MappingProxyType else ()
-    return inner[0] if len(inner) == 1 and type(inner[0]) is dict else None
 
 
 def _class_dicts(obj) -> Optional[List[dict]]:

@@ -32,7 +32,8 @@ class Reads:
     class still (`classes`: (where, object, class)); each object whose __dict__ was read, holding that
     dict still (`owners`: (where, object, dict): a `__dict__` replaced writes no read dict); each
     attribute that no dict holds, the same object still (`pinned`: (where, object, name, value): the
-    `__code__` of a class's `__getattribute__`). No counter: a config's attribute set is not counted."""
+    `__code__` of a class's `__getattribute__`); each dict whose size or keys a guard read, of that size
+    and keys still (`sizes`). No counter: a config's attribute set is not counted."""
 
     def __init__(self, hops: list, values: list, absent: list, present: list, classes: list = (),
                  owners: list = (), pinned: list = (), sizes: list = ()):
@@ -69,8 +70,8 @@ class Reads:
         self.sizes = list(sizes)  # (where, dict, its keys in order or None, its length): dicts written only
         view = function_fields.viewer()
         viewed = [view is not None and type(r[1]) is types.FunctionType and r[2] in _FUNCTION_FIELDS for r in pinned]
-        self.views, self.view_ids = (list(c) for c in zip(*[view(r[1], r[2]) for r, v in zip(pinned, viewed) if v])) \
-            if any(viewed) else ([], [])
+        views = [view(r[1], r[2]) for r, v in zip(pinned, viewed) if v]
+        self.views, self.view_ids = [w for w, _ in views], [i for _, i in views]
         read = [r for r, v in zip(pinned, viewed) if not v]
         self.pin_objs, self.pin_names, self.pin_values = ([r[i] for r in read] for i in (1, 2, 3))
         self._version: Optional[Any] = None
