@@ -21,6 +21,7 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
+_OWN = __name__.partition(".")[0] + "."  # graph_opt's modules
 _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: instances of other classes cannot have __class__ assigned
 
 
@@ -131,10 +132,13 @@ def _attribute(obj, attr: str, where: str, out):
         return obj.__mro__
     if type(obj) is types.MethodType and attr in ("__self__", "__func__"):
         return getattr(obj, attr)  # read-only
-    if attr.startswith("__") and attr.endswith("__"):
+    if attr.startswith("__") and attr.endswith("__") and not (isinstance(obj, type) and attr in _class_dict(obj)):
         raise _NotWalked  # __code__, __closure__, __defaults__, __dict__ ...: Dynamo reads those itself
+        # (a class's own `__call__` is a plain entry of its dict; its metaclass's data descriptors are refused below)
     place = where.rpartition(".")[0]  # obj's
     if isinstance(obj, types.ModuleType):
+        if obj.__name__.startswith(_OWN):
+            raise _NotWalked  # graph_opt's own state (the split hook): the check sets it as at the trace
         if type(obj).__getattribute__ is not types.ModuleType.__getattribute__ or attr not in obj.__dict__ \
                 or data_descriptor(type(obj), attr):
             raise _NotWalked

@@ -50,7 +50,7 @@ _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH", "ID_M
 # Guards answered by the object a walk reaches (guard_paths.py) and the dicts it read.
 _WALKED_KINDS = frozenset({"ID_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "TYPE_MATCH",
                            "CONSTANT_MATCH", "EQUALS_MATCH", "DICT_CONTAINS", "NOT_PRESENT_IN_GENERIC_DICT",
-                           "DUPLICATE_INPUT", "DICT_KEYS_MATCH", "SEQUENCE_LENGTH"})
+                           "DUPLICATE_INPUT", "DICT_KEYS_MATCH", "SEQUENCE_LENGTH", "CLOSURE_MATCH"})
 _ID_GUARDS = frozenset({"ID_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH"})
 _FROZEN = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 _MISSING = object()
@@ -214,11 +214,12 @@ class _Steps:
         globals: its identity, class, plain value, or a key's presence in a dict it reads."""
         kind, name = entry.guard_type, entry.name
         if kind not in _WALKED_KINDS or not name or self.f_globals is None or \
-                name.startswith("self") and kind != "DUPLICATE_INPUT":
-            return False  # the model's own tree: Dynamo skips it by its dict tags while they hold
+                name.startswith("self") and kind not in ("DUPLICATE_INPUT", "CLOSURE_MATCH"):
+            return False  # the model's own tree: Dynamo skips it by its dict tags while they hold, but not
+            # a function's code (a method read through each layer's class: its own guard per layer)
         keywords = _keywords(entry)
         walked = guard_paths.walk(name, self.model, self.f_globals, self.identity)
-        same = kind in _ID_GUARDS or kind == "DUPLICATE_INPUT"  # the very object Dynamo saw
+        same = kind in _ID_GUARDS or kind in ("DUPLICATE_INPUT", "CLOSURE_MATCH")  # the very object Dynamo saw
         if walked is None or (same and entry.has_value and walked.obj is not entry.value):
             return False
         obj = walked.obj
@@ -232,6 +233,10 @@ class _Steps:
             if twin is None or twin.obj is not obj:
                 return False
             self._add_walked(twin)
+        elif kind == "CLOSURE_MATCH" and type(obj) is types.FunctionType:
+            # Dynamo compares the function's __code__; the hop holds the function itself (a function rebound
+            # there to another of the same code stops replays, where Dynamo would keep its trace)
+            walked.pinned.append((f"{where}.__code__", obj, "__code__", obj.__code__))
         elif kind == "TYPE_MATCH":
             if entry.has_value and type(obj) is not type(entry.value):
                 return False

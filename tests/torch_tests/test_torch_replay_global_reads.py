@@ -151,3 +151,76 @@ def test_globals_rebound_at_every_call_to_equal_objects_keep_replaying(F):
         assert graph_opt.stats(m).fallback_reasons == {"guard": 1}
     finally:
         REQUEST = _Request()
+
+
+# -- functions' code: Dynamo compares each function's __code__ (CLOSURE_MATCH), one guard per place it is read
+def _double(y):
+    return y * 2.0
+
+
+def _triple(y):
+    return y * 3.0
+
+
+class Layer(torch.nn.Module):
+    """A __call__ of its own that calls nn.Module's, as transformers' GradientCheckpointingLayer: Dynamo guards
+    nn.Module.__call__'s code through each layer's class's MRO (its own __call__'s is a Dynamo assumption)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _module_call_plus_one(self, *args, **kwargs):
+    return self._call_impl(*args, **kwargs) + 1.0
+
+
+class CallsFunctions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Layer(), Layer()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return _double(x)
+
+
+CODE_CHANGES = {"a global function": (_double, _triple.__code__),
+                "nn.Module.__call__": (torch.nn.Module.__call__, _module_call_plus_one.__code__)}
+
+
+def test_functions_code_leaves_dynamos_guards_once_per_function(F):
+    """Each function's __code__ is pinned once, however many layers read it (dict_reads.Reads._same_referents)."""
+    m, twin = captured_pair(F, CallsFunctions)
+    pinned = [obj for r in _taken(m) for _, obj, name, _ in r.ref_pins if name == "__code__"]
+    assert _double in pinned and torch.nn.Module.__call__ in pinned, pinned
+    assert len(pinned) == len(set(map(id, pinned)))
+    _call(F, m, twin)
+    assert graph_opt.stats(m).replays == 1 and not graph_opt.stats(m).fallback_reasons
+
+
+@pytest.mark.parametrize("change", list(CODE_CHANGES))
+def test_a_functions_code_swapped_stops_replays_until_put_back(F, change, graph_opt_warnings):
+    fn, other = CODE_CHANGES[change]
+    m, twin = captured_pair(F, CallsFunctions)
+    code = fn.__code__
+    fn.__code__ = other
+    try:
+        if fn is _double:
+            _call(F, m, twin, seed=2)  # what the twin computes with the new code
+        else:  # the call runs as torch.compile runs it, which takes nn.Module.__call__ as a module call
+            with F.no_grad():
+                m(F.randn(3, HIDDEN, seed=2))
+        assert graph_opt.stats(m).fallback_reasons == {"guard": 1}, graph_opt.stats(m).fallback_reasons
+        assert any("__code__" in w for w in graph_opt_warnings()), graph_opt_warnings()
+    finally:
+        fn.__code__ = code
+    _call(F, m, twin, seed=3)
+    assert graph_opt.stats(m).replays == 1, graph_opt.stats(m).fallback_reasons
