@@ -20,7 +20,6 @@ from .module_watch import _DICT_ITER, _GONE_ITER, GONE, _Said, _value_changed, _
 
 _FUNCTION_FIELDS = frozenset({"__code__", "__defaults__", "__kwdefaults__"})
 _POINTER = operator.attrgetter("value")
-_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE
 
 
 class Reads:
@@ -80,6 +79,7 @@ class Reads:
         viewed = [view is not None and type(r[1]) is types.FunctionType and r[2] in _FUNCTION_FIELDS for r in rest]
         views = [view(r[1], r[2]) for r, v in zip(rest, viewed) if v]
         self.views, self.view_ids = [w for w, _ in views], [i for _, i in views]
+        self.view_objs = [r[1] for r, v in zip(rest, viewed) if v]
         read = [r for r, v in zip(rest, viewed) if not v]
         self.pin_objs, self.pin_names, self.pin_values = ([r[i] for r in read] for i in (1, 2, 3))
         self._version: Optional[Any] = None
@@ -110,19 +110,30 @@ class Reads:
         if not self.pin_objs:
             return True
         try:
-            return all(map(operator.is_, map(object.__getattribute__, self.pin_objs, self.pin_names), self.pin_values))
+            if all(map(operator.is_, map(object.__getattribute__, self.pin_objs, self.pin_names), self.pin_values)):
+                return True
         except (AttributeError, ValueError):  # deleted, or a cell emptied
             return False
+        return self._same_mros()
+
+    def _same_mros(self) -> bool:
+        """A class's __bases__ set back makes a new __mro__ tuple of the same classes: alike, held from then on."""
+        for i, (obj, name, was) in enumerate(zip(self.pin_objs, self.pin_names, self.pin_values)):
+            now = _pinned_now(obj, name)
+            if now is not was:
+                if name != "__mro__" or type(now) is not tuple or len(now) != len(was) or \
+                        not all(map(operator.is_, now, was)):
+                    return False
+                self.pin_values[i] = now
+        return True
 
     def _same_referents(self) -> bool:
-        """Functions' __code__, classes' __mro__ and cells' contents, all in one C call: gc.get_referents lists
-        a function's code (with its globals, defaults, name...), a class's __mro__ and a cell's contents,
-        compared with the list at the last check, each element by identity first, then by ==: an equal code
-        object runs as the one it replaces, an equal __mro__ holds the same classes, and a cell is batched
-        only where its contents compare by identity. Reading each __code__ instead raises an
-        audit event, ~0.25 µs a read where a library installed an audit hook (filelock 4 does). Any other
-        difference (a function's __dict__ made on first use) is looked at pin by pin, and the list taken
-        again where all still hold."""
+        """Functions' __code__, all in one C call: gc.get_referents lists a function's code (with its globals,
+        defaults, name...), compared with the list at the last check, each element by identity first, then by
+        ==: an equal code object runs as the one it replaces. Reading each __code__ instead raises an audit
+        event, ~0.25 µs a read where a library installed an audit hook (filelock 4 does). Any other difference
+        (a function's __dict__ made on first use, a default rebound) is looked at pin by pin, and the list
+        taken again where all still hold."""
         try:
             if gc.get_referents(*self.ref_objs) == self.ref_seen:
                 return True
@@ -159,7 +170,8 @@ class Reads:
     def _differs(self) -> bool:
         if not self._same_dicts():
             return True
-        if not all(map(operator.is_, map(dict.get, self.hop_dicts, self.hop_keys, _GONE_ITER), self.hop_objs)):
+        if not all(map(operator.is_, map(dict.get, self.hop_dicts, self.hop_keys, _GONE_ITER), self.hop_objs)) \
+                and not self._follow_rebound_functions():
             return True
         if _values_changed(self):
             return True
@@ -170,6 +182,31 @@ class Reads:
         if any(len(d) != n or keys is not None and tuple(d) != keys for _, d, keys, n in self.sizes):
             return True
         return not all(map(operator.contains, self.present_in, self.present_names))
+
+    def _follow_rebound_functions(self) -> bool:
+        """Where each hop that no longer holds names a function rebound to another of the same code, globals,
+        closure contents, defaults and attributes (a factory called again, a decorator applied again to the
+        same function), the new one computes what the one read at capture did, as Dynamo's guard on the
+        code finds: the reads follow it (its cells too) and True. Anything else: False, a change."""
+        swaps = {}
+        for d, key, was in zip(self.hop_dicts, self.hop_keys, self.hop_objs):
+            now = d.get(key, GONE)
+            if now is not was:
+                if not _same_function(now, was):
+                    return False
+                swaps[id(was)] = now
+                for old, new in zip(was.__closure__ or (), now.__closure__ or ()):
+                    swaps[id(old)] = new
+        if any(id(o) in swaps for o in self.view_objs + self.owner_objs + self.vars_objs + self.class_objs):
+            return False  # read otherwise than by identity: not followed
+        swap = lambda o: swaps.get(id(o), o)  # noqa: E731
+        self.hop_objs = list(map(swap, self.hop_objs))
+        self.ref_pins = [(w, swap(o), n, v) for w, o, n, v in self.ref_pins]
+        self.ref_objs = [o for _, o, _, _ in self.ref_pins]
+        self.ref_seen = gc.get_referents(*self.ref_objs) if self.ref_objs else None
+        self.pin_objs = list(map(swap, self.pin_objs))
+        self.pinned = [(w, swap(o), n, v) for w, o, n, v in self.pinned]
+        return True
 
     def first_change(self) -> Optional[Tuple[str, Any, Any]]:
         """(where, value now, value at capture) of the first read that no longer holds; GONE for a name
@@ -204,15 +241,34 @@ class Reads:
         return None
 
 
+def _same_function(now, was) -> bool:
+    """Two plain functions that compute alike: one code and globals; closure contents, defaults and
+    attributes the same objects or the same plain values (by type and value: 1 and 1.0 are not alike)."""
+    if type(now) is not types.FunctionType or type(was) is not types.FunctionType:
+        return False
+    if now.__code__ is not was.__code__ or now.__globals__ is not was.__globals__:
+        return False
+    cells = now.__closure__ or (), was.__closure__ or ()
+    if len(cells[0]) != len(cells[1]) or not _alike(list(map(_cell, cells[0])), list(map(_cell, cells[1]))):
+        return False
+    return _alike(now.__defaults__ or (), was.__defaults__ or ()) and \
+        _alike(now.__kwdefaults__ or {}, was.__kwdefaults__ or {}) and _alike(vars(now), vars(was))
+
+
+def _alike(a, b) -> bool:
+    """Each value the same object, or the same plain value (a factory's `1.0` argument made anew)."""
+    if type(a) is dict:
+        return a.keys() == b.keys() and _alike([a[k] for k in a], [b[k] for k in a])
+    return len(a) == len(b) and all(x is y or type(x) is type(y) and state_key(x) == state_key(y)
+                                    for x, y in zip(a, b))
+
+
 def _by_referents(pin) -> bool:
-    """A pin compared through gc.get_referents (Reads._same_referents): a function's code, a Python class's
-    __mro__, or a cell whose contents' class compares by identity (a class, a function, a module)."""
-    _, obj, name, value = pin
-    if type(obj) is types.FunctionType:
-        return name == "__code__"
-    if isinstance(obj, type):  # a Python class's: its dict, __mro__ and __bases__ (a built-in one has none)
-        return name == "__mro__" and bool(obj.__flags__ & _HEAP_TYPE)
-    return type(obj) is types.CellType and name == "cell_contents" and type(value).__eq__ is object.__eq__
+    """A pin compared through gc.get_referents (Reads._same_referents): a function's code. A code object
+    compares equal only to one that runs alike; a cell's contents or a class's __mro__ might hold an object
+    whose __eq__ says equal to anything, so those are read one by one, by identity."""
+    _, obj, name, _ = pin
+    return type(obj) is types.FunctionType and name == "__code__"
 
 
 def _pinned_now(obj, name: str):

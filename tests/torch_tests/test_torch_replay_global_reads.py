@@ -224,3 +224,69 @@ def test_a_functions_code_swapped_stops_replays_until_put_back(F, change, graph_
         fn.__code__ = code
     _call(F, m, twin, seed=3)
     assert graph_opt.stats(m).replays == 1, graph_opt.stats(m).fallback_reasons
+
+
+# -- a global function made by a factory, rebound to another of the same code (the factory called again)
+def _make_shift(c):
+    def shift(y):
+        return y + c
+    return shift
+
+
+def _make_scale(c):
+    def scale(y):
+        return y * c
+    return scale
+
+
+shift = _make_shift(1.0)
+_SHIFT = shift
+
+
+class CallsShift(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return shift(self.lin(x))
+
+
+def _set_shift(fn):
+    globals()["shift"] = fn
+
+
+def test_a_function_rebound_to_one_that_computes_alike_keeps_replaying_and_is_followed(F, graph_opt_warnings):
+    """`shift = _make_shift(1.0)` again: same code and cell value, so the same result, as Dynamo's guard
+    on the code finds; the reads follow the new function, whose code swapped afterwards is seen."""
+    m, twin = captured_pair(F, CallsShift)
+    again = _make_shift(float("1.0"))  # a 1.0 made anew, not the capture's object
+    _set_shift(again)
+    try:
+        _call(F, m, twin, seed=2)
+        assert graph_opt.stats(m).replays == 1 and not graph_opt.stats(m).fallback_reasons
+        code = again.__code__
+        again.__code__ = _make_scale(1.0).__code__  # y * c: the followed function given other code
+        try:
+            _call(F, m, twin, seed=3)
+            assert graph_opt.stats(m).fallback_reasons == {"guard": 1}, graph_opt.stats(m).fallback_reasons
+        finally:
+            again.__code__ = code
+        _call(F, m, twin, seed=4)
+        assert graph_opt.stats(m).replays == 2, graph_opt.stats(m).fallback_reasons
+    finally:
+        _set_shift(_SHIFT)
+
+
+@pytest.mark.parametrize("value", [2.0, 1])
+def test_a_function_rebound_to_one_with_another_cell_value_stops_replays(F, value, graph_opt_warnings):
+    """1 is not 1.0 to the reads: a closure's value compared by type and value."""
+    m, twin = captured_pair(F, CallsShift)
+    _set_shift(_make_shift(value))
+    try:
+        _call(F, m, twin, seed=2)
+        assert graph_opt.stats(m).fallback_reasons == {"guard": 1}, graph_opt.stats(m).fallback_reasons
+    finally:
+        _set_shift(_SHIFT)
+    _call(F, m, twin, seed=3)
+    assert graph_opt.stats(m).replays == 1, graph_opt.stats(m).fallback_reasons
