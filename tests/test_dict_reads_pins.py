@@ -136,3 +136,23 @@ def test_a_cell_rebound_to_an_object_equal_to_anything_is_a_change():
     reads = _reads((reader.__closure__[0], "cell_contents", A))
     holder = mock.ANY  # noqa: F841
     assert reads.differs()
+
+
+def test_an_object_given_a_class_whose_metaclass_says_equal_to_anything_is_a_change():
+    class Loose(type):
+        def __eq__(cls, other):
+            return True
+
+        __hash__ = type.__hash__
+
+    class A:
+        pass
+
+    class B(metaclass=Loose):
+        pass
+
+    obj = A()
+    reads = Reads([], [], [], [], classes=[("obj.__class__", obj, A)])
+    assert not reads.differs()
+    obj.__class__ = B
+    assert reads.differs()

@@ -59,8 +59,6 @@ class Reads:
         self.classes = list(classes)
         self.class_objs = [o for _, o, _ in classes]
         self.class_types = [c for _, _, c in classes]
-        # one list compare where the classes compare by identity (no metaclass's __eq__): ~30% less
-        self._by_list = all(type(c).__eq__ is object.__eq__ for c in self.class_types)
         self.owners = list(owners)
         # vars() (a C call) where the class reads attributes generically; object.__getattribute__ (a slot
         # wrapper, twice the time) where its own __getattribute__ would run Python
@@ -91,8 +89,7 @@ class Reads:
             len(self.owners) + len(self.pinned) + len(self.sizes)
 
     def _same_classes(self) -> bool:
-        if self._by_list:
-            return list(map(type, self.class_objs)) == self.class_types
+        # by identity, not a list compare: a class assigned since may have a metaclass whose __eq__ says equal
         return all(map(operator.is_, map(type, self.class_objs), self.class_types))
 
     def _same_dicts(self) -> bool:
