@@ -67,8 +67,16 @@ class Reads:
         self.vars_dicts = [d for (_, _, d), p in zip(owners, plain) if p]
         self.owner_objs = [o for (_, o, _), p in zip(owners, plain) if not p]
         self.owner_dicts = [d for (_, _, d), p in zip(owners, plain) if not p]
-        self.pinned = list(pinned)
         self.sizes = list(sizes)  # (where, dict, its keys in order or None, its length): dicts written only
+        self._set_pins(list(pinned))
+        self._version: Optional[Any] = None
+        self._versioned: List[dict] = []
+        self._seen: Any = None  # the versions when the reads last held, or the watch's moved()
+
+    def _set_pins(self, pinned: list) -> None:
+        """Functions' code compared through gc.get_referents; a __defaults__ through a view of its pointer where
+        an audit hook makes reads slow (function_fields.py); the rest read by identity."""
+        self.pinned = pinned
         self.ref_pins = [r for r in pinned if _by_referents(r)]
         self.ref_objs = [r[1] for r in self.ref_pins]
         self.ref_seen = gc.get_referents(*self.ref_objs) if self.ref_objs else None
@@ -80,9 +88,6 @@ class Reads:
         self.view_objs = [r[1] for r, v in zip(rest, viewed) if v]
         read = [r for r, v in zip(rest, viewed) if not v]
         self.pin_objs, self.pin_names, self.pin_values = ([r[i] for r in read] for i in (1, 2, 3))
-        self._version: Optional[Any] = None
-        self._versioned: List[dict] = []
-        self._seen: Any = None  # the versions when the reads last held, or the watch's moved()
 
     def __len__(self) -> int:
         return len(self.hop_objs) + len(self.values) + len(self.absent) + len(self.present) + len(self.classes) + \
@@ -184,25 +189,38 @@ class Reads:
         """Where each hop that no longer holds names a function rebound to another of the same code, globals,
         closure contents, defaults and attributes (a factory called again, a decorator applied again to the
         same function), the new one computes what the one read at capture did, as Dynamo's guard on the
-        code finds: the reads follow it (its cells too) and True. Anything else: False, a change."""
-        swaps = {}
-        for d, key, was in zip(self.hop_dicts, self.hop_keys, self.hop_objs):
+        code finds: that hop holds the new function, the new function (its cells too) is pinned as the old
+        one was, and the old one stays pinned while another hop still holds it (one function under two
+        names). True; anything else: False, a change."""
+        moved = []
+        for i, (d, key, was) in enumerate(zip(self.hop_dicts, self.hop_keys, self.hop_objs)):
             now = d.get(key, GONE)
             if now is not was:
                 if not _same_function(now, was):
                     return False
-                swaps[id(was)] = now
-                for old, new in zip(was.__closure__ or (), now.__closure__ or ()):
-                    swaps[id(old)] = new
-        if any(id(o) in swaps for o in self.view_objs + self.owner_objs + self.vars_objs + self.class_objs):
+                moved.append((i, was, now))
+        held = {id(o) for o in self.view_objs + self.owner_objs + self.vars_objs + self.class_objs}
+        if any(id(was) in held for _, was, _ in moved):
             return False  # read otherwise than by identity: not followed
-        swap = lambda o: swaps.get(id(o), o)  # noqa: E731
-        self.hop_objs = list(map(swap, self.hop_objs))
-        self.ref_pins = [(w, swap(o), n, v) for w, o, n, v in self.ref_pins]
-        self.ref_objs = [o for _, o, _, _ in self.ref_pins]
-        self.ref_seen = gc.get_referents(*self.ref_objs) if self.ref_objs else None
-        self.pin_objs = list(map(swap, self.pin_objs))
-        self.pinned = [(w, swap(o), n, v) for w, o, n, v in self.pinned]
+        hop_objs = list(self.hop_objs)
+        for i, _, now in moved:
+            hop_objs[i] = now
+        kept = set(map(id, hop_objs))
+        pinned = list(self.pinned)
+        for _, was, now in moved:
+            cells = dict(zip(map(id, was.__closure__ or ()), now.__closure__ or ()))
+            for where, obj, name, _ in self.pinned:
+                new = now if obj is was else cells.get(id(obj))
+                if new is not None:
+                    pinned.append((where, new, name, _pinned_now(new, name)))
+        gone = {id(was) for _, was, _ in moved if id(was) not in kept}
+        gone |= {id(c) for _, was, _ in moved if id(was) in gone for c in was.__closure__ or ()}
+        unique = {}
+        for pin in pinned:
+            if id(pin[1]) not in gone:
+                unique.setdefault((id(pin[1]), pin[2]), pin)
+        self.hop_objs = hop_objs
+        self._set_pins(list(unique.values()))
         return True
 
     def first_change(self) -> Optional[Tuple[str, Any, Any]]:

@@ -290,3 +290,37 @@ def test_a_function_rebound_to_one_with_another_cell_value_stops_replays(F, valu
         _set_shift(_SHIFT)
     _call(F, m, twin, seed=3)
     assert graph_opt.stats(m).replays == 1, graph_opt.stats(m).fallback_reasons
+
+
+shift_alias = shift  # one function under two names
+
+
+class CallsShiftTwice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return shift(h) + shift_alias(h)
+
+
+@pytest.mark.parametrize("swapped", ["the function the other name still holds", "the new function"])
+def test_a_function_under_two_names_rebound_under_one_is_still_watched_under_both(F, swapped, graph_opt_warnings):
+    m, twin = captured_pair(F, CallsShiftTwice)
+    again = _make_shift(1.0)
+    _set_shift(again)
+    fn = _SHIFT if swapped == "the function the other name still holds" else again
+    code = fn.__code__
+    try:
+        _call(F, m, twin, seed=2)  # followed: replays
+        if fn is again:
+            globals()["_UNRELATED"] = 1  # a write to the module's dict: the next check compares every read
+            _call(F, m, twin, seed=3)
+        assert not graph_opt.stats(m).fallback_reasons
+        fn.__code__ = _make_scale(1.0).__code__
+        _call(F, m, twin, seed=4)
+        assert graph_opt.stats(m).fallback_reasons == {"guard": 1}, graph_opt.stats(m).fallback_reasons
+    finally:
+        fn.__code__ = code
+        _set_shift(_SHIFT)
