@@ -1,9 +1,9 @@
-"""GPU benchmark of a tensor-parallel decode step on two GPUs (torch, NCCL): eager vs CUDA graphs.
+"""GPU benchmark of a tensor-parallel decode step on 2 (or --world) GPUs (torch, NCCL): eager vs CUDA graphs.
 
-    python -m graph_opt.benchmarks.torch_tp [--quick] [--out results]
-    python -m graph_opt bench tp [--quick] [--out results]
+    python -m graph_opt.benchmarks.torch_tp [--quick] [--world 4] [--out results]
+    python -m graph_opt bench tp [--quick] [--world 4] [--out results]
 
-Model: benchmarks/tp_model.py's TPDecoder, TP=2 (one process per GPU, NCCL), hidden 4096, 32 heads,
+Model: benchmarks/tp_model.py's TPDecoder, TP=2 by default (one process per GPU, NCCL), hidden 4096, 32 heads,
 MLP 16384, 16 layers, bf16, one token per sequence attending over a 256-token KV cache (--quick: 4
 layers). Per layer two all-reduces (after the row-parallel out and down projections). Batches 1, 8, 64;
 the capture sizes are those batches. Variants, each its own model with the same weights:
@@ -22,10 +22,11 @@ is profiled: the count of its kernels per step whose names contain "one_shot" (s
 Every output is compared with the eager one before timing (bf16, 16 layers: the largest difference
 within 2% of the largest value; cuBLAS may pick other kernels inside a capture, and the custom
 all-reduce sums in another order than NCCL).
-Writes <out>/tp_bench.json and, with matplotlib, <out>/tp_step_time.png; prints the table last, with
+Writes <out>/tp_bench.json and, with matplotlib, <out>/tp_step_time.png (world sizes other than 2:
+tp_bench_world<N>.json, tp_step_time_world<N>.png; the json records its world size); prints the table last, with
 the targets (full graph >= 3x eager at batches 1 and 8; the custom all-reduce in a graph vs NCCL in a
 graph at batch 1: reported). Runs under a hard timeout: a rank that hangs ends the run with exit 1.
-Exits 0 without two CUDA devices (nothing to measure).
+Exits 0 with fewer CUDA devices than ranks (nothing to measure).
 """
 from __future__ import annotations
 
@@ -57,9 +58,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, port: int, quick: bool, result_path: str) -> None:
+def _rank_main(rank: int, world: int, port: int, quick: bool, result_path: str) -> None:
     try:
-        _measure(rank, port, quick, result_path)
+        _measure(rank, world, port, quick, result_path)
     except BaseException:
         import traceback
 
@@ -70,7 +71,7 @@ def _rank_main(rank: int, port: int, quick: bool, result_path: str) -> None:
     os._exit(0)  # no teardown: destroying a process group can hang, and nothing is left to flush
 
 
-def _measure(rank: int, port: int, quick: bool, result_path: str) -> None:
+def _measure(rank: int, world: int, port: int, quick: bool, result_path: str) -> None:
     import datetime
 
     import torch
@@ -81,7 +82,7 @@ def _measure(rank: int, port: int, quick: bool, result_path: str) -> None:
     from graph_opt.backends.torch.symm_mem_allreduce import SymmMemAllReduce
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=120))
     dims = tp_model.TPDims(hidden=4096, heads=32, mlp=16384, layers=4 if quick else 16, cache_len=256,
                            max_batch=max(BATCHES))
@@ -91,9 +92,9 @@ def _measure(rank: int, port: int, quick: bool, result_path: str) -> None:
                  "cudagraph_splitting_ops": ["tp_all_reduce"]}
     nccl = tp_model.DistAllReduce()
     custom = SymmMemAllReduce(max_bytes=max(BATCHES) * dims.hidden * 2, dtype=dtype)
-    build = dict(rank=rank, world_size=WORLD, dtype=dtype, device="cuda")
+    build = dict(rank=rank, world_size=world, dtype=dtype, device="cuda")
     models = {
-        EAGER: tp_model.TPDecoder(dims, rank, WORLD, nccl, init_device="cuda").to(device="cuda", dtype=dtype).eval(),
+        EAGER: tp_model.TPDecoder(dims, rank, world, nccl, init_device="cuda").to(device="cuda", dtype=dtype).eval(),
         FULL_NCCL: tp_model.build_tp_decoder(dims, comm=nccl, graph_opt_config=cfg_full, **build),
         FULL_CUSTOM: tp_model.build_tp_decoder(dims, comm=custom, graph_opt_config=cfg_full, **build),
         PIECEWISE: tp_model.build_tp_decoder(dims, comm=nccl, graph_opt_config=cfg_piece, split_all_reduce=True,
@@ -153,7 +154,7 @@ def _measure(rank: int, port: int, quick: bool, result_path: str) -> None:
                   "custom_counters": {"registered_calls": custom.registered_calls,
                                       "fallback_calls": custom.fallback_calls},
                   "graphs": {n: s["graphs"] for n, s in stats.items()}, "kernels": None,
-                  "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+                  "device": torch.cuda.get_device_name(), "torch": torch.__version__, "world_size": world}
         if rank == 0:
             _dump(result, result_path)
         print(f"rank {rank}: timed; profiling one replay", flush=True)
@@ -183,18 +184,18 @@ def _kernels_per_replay(call, x) -> Dict[str, int]:
             "all": len(names)}
 
 
-def run(out_dir: str, quick: bool) -> int:
+def run(out_dir: str, quick: bool, world: int = WORLD) -> int:
     import torch
     import torch.multiprocessing as mp
 
-    if torch.cuda.device_count() < WORLD:
-        print(f"needs {WORLD} CUDA devices, found {torch.cuda.device_count()}: nothing to measure")
+    if torch.cuda.device_count() < world:
+        print(f"needs {world} CUDA devices, found {torch.cuda.device_count()}: nothing to measure")
         return 0
     port = _free_port()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "rank0.json")
-        procs = [ctx.Process(target=_rank_main, args=(r, port, quick, result_path)) for r in range(WORLD)]
+        procs = [ctx.Process(target=_rank_main, args=(r, world, port, quick, result_path)) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + TIMEOUT_S
@@ -221,7 +222,7 @@ def run(out_dir: str, quick: bool) -> int:
                         "order, each round between two synchronizes; median µs per call on rank 0")
     result["targets"] = targets(result)
     result["problem"] = problem
-    write_json(out_dir, "tp_bench.json", result)
+    write_json(out_dir, "tp_bench.json" if world == WORLD else f"tp_bench_world{world}.json", result)
     plot(out_dir, result)
     print_table(result)
     if problem:
@@ -253,14 +254,16 @@ def plot(out_dir: str, result) -> None:
     ax.set_ylabel("µs per decode step (median)")
     ax.grid(True, axis="y", alpha=0.3)
     d = result["dims"]
-    save_figure(fig, ax, out_dir, "tp_step_time.png",
-                f"TP=2 decode step, hidden {d['hidden']} x {d['layers']} layers, bf16, {result['device']}")
+    world = result.get("world_size", WORLD)
+    save_figure(fig, ax, out_dir, "tp_step_time.png" if world == WORLD else f"tp_step_time_world{world}.png",
+                f"TP={world} decode step, hidden {d['hidden']} x {d['layers']} layers, bf16, {result['device']}")
 
 
 def print_table(result) -> None:
     t = result["timings"]
     d = result["dims"]
-    print(f"\nTP=2 decode step: hidden {d['hidden']}, {d['layers']} layers, MLP {d['mlp']}, bf16, "
+    print(f"\nTP={result.get('world_size', WORLD)} decode step: hidden {d['hidden']}, {d['layers']} layers, "
+          f"MLP {d['mlp']}, bf16, "
           f"{result['device']}, torch {result['torch']}")
     print("| variant | batch | µs per step | vs eager | vs full graph NCCL |")
     print("|---|---|---|---|---|")
@@ -282,8 +285,10 @@ def main(argv=None, prog=None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results", help="folder for tp_bench.json and the plot (default results)")
     parser.add_argument("--quick", action="store_true", help="4 layers instead of 16")
+    parser.add_argument("--world", type=int, default=WORLD, choices=[2, 4, 8],
+                        help="ranks, one GPU each (default 2; the heads, 32, divide among them)")
     args = parser.parse_args(argv)
-    return run(args.out, args.quick)
+    return run(args.out, args.quick, args.world)
 
 
 if __name__ == "__main__":

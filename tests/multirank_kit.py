@@ -1,10 +1,11 @@
-"""Two-rank tensor-parallel scenarios, each rank in a process of its own.
+"""Tensor-parallel scenarios on 2 or 4 ranks (any world size that divides the heads), each rank in a
+process of its own.
 
 On CPU (tests/multirank): gloo, simulated graphs, and BufferAllReduce as the custom all-reduce (its
-registered path is a gloo all_reduce into a preallocated buffer). On two GPUs (tests/gpu): NCCL,
-real CUDA graphs, and SymmMemAllReduce (symmetric memory, one_shot_all_reduce).
+registered path is a gloo all_reduce into a preallocated buffer). On GPUs (tests/gpu): NCCL, real CUDA
+graphs, and SymmMemAllReduce (symmetric memory, one_shot_all_reduce).
 
-run_ranks() starts both ranks once and runs every scenario in order in each; a scenario returns a
+run_ranks() starts every rank once and runs every scenario in order in each; a scenario returns a
 dict (what the parent compares across ranks) or fails with an assertion, recorded with its
 traceback. The whole run has a hard deadline: a rank still running then is killed and the run
 fails, naming it. Ranks write their results after every scenario, so a hang still shows which
@@ -27,7 +28,7 @@ import torch
 
 from rank_harness import read_rank_results, record_captures
 
-WORLD = 2
+WORLD = 2  # the default world size; run_ranks(world=4) for four
 SIZES = [1, 2, 4, 8]
 REALS = [1, 3, 5, 8]  # 3 and 5 are padded to 4 and 8
 TOL = dict(rtol=1e-4, atol=1e-4)  # fp32; the sharded sums add in another order than the reference's
@@ -73,6 +74,7 @@ class Rank:
     """What a scenario gets: this rank, its device, its communicators and the graph_opt warnings."""
 
     rank: int
+    world: int
     device: torch.device
     real_graphs: bool
     dist_comm: object
@@ -105,7 +107,7 @@ class Rank:
                                        cudagraph_capture_sizes=sizes)
         if comm is None:
             comm = self.custom if mode.comm == "custom" else self.dist_comm
-        return build_tp_decoder(dims(), self.rank, WORLD, comm, cfg, device=self.device,
+        return build_tp_decoder(dims(), self.rank, self.world, comm, cfg, device=self.device,
                                 split_all_reduce=mode.split_all_reduce)
 
 
@@ -150,7 +152,7 @@ def scenario_mode(r: Rank, name: str) -> dict:
         order = record_captures(m)
         report = graph_opt.capture_model(m, lambda n: r.tokens(n, seed=1), progress=False)
         assert report.failed is None, report.failed
-        assert (report.rank, report.world_size) == (r.rank, WORLD)
+        assert (report.rank, report.world_size) == (r.rank, r.world)
         translations = graph_opt.stats(m).translations
         _replay_and_compare(r, m, ref)
         s = graph_opt.stats(m)
@@ -341,7 +343,7 @@ SCENARIOS: Dict[str, Callable] = {
 
 
 # -- processes -------------------------------------------------------------------------------------
-def _rank_main(rank: int, device: str, names: List[str], folder: str, timeout: float) -> None:
+def _rank_main(rank: int, world: int, device: str, names: List[str], folder: str, timeout: float) -> None:
     import torch.distributed as dist
 
     out_path = os.path.join(folder, f"rank{rank}.pkl")
@@ -354,10 +356,10 @@ def _rank_main(rank: int, device: str, names: List[str], folder: str, timeout: f
         if cuda:
             torch.cuda.set_device(rank)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{folder}/store", rank=rank,
-                                world_size=WORLD, timeout=datetime.timedelta(seconds=timeout))
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout))
         between = dist.new_group(backend="gloo")
         dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-        r = Rank(rank, dev, cuda, DistAllReduce())
+        r = Rank(rank, world, dev, cuda, DistAllReduce())
         r.custom = r.new_custom()
         logging.getLogger("graph_opt").addHandler(_Warnings(r.warnings))
         simulate = graph_opt.testing.simulate_cuda_graphs() if not cuda else contextlib.nullcontext()
@@ -410,11 +412,13 @@ def spawn_ranks(target, args_of, world: int, deadline_s: float) -> Tuple[List[in
     return hung, [p.exitcode for p in procs]
 
 
-def run_ranks(device: str, names: List[str], folder: str, deadline_s: float) -> Dict[str, List[dict]]:
-    """Run the scenarios `names` on WORLD ranks; {name: [result of rank 0, rank 1]}. AssertionError
+def run_ranks(device: str, names: List[str], folder: str, deadline_s: float,
+              world: int = WORLD) -> Dict[str, List[dict]]:
+    """Run the scenarios `names` on `world` ranks; {name: [result of rank 0, rank 1, ...]}. AssertionError
     when a rank is still running after deadline_s (all are killed) or died outside a scenario."""
-    hung, exits = spawn_ranks(_rank_main, lambda rank: (rank, device, names, folder, deadline_s), WORLD, deadline_s)
-    results = read_rank_results(folder, WORLD)
+    hung, exits = spawn_ranks(_rank_main, lambda rank: (rank, world, device, names, folder, deadline_s), world,
+                              deadline_s)
+    results = read_rank_results(folder, world)
     if hung:
         done = {rank: sorted(res) for rank, res in enumerate(results)}
         raise AssertionError(f"rank(s) {hung} still running after {deadline_s:.0f} s (a hang), killed; "
@@ -424,41 +428,43 @@ def run_ranks(device: str, names: List[str], folder: str, deadline_s: float) -> 
             raise AssertionError(f"rank {rank} failed outside the scenarios:\n{res['<setup>']['error']}")
         if exits[rank] != 0:
             raise AssertionError(f"rank {rank} exited with {exits[rank]}; finished: {sorted(res)}")
-    return {name: [results[rank].get(name, {"ok": False, "error": "not run"}) for rank in range(WORLD)]
+    return {name: [results[rank].get(name, {"ok": False, "error": "not run"}) for rank in range(world)]
             for name in names}
 
 
 def passed(results: Dict[str, List[dict]], name: str) -> List[dict]:
-    """Both ranks' results of scenario `name`; AssertionError with the tracebacks where one failed."""
+    """Every rank's results of scenario `name`; AssertionError with the tracebacks where one failed."""
     per_rank = results[name]
     errors = [f"rank {rank}:\n{res['error']}" for rank, res in enumerate(per_rank) if not res["ok"]]
     assert not errors, f"scenario {name} failed\n" + "\n".join(errors)
     return per_rank
 
 
-# -- what both ranks' results must show (shared by the CPU and GPU test files) ----------------------
+# -- what every rank's results must show (shared by the CPU and GPU test files) ---------------------
 ALL_REDUCES = 2 * LAYERS  # per forward: after attention's out projection and after the MLP
 
 
 def check_mode(results, name: str) -> None:
-    r0, r1 = passed(results, f"mode:{name}")
+    ranks = passed(results, f"mode:{name}")
     largest_first = sorted(SIZES, reverse=True)
-    assert r0["order"] == r1["order"] == largest_first, (r0["order"], r1["order"])
-    assert r0["report"] == r1["report"] == largest_first
+    assert all(res["order"] == largest_first for res in ranks), [res["order"] for res in ranks]
+    assert all(res["report"] == largest_first for res in ranks), [res["report"] for res in ranks]
 
 
 def check_size_mismatch(results) -> None:
-    for res in passed(results, "size_mismatch"):
-        assert "rank 0: [8, 4, 2, 1]" in res["error"] and "rank 1: [4, 2, 1]" in res["error"], res["error"]
+    ranks = passed(results, "size_mismatch")
+    for res in ranks:
+        assert "rank 0: [8, 4, 2, 1]" in res["error"], res["error"]
+        assert all(f"rank {k}: [4, 2, 1]" in res["error"] for k in range(1, len(ranks))), res["error"]
 
 
 def check_capture_fault(results, name: str) -> None:
-    r0, r1 = passed(results, name)
-    assert r0["failed"] == r1["failed"], (r0["failed"], r1["failed"])
+    ranks = passed(results, name)
+    assert all(res["failed"] == ranks[0]["failed"] for res in ranks), [res["failed"] for res in ranks]
     # The failing rank's error, with the line that raised it, reaches every rank
     assert ("capture of size 4 failed on rank 1 (RuntimeError: injected capture fault on rank 1 at size 4; "
-            "raised at " in r0["failed"] and "rank_harness.py" in r0["failed"]), r0["failed"]
-    for res in (r0, r1):
+            "raised at " in ranks[0]["failed"] and "rank_harness.py" in ranks[0]["failed"]), ranks[0]["failed"]
+    for res in ranks:
         assert len(res["warnings"]) == 1 and res["failed"] in res["warnings"][0], res["warnings"]
         assert res["disabled"] == res["failed"]
         # without graphs the forward runs eagerly, outside the capture phase: the fallback path
@@ -466,21 +472,26 @@ def check_capture_fault(results, name: str) -> None:
 
 
 def check_lazy(results) -> None:
-    r0, r1 = passed(results, "lazy")
-    assert r0["order"] == r1["order"] == [8, 4, 2]
-    for res in (r0, r1):
+    ranks = passed(results, "lazy")
+    assert all(res["order"] == [8, 4, 2] for res in ranks), [res["order"] for res in ranks]
+    for res in ranks:
         assert len(res["warnings"]) == 1, res["warnings"]
         assert "capture of size 2 failed on rank 1 (RuntimeError: injected capture fault" in res["warnings"][0]
         assert res["disabled"] in res["warnings"][0]
 
 
 def check_replay_agreement(results, name: str) -> None:
-    r0, r1 = passed(results, name)
-    assert r0["replays"] == r1["replays"] == 0, (r0, r1)
-    assert r1["reasons"] == {"training": len(REALS)} and r0["reasons"] == {"peer": len(REALS)}, (r0, r1)
+    """Rank 1 is put in training mode: it names the reason, every other rank runs without graphs as its peer."""
+    ranks = passed(results, name)
+    assert all(res["replays"] == 0 for res in ranks), ranks
+    r1 = ranks[1]
+    assert r1["reasons"] == {"training": len(REALS)}, r1
     assert len(r1["warnings"]) == 1 and "training mode" in r1["warnings"][0], r1["warnings"]
-    assert len(r0["warnings"]) == 1 and "rank 1 cannot replay this call" in r0["warnings"][0], r0["warnings"]
-    assert r0["replays_after"] == r1["replays_after"] == len(REALS), (r0, r1)
+    for rank, res in enumerate(ranks):
+        if rank != 1:
+            assert res["reasons"] == {"peer": len(REALS)}, (rank, res)
+            assert len(res["warnings"]) == 1 and "rank 1 cannot replay this call" in res["warnings"][0], res["warnings"]
+    assert all(res["replays_after"] == len(REALS) for res in ranks), ranks
 
 
 def check_seed(results, real_graphs: bool) -> None:
