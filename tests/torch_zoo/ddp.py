@@ -13,8 +13,9 @@ import graph_opt
 from torch_zoo.training import Block
 
 
-def twins(**ddp_options):
-    """(eager DDP, graphed DDP, their comm hooks' records): equal Blocks, dropout off."""
+def twins(warmup_steps: int = 0, **ddp_options):
+    """(eager DDP, graphed DDP, their comm hooks' records): equal Blocks, dropout off. warmup_steps=0: the
+    first step replays, so DDP lays its buckets out in the replay's order of gradients (all at once)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -33,7 +34,7 @@ def twins(**ddp_options):
         models.append(ddp)
         seen.append(buckets)
     ref, m = models
-    assert graph_opt.autocudagraph(m, warmup_steps=0) is m
+    assert graph_opt.autocudagraph(m, warmup_steps=warmup_steps) is m
     return ref, m, seen
 
 
@@ -50,7 +51,7 @@ def steps(model, n, rank=0, accumulate=1):
         opt.step()
 
 
-def worker(rank: int, world: int, folder: str, timeout_s: float) -> None:
+def worker(rank: int, world: int, folder: str, timeout_s: float, warmup_steps: int = 0) -> None:
     """One rank: eager and graphed DDP, 3 steps each (the last with two micro-batches, one under no_sync),
     on data of its own; writes its parameters and the graphed block's stats."""
     import datetime
@@ -62,7 +63,7 @@ def worker(rank: int, world: int, folder: str, timeout_s: float) -> None:
         dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         with graph_opt.testing.simulate_cuda_graphs():
-            ref, m, seen = twins()
+            ref, m, seen = twins(warmup_steps)
             for model in (ref, m):
                 steps(model, 2, rank)
                 steps(model, 1, rank, accumulate=2)
