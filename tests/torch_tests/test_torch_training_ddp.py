@@ -2,8 +2,6 @@
 module is graphed and the DDP object returned, so DDP's forward and its reducer's all-reduce hooks stay
 outside the graphs. One rank in this process; two and four ranks in spawned processes under a deadline."""
 import logging
-import os
-import pickle
 
 import pytest
 
@@ -76,29 +74,5 @@ def test_graphing_the_ddp_or_its_module_twice_is_refused(one_rank):
 def test_ranks_keep_equal_parameters_and_match_eager_ddp(tmp_path, world, warmup_steps):
     """Each rank trains on data of its own: equal parameters across ranks show that the all-reduce
     averaged the replayed gradients; each rank's equal the eager DDP's it trained beside. A rank still
-    running at the deadline (a hang) fails the test."""
-    from multirank_kit import spawn_ranks
-
-    hung, _ = spawn_ranks(kit.worker, lambda rank: (rank, world, str(tmp_path), DEADLINE_S, warmup_steps), world,
-                          DEADLINE_S)
-    assert not hung, f"rank(s) {hung} still running after {DEADLINE_S} s: killed"
-    results = []
-    for rank in range(world):
-        with open(os.path.join(tmp_path, f"rank{rank}.pkl"), "rb") as f:
-            results.append(pickle.load(f))
-        assert results[rank]["ok"], f"rank {rank}:\n{results[rank]['error']}"
-    for r in results:
-        # Bitwise: with two ranks (a sum of two is the same in either order), and with four where the first
-        # step is eager (warmup_steps=1, the default), from whose backward DDP lays out its buckets. With
-        # warmup_steps=0 the first backward is a replay, which hands every gradient at once: the buckets
-        # hold them in another order, and gloo's ring sums each element's four values in an order set by
-        # its place: float32 ulps (4e-8 relative measured).
-        if world == 2 or warmup_steps:
-            assert all(torch.equal(a, b) for a, b in zip(r["graphed"], r["ref"]))
-        else:
-            for a, b in zip(r["graphed"], r["ref"]):
-                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-        assert r["buckets"][0] == r["buckets"][1] == 3
-        assert r["stats"]["replays"] == 4 - warmup_steps and r["stats"]["fallbacks"] == 0, r["stats"]
-    for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0]["graphed"], other["graphed"]))
+    running at the deadline (a hang) fails the test. tests/gpu/test_gpu_ddp.py runs these on GPUs."""
+    kit.check_ranks(str(tmp_path), world, warmup_steps, cuda=False, deadline_s=DEADLINE_S)

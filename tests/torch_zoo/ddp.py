@@ -13,17 +13,17 @@ import graph_opt
 from torch_zoo.training import Block
 
 
-def twins(warmup_steps: int = 0, **ddp_options):
+def twins(warmup_steps: int = 0, device=None, **ddp_options):
     """(eager DDP, graphed DDP, their comm hooks' records): equal Blocks, dropout off. warmup_steps=0: the
     first step replays, so DDP lays its buckets out in the replay's order of gradients (all at once)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    block = Block(16)
+    block = Block(16).to(device)
     models, seen = [], []
     for _ in range(2):
-        ddp = DDP(copy.deepcopy(block), **ddp_options)
+        ddp = DDP(copy.deepcopy(block), **({"device_ids": [device]} if device is not None else {}), **ddp_options)
         buckets = []
 
         def hook(state, bucket, buckets=buckets):
@@ -41,37 +41,72 @@ def twins(warmup_steps: int = 0, **ddp_options):
 def steps(model, n, rank=0, accumulate=1):
     """n SGD steps, each over `accumulate` micro-batches (all but the last under no_sync)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    device = next(model.parameters()).device
     for step in range(n):
         opt.zero_grad(set_to_none=True)
         for micro in range(accumulate):
             g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
-            x = torch.randn(4, 6, 16, generator=g).requires_grad_(True)
+            x = torch.randn(4, 6, 16, generator=g).to(device).requires_grad_(True)
             with model.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
                 (model(x).float() ** 2).mean().backward()
         opt.step()
 
 
-def worker(rank: int, world: int, folder: str, timeout_s: float, warmup_steps: int = 0) -> None:
+def worker(rank: int, world: int, folder: str, timeout_s: float, warmup_steps: int = 0, cuda: bool = False) -> None:
     """One rank: eager and graphed DDP, 3 steps each (the last with two micro-batches, one under no_sync),
-    on data of its own; writes its parameters and the graphed block's stats."""
+    on data of its own; writes its parameters and the graphed block's stats. On CPU: gloo and simulated
+    graphs; cuda: NCCL, this rank's GPU and real CUDA graphs."""
     import datetime
 
     import torch.distributed as dist
 
     out = {}
     try:
-        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        with graph_opt.testing.simulate_cuda_graphs():
-            ref, m, seen = twins(warmup_steps)
+        device = None
+        if cuda:
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{folder}/store", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        with contextlib.nullcontext() if cuda else graph_opt.testing.simulate_cuda_graphs():
+            ref, m, seen = twins(warmup_steps, device)
             for model in (ref, m):
                 steps(model, 2, rank)
                 steps(model, 1, rank, accumulate=2)
-        out = {"ok": True, "ref": [p.detach().clone() for p in ref.parameters()],
-               "graphed": [p.detach().clone() for p in m.parameters()], "buckets": [len(s) for s in seen],
+        out = {"ok": True, "ref": [p.detach().cpu().clone() for p in ref.parameters()],
+               "graphed": [p.detach().cpu().clone() for p in m.parameters()], "buckets": [len(s) for s in seen],
                "stats": graph_opt.stats(m).as_dict()}
     except BaseException:  # noqa: BLE001 - reported to the parent
         out = {"ok": False, "error": traceback.format_exc()}
     with open(os.path.join(folder, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)
     os._exit(0)  # no teardown: destroying a process group can hang
+
+
+def check_ranks(folder: str, world: int, warmup_steps: int, cuda: bool, deadline_s: float) -> None:
+    """Spawn `world` workers under a deadline (a hang fails) and check what they wrote: every rank holds the
+    same parameters, equal to the eager DDP's it trained beside. Bitwise with two ranks (a sum of two is the
+    same in either order), and with more where the first step is eager (warmup_steps >= 1, the default),
+    from whose backward DDP lays out its buckets. With warmup_steps=0 the first backward is a replay, which
+    hands every gradient at once: the buckets hold them in another order and the all-reduce sums each
+    element's values in another order: float32 ulps (4e-8 relative measured on four CPU ranks)."""
+    from multirank_kit import spawn_ranks
+
+    hung, _ = spawn_ranks(worker, lambda rank: (rank, world, folder, deadline_s, warmup_steps, cuda), world,
+                          deadline_s)
+    assert not hung, f"rank(s) {hung} still running after {deadline_s} s: killed"
+    results = []
+    for rank in range(world):
+        with open(os.path.join(folder, f"rank{rank}.pkl"), "rb") as f:
+            results.append(pickle.load(f))
+        assert results[rank]["ok"], f"rank {rank}:\n{results[rank]['error']}"
+    for r in results:
+        if world == 2 or warmup_steps:
+            assert all(torch.equal(a, b) for a, b in zip(r["graphed"], r["ref"]))
+        else:
+            for a, b in zip(r["graphed"], r["ref"]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert r["buckets"][0] == r["buckets"][1] == 3
+        assert r["stats"]["replays"] == 4 - warmup_steps and r["stats"]["fallbacks"] == 0, r["stats"]
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0]["graphed"], other["graphed"]))
