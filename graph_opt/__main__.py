@@ -32,11 +32,11 @@ def main(argv=None) -> int:
 
     bench = sub.add_parser("bench", help="benchmarks: the hook's overhead per call or program passes (CPU), "
                                          "graphed training steps, a decode loop's host reads, the checks before a replay, "
-                                         "Hugging Face models' inference and training steps (GPU, torch) or a "
-                                         "tensor-parallel decode step (two GPUs, torch)")
-    bench.add_argument("what", choices=["overhead", "passes", "training", "decode", "tp", "guards", "models"],
+                                         "Hugging Face models' inference and training steps (GPU, torch), a "
+                                         "tensor-parallel decode step or data-parallel training (GPUs, torch)")
+    bench.add_argument("what", choices=["overhead", "passes", "training", "decode", "tp", "guards", "models", "ddp"],
                        help="which benchmark: overhead (the hook per call, CPU), passes (Paddle program passes, CPU), "
-                            "training, decode, guards, models (GPU, torch), tp (two GPUs, torch)")
+                            "training, decode, guards, models (GPU, torch), tp, ddp (two or more GPUs, torch)")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
 
     config = sub.add_parser("config", help="print the effective config and where each value came from")
@@ -75,6 +75,10 @@ def main(argv=None) -> int:
         from .benchmarks import torch_models
 
         return torch_models.main(args.rest, prog="python -m graph_opt bench models")
+    if args.what == "ddp":
+        from .benchmarks import torch_ddp
+
+        return torch_ddp.main(args.rest, prog="python -m graph_opt bench ddp")
     if args.what == "tp":
         from .benchmarks import torch_tp
 
