@@ -34,6 +34,7 @@ import time
 import traceback
 from typing import Dict, List
 
+from .ranks import spawn_ranks
 from .report import write_json
 
 WORLD = 2
@@ -162,28 +163,16 @@ def _measure(rank: int, world: int, folder: str, quick: bool, smoke: bool) -> di
 
 def run(out_dir: str, world: int, quick: bool, smoke: bool) -> int:
     import torch
-    import torch.multiprocessing as mp
 
     if not smoke and torch.cuda.device_count() < world:
         print(f"needs {world} CUDA devices, found {torch.cuda.device_count()}: nothing to measure (--smoke runs "
               "the code on CPU)")
         return 0
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as folder:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, folder, quick, smoke)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + TIMEOUT_S
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        hung, exits = spawn_ranks(_rank_main, lambda r: (r, world, folder, quick, smoke), world, TIMEOUT_S)
         path = os.path.join(folder, "result.json")
-        if hung or any(p.exitcode != 0 for p in procs) or not os.path.exists(path):
-            print(f"FAILED: ranks {hung} hung (killed after {TIMEOUT_S} s); exit codes {[p.exitcode for p in procs]}")
+        if hung or any(exits) or not os.path.exists(path):
+            print(f"FAILED: ranks {hung} hung (killed after {TIMEOUT_S} s); exit codes {exits}")
             return 1
         with open(path, encoding="utf-8") as fh:
             result = json.load(fh)

@@ -40,6 +40,7 @@ import tempfile
 import time
 from typing import Dict, List
 
+from .ranks import spawn_ranks
 from .report import grouped_bars, new_figure, save_figure, write_json
 
 BATCHES = [1, 8, 64]
@@ -186,37 +187,25 @@ def _kernels_per_replay(call, x) -> Dict[str, int]:
 
 def run(out_dir: str, quick: bool, world: int = WORLD) -> int:
     import torch
-    import torch.multiprocessing as mp
 
     if torch.cuda.device_count() < world:
         print(f"needs {world} CUDA devices, found {torch.cuda.device_count()}: nothing to measure")
         return 0
     port = _free_port()
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "rank0.json")
-        procs = [ctx.Process(target=_rank_main, args=(r, world, port, quick, result_path)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + TIMEOUT_S
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-        failed = [r for r, p in enumerate(procs) if p.exitcode != 0 and r not in hung]
+        hung, exits = spawn_ranks(_rank_main, lambda r: (r, world, port, quick, result_path), world, TIMEOUT_S)
+        failed = [r for r, code in enumerate(exits) if code != 0 and r not in hung]
         if not os.path.exists(result_path):
             print(f"no results: ranks {hung} hung (killed after {TIMEOUT_S} s), ranks {failed} failed "
-                  f"(exit codes {[p.exitcode for p in procs]})")
+                  f"(exit codes {exits})")
             return 1
         with open(result_path, encoding="utf-8") as fh:
             result = json.load(fh)
     problem = None
     if hung or failed:  # a hang is a failure; the timings taken before it are still shown
         problem = (f"ranks {hung} still running after {TIMEOUT_S} s: killed" if hung else
-                   f"ranks {failed} failed (exit codes {[p.exitcode for p in procs]})")
+                   f"ranks {failed} failed (exit codes {exits})")
     result["batches"] = BATCHES
     result["method"] = (f"{WARMUP} warm-up calls, then {ROUNDS} rounds of {CALLS} calls per variant in rotating "
                         "order, each round between two synchronizes; median µs per call on rank 0")
