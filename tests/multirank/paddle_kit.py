@@ -1,7 +1,8 @@
-"""Two Paddle ranks on CPU (gloo, paddle.distributed.spawn), for the rank agreement of graph_opt.capture.ranks.
+"""Paddle ranks on CPU (gloo, paddle.distributed.spawn; two by default, run_ranks(world=4) for four), for the
+rank agreement of graph_opt.capture.ranks.
 
 The model all-reduces in its forward, so ranks that captured different graphs would mismatch their
-collectives. Both ranks run every scenario in order; each returns a dict or fails with its
+collectives. Every rank runs every scenario in order; each returns a dict or fails with its
 traceback. Results are written after every scenario; the parent kills both ranks at a deadline.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import traceback
 
 from rank_harness import read_rank_results, record_captures
 
-WORLD = 2
+WORLD = 2  # the default world size
 SIZES = [1, 2, 4, 8]
 REALS = [1, 3, 5, 8]
 HIDDEN = 8
@@ -37,7 +38,7 @@ def _model(sizes=SIZES):
             dist.all_reduce(y)
             return y
 
-    paddle.seed(0)  # the same weights on both ranks: the sum is twice one rank's projection
+    paddle.seed(0)  # the same weights on every rank: the sum is the world size times one rank's projection
     return Reduced(graph_opt_config=graph_opt.GraphOptConfig(graph_opt_level=0, cudagraph_capture_sizes=sizes))
 
 
@@ -51,20 +52,24 @@ def _x(n, seed=0):
 def _compare(m):
     import numpy as np
     import paddle
+    import paddle.distributed as dist
 
+    world = dist.get_world_size()
     with paddle.no_grad():
         for real in REALS:
             x = _x(real, seed=7)
-            np.testing.assert_allclose(m(x).numpy(), 2 * m.proj(x).numpy(), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(m(x).numpy(), world * m.proj(x).numpy(), rtol=1e-5, atol=1e-5)
 
 
 def scenario_capture(rank, warnings):
+    import paddle.distributed as dist
+
     import graph_opt
 
     m = _model()
     order = record_captures(m, rank=rank)
     report = graph_opt.capture_model(m, _x, progress=False)
-    assert report.failed is None and (report.rank, report.world_size) == (rank, WORLD), report
+    assert report.failed is None and (report.rank, report.world_size) == (rank, dist.get_world_size()), report
     _compare(m)
     s = graph_opt.stats(m)
     assert s.replays == len(REALS) and s.fallbacks == 0, s
@@ -191,12 +196,12 @@ def _write(folder, rank, results):
     os.replace(path + ".tmp", path)
 
 
-def run_ranks(folder: str, deadline_s: float):
-    """{scenario: [rank 0's result, rank 1's]}; AssertionError when a rank hangs past deadline_s
-    (both are killed) or fails outside the scenarios."""
+def run_ranks(folder: str, deadline_s: float, world: int = WORLD):
+    """{scenario: [rank 0's result, rank 1's, ...]}; AssertionError when a rank hangs past deadline_s
+    (all are killed) or fails outside the scenarios."""
     import paddle.distributed as dist
 
-    context = dist.spawn(rank_main, args=(folder,), nprocs=WORLD, join=False, backend="gloo")
+    context = dist.spawn(rank_main, args=(folder,), nprocs=world, join=False, backend="gloo")
     start = time.monotonic()
     hung = False
     try:
@@ -215,7 +220,7 @@ def run_ranks(folder: str, deadline_s: float):
             if process.is_alive():
                 process.kill()
                 process.join(10)
-    results = read_rank_results(folder, WORLD)
+    results = read_rank_results(folder, world)
     if hung:
         raise AssertionError(f"a rank was still running after {deadline_s:.0f} s (a hang), killed; finished: "
                              f"{[sorted(r) for r in results]}")
