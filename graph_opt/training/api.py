@@ -151,7 +151,10 @@ def _graph_wrapped(wrapper, inner, attr: str, **options):
     around the block's replay, and the gradients the backward replay hands to autograd reach the
     reducer's all-reduce hooks through autograd's own accumulation, as in eager."""
     autocudagraph(inner, **options)
-    object.__setattr__(wrapper, _STATE_ATTR, state_of_training(inner))  # graph_opt.stats(wrapper) finds it
+    block = state_of_training(inner)
+    if block is not None:
+        block.static_ddp = getattr(wrapper, "static_graph", False) is True
+    object.__setattr__(wrapper, _STATE_ATTR, block)  # graph_opt.stats(wrapper) finds it
     logger.info("autocudagraph(%s): graphed its wrapped %s (.%s); the wrapper's forward and its gradient "
                 "all-reduce stay outside the graphs", type(wrapper).__name__, type(inner).__name__, attr)
     return wrapper

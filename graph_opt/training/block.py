@@ -65,6 +65,7 @@ class GraphedBlock:
         self.watch: Optional[TrainingWatch] = None  # a module's: made at binding
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
         self.grad_nodes: dict = {}  # the bridge's per-parameter lookups (hand_out)
+        self.static_ddp = False  # inside DistributedDataParallel(static_graph=True): no unused parameter
         self.lazy = False  # the module had lazy parameters when bound: graphs wait until they are made
         self.disabled_reason: Optional[str] = None
         self.warned: set = set()

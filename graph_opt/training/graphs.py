@@ -247,6 +247,8 @@ def _record(block: GraphedBlock, recorder, state: KeyState, leaves, spec, needs_
         it = iter(grads)
         grad_buffers = [next(it) if f else None for f in flows]
         grad_buffers = [None if g is None else bridge.detach(g) for g in grad_buffers]
+        if block.static_ddp:
+            _refuse_unused(block, params, grad_buffers[len(static_inputs):len(static_inputs) + len(params)])
         if len(diff_outs) > 1 and not traced:
             it = iter(bridge.reached_from(diff_outs, grad_inputs))
             reached_from = [next(it) if f else () for f in flows]
@@ -266,6 +268,20 @@ def _record(block: GraphedBlock, recorder, state: KeyState, leaves, spec, needs_
                       grad_buffers=grad_buffers, buffer_bytes=buffer_bytes, outside=outside,
                       reached_from=reached_from, grad_inputs=grad_inputs if needs_grad else [], flows=flows,
                       kept_outs=kept_outs, recorder=recorder, root=state.root if traced else None)
+
+
+def _refuse_unused(block: GraphedBlock, params, grads) -> None:
+    """Inside DistributedDataParallel(static_graph=True), a parameter the forward leaves without a gradient:
+    the replayed backward hands every parameter's edge an empty gradient, whose accumulation still runs the
+    reducer's hook, and DDP takes that for a graph that changed (it raises). Eager autograd never reaches it."""
+    names = {id(p): n for n, p in block.module.named_parameters()} if block.module is not None else {}
+    unused = [names.get(id(p), "?") for p, g in zip(params, grads) if g is None]
+    if unused:
+        raise CaptureError(
+            f"{block.name}: inside DistributedDataParallel(static_graph=True), and the forward leaves "
+            f"{', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''} without a gradient: a replayed backward "
+            "would run DDP's hook for it, which static_graph refuses, so this key runs eagerly. Use "
+            "find_unused_parameters=True instead of static_graph, or freeze what the forward does not use")
 
 
 def _record_partial(block: GraphedBlock, graphs: StepGraphs, used) -> "PartialBackward":

@@ -76,3 +76,37 @@ def test_ranks_keep_equal_parameters_and_match_eager_ddp(tmp_path, world, warmup
     averaged the replayed gradients; each rank's equal the eager DDP's it trained beside. A rank still
     running at the deadline (a hang) fails the test. tests/gpu/test_gpu_ddp.py runs these on GPUs."""
     kit.check_ranks(str(tmp_path), world, warmup_steps, cuda=False, deadline_s=DEADLINE_S)
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(8, 8)
+        self.unused = torch.nn.Linear(8, 8)  # never in the forward
+
+    def forward(self, x):
+        return torch.tanh(self.used(x))
+
+
+def test_a_static_graph_ddp_with_a_parameter_the_forward_leaves_out_runs_eagerly_and_says_why(one_rank, caplog):
+    """A replayed backward would hand the unused parameter an empty gradient, whose accumulation still runs
+    DDP's hook; static_graph=True raises for that ("training graph has changed"). The key runs eagerly."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ref = DDP(_WithUnused(), static_graph=True)
+    m = DDP(_WithUnused(), static_graph=True)
+    m.module.load_state_dict(ref.module.state_dict())
+    graph_opt.autocudagraph(m)
+    for model in (ref, m):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            model(x).pow(2).mean().backward()
+            opt.step()
+    _same(ref, m)
+    s = graph_opt.stats(m)
+    assert s.capture_failures == 1 and s.replays == 0, s
+    said = [r.getMessage() for r in graph_warnings(caplog)]
+    assert len(said) == 1 and "static_graph=True" in said[0] and "unused.weight" in said[0], said
