@@ -66,6 +66,7 @@ class GraphedBlock:
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
         self.grad_nodes: dict = {}  # the bridge's per-parameter lookups (hand_out)
         self.static_ddp = False  # inside DistributedDataParallel(static_graph=True): no unused parameter
+        self.capture_ready: Callable[[], bool] = _always  # a wrapper's own readiness (api._graph_wrapped)
         self.lazy = False  # the module had lazy parameters when bound: graphs wait until they are made
         self.disabled_reason: Optional[str] = None
         self.warned: set = set()
@@ -172,7 +173,7 @@ class GraphedBlock:
                 state.run = self.call
             else:
                 return self.levels.first_call(state, key[1], args, kwargs)
-        if state.warmups < self.warmup_steps:
+        if state.warmups < self.warmup_steps or key[1] and not self.capture_ready():  # key[1]: needs grad
             state.warmups += 1
             self.counters.warmups += 1
             if state.level:
@@ -470,6 +471,10 @@ _OWN_WARNING = ("{name}: an attribute the forward writes itself holds another va
                 "(where that run leaves the value as it is, the graphs are captured again from it). Keep a value "
                 "that changes with the call in a tensor the forward updates in place, or out of the block")
 
+
+
+def _always() -> bool:
+    return True
 
 
 def _count(values) -> Dict[Any, int]:
