@@ -208,9 +208,9 @@ def print_table(result) -> None:
             cells = []
             for mb in mbs:
                 t = ms[name][mb]
-                ro = ms.get(COMPILE, {}).get(mb)
-                cells.append(f"{t:.2f} | {ms[EAGER][mb] / t:.2f}x | " + (f"{ro / t:.2f}x" if ro else "-")
-                             if EAGER in ms else f"{t:.2f} | - | -")
+                eager, ro = ms.get(EAGER, {}).get(mb), ms.get(COMPILE, {}).get(mb)
+                cells.append(f"{t:.2f} | " + (f"{eager / t:.2f}x" if eager else "-") + " | "
+                             + (f"{ro / t:.2f}x" if ro else "-"))
             print(f"| {name} | " + " | ".join(cells) + " |")
 
 

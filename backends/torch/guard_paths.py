@@ -132,9 +132,10 @@ def _attribute(obj, attr: str, where: str, out):
         return obj.__mro__
     if type(obj) is types.MethodType and attr in ("__self__", "__func__"):
         return getattr(obj, attr)  # read-only
+    # __code__, __closure__, __defaults__, __dict__ ...: Dynamo reads those itself. A class's own `__call__` is a
+    # plain entry of its dict (its metaclass's data descriptors are refused below).
     if attr.startswith("__") and attr.endswith("__") and not (isinstance(obj, type) and attr in _class_dict(obj)):
-        raise _NotWalked  # __code__, __closure__, __defaults__, __dict__ ...: Dynamo reads those itself
-        # (a class's own `__call__` is a plain entry of its dict; its metaclass's data descriptors are refused below)
+        raise _NotWalked
     place = where.rpartition(".")[0]  # obj's
     if isinstance(obj, types.ModuleType):
         if obj.__name__.startswith(_OWN):

@@ -234,8 +234,8 @@ class _Steps:
                 return False
             self._add_walked(twin)
         elif kind == "CLOSURE_MATCH" and type(obj) is types.FunctionType:
-            # Dynamo compares the function's __code__; the hop holds the function itself (a function rebound
-            # there to another of the same code stops replays, where Dynamo would keep its trace)
+            # Dynamo compares the function's __code__; the hop holds the function itself, and a function
+            # rebound there to one that computes alike is followed (dict_reads.Reads._follow_rebound_functions)
             walked.pinned.append((f"{where}.__code__", obj, "__code__", obj.__code__))
         elif kind == "TYPE_MATCH":
             if entry.has_value and type(obj) is not type(entry.value):

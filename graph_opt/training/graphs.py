@@ -274,9 +274,10 @@ def _refuse_unused(block: GraphedBlock, params, grads) -> None:
     """Inside DistributedDataParallel(static_graph=True), a parameter the forward leaves without a gradient:
     the replayed backward hands every parameter's edge an empty gradient, whose accumulation still runs the
     reducer's hook, and DDP takes that for a graph that changed (it raises). Eager autograd never reaches it."""
-    names = {id(p): n for n, p in block.module.named_parameters()} if block.module is not None else {}
-    unused = [names.get(id(p), "?") for p, g in zip(params, grads) if g is None]
+    unused = [p for p, g in zip(params, grads) if g is None]
     if unused:
+        names = {id(p): n for n, p in block.module.named_parameters()} if block.module is not None else {}
+        unused = [names.get(id(p), "?") for p in unused]
         raise CaptureError(
             f"{block.name}: inside DistributedDataParallel(static_graph=True), and the forward leaves "
             f"{', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''} without a gradient: a replayed backward "

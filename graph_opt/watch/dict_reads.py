@@ -119,14 +119,19 @@ class Reads:
         return self._same_mros()
 
     def _same_mros(self) -> bool:
-        """A class's __bases__ set back makes a new __mro__ tuple of the same classes: alike, held from then on."""
-        for i, (obj, name, was) in enumerate(zip(self.pin_objs, self.pin_names, self.pin_values)):
+        """A class's __bases__ set back makes a new __mro__ tuple of the same classes: alike, held from then on
+        (in the pins a message or a rebound function's follow reads too)."""
+        renewed = {}
+        for obj, name, was in zip(self.pin_objs, self.pin_names, self.pin_values):
             now = _pinned_now(obj, name)
             if now is not was:
                 if name != "__mro__" or type(now) is not tuple or len(now) != len(was) or \
                         not all(map(operator.is_, now, was)):
                     return False
-                self.pin_values[i] = now
+                renewed[id(obj)] = now
+        self.pinned = [(w, o, n, renewed.get(id(o), v) if n == "__mro__" else v) for w, o, n, v in self.pinned]
+        self.pin_values = [renewed.get(id(o), v) if n == "__mro__" else v
+                           for o, n, v in zip(self.pin_objs, self.pin_names, self.pin_values)]
         return True
 
     def _same_referents(self) -> bool:
@@ -156,8 +161,7 @@ class Reads:
         if self._version is None:
             return self._differs()
         seen = self._seen
-        if seen is not None and self._same_classes() and \
-                self._same_dicts():
+        if seen is not None and self._same_classes() and self._same_dicts():
             if seen.__class__ is list:
                 if list(map(self._version, self._versioned)) == seen:
                     return False
