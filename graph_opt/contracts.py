@@ -269,6 +269,15 @@ class Modules(Protocol):
     def attribute_counter(self) -> list: ...  # an attribute of a module set or deleted
 
 
+class IdentityCompiler(Protocol):
+    """What watch/dict_reads.Reads.compile_with takes: (object, kind, name, expected) checks, kind "class"
+    (type(object) is expected), "dict" (its own __dict__ is expected) or "attr" (object.__getattribute__(
+    object, name) is expected, `cell_contents` for a cell), compiled into a callable that is True while all
+    hold; None where they cannot be (Reads keeps its Python check). backends/torch/compiled_reads.py."""
+
+    def __call__(self, items: Sequence[tuple]) -> Optional[Any]: ...
+
+
 class Adapter(Tensors, Values, Context, Graphs, HostCopies, Modules, Protocol):
     """Everything the core asks of a framework, besides training's autograd bridge and the static
     strategy. The static path's behaviour the runner must know:"""

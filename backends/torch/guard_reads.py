@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - every torch graph_opt supports has it;
 
 from ...watch.dict_reads import Reads
 from . import guard_paths
+from .compiled_reads import compile_identities
 from .guard_paths import data_descriptor as _class_descriptor, own_dict as _own_dict, real_dict as _as_dict
 from ...watch.replay_guards import show
 
@@ -129,6 +130,7 @@ class _Steps:
         dicts = {id(d): d for d in map(_as_dict, read)}
         if dict_version is not None and None not in dicts.values():
             reads.versioned(dict_version, list(dicts.values()))
+        reads.compile_with(compile_identities)
         return reads
 
     def take(self, entry) -> bool:

@@ -68,6 +68,7 @@ class Reads:
         self.owner_objs = [o for (_, o, _), p in zip(owners, plain) if not p]
         self.owner_dicts = [d for (_, _, d), p in zip(owners, plain) if not p]
         self.sizes = list(sizes)  # (where, dict, its keys in order or None, its length): dicts written only
+        self._compile = None
         self._set_pins(list(pinned))
         self._version: Optional[Any] = None
         self._versioned: List[dict] = []
@@ -86,8 +87,40 @@ class Reads:
         views = [view(r[1], r[2]) for r, v in zip(rest, viewed) if v]
         self.views, self.view_ids = [w for w, _ in views], [i for _, i in views]
         self.view_objs = [r[1] for r, v in zip(rest, viewed) if v]
+        self.view_names = [r[2] for r, v in zip(rest, viewed) if v]
         read = [r for r, v in zip(rest, viewed) if not v]
         self.pin_objs, self.pin_names, self.pin_values = ([r[i] for r in read] for i in (1, 2, 3))
+        self._fast = None  # compiled again from the pins as they are (_held)
+
+    def compile_with(self, compile) -> None:
+        """A backend's compiler of the identity checks no dict write shows (contracts.IdentityCompiler): while
+        none moved, one call of compiled code answers for all (backends/torch/compiled_reads.py)."""
+        self._compile, self._fast = compile, None
+
+    def _identities(self) -> list:
+        """(object, kind, name, value now) of each check _same_classes and _same_dicts make."""
+        items = [(o, "class", None, type(o)) for o in self.class_objs]
+        items += [(o, "dict", None, vars(o)) for o in self.vars_objs]
+        items += [(o, "dict", None, object.__getattribute__(o, "__dict__")) for o in self.owner_objs]
+        items += [(o, "attr", n, _pinned_now(o, n)) for o, n in zip(self.view_objs, self.view_names)]
+        items += [(o, "attr", "__code__", o.__code__) for o in self.ref_objs]
+        items += [(o, "attr", n, _pinned_now(o, n)) for o, n in zip(self.pin_objs, self.pin_names)]
+        return items
+
+    def _held(self) -> bool:
+        """_same_classes() and _same_dicts(): by the compiled check while nothing it reads moved; else in
+        Python, which accepts a move to an alike value (an equal code object, a __mro__ of the same
+        classes), and the compiled check is made anew from the values as they are then."""
+        fast = self._fast
+        if fast is not None and fast():
+            return True
+        if not (self._same_classes() and self._same_dicts()):
+            return False
+        if self._compile is not None:
+            self._fast = self._compile(self._identities())
+            if self._fast is None:
+                self._compile = None  # not compilable here: Python from now on
+        return True
 
     def __len__(self) -> int:
         return len(self.hop_objs) + len(self.values) + len(self.absent) + len(self.present) + len(self.classes) + \
@@ -161,7 +194,7 @@ class Reads:
         if self._version is None:
             return self._differs()
         seen = self._seen
-        if seen is not None and self._same_classes() and self._same_dicts():
+        if seen is not None and self._held():
             if seen.__class__ is list:
                 if list(map(self._version, self._versioned)) == seen:
                     return False
