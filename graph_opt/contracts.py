@@ -10,7 +10,7 @@ core calls is declared here and that each backend, and each recorder, has every 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple
 
 
 class DeviceGraph(Protocol):
@@ -288,6 +288,14 @@ class Adapter(Tensors, Values, Context, Graphs, HostCopies, Modules, Protocol):
     static_folds_host_constants: bool  # the tracer makes a tensor of Python numbers once (no host copy per call)
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """What a data-parallel wrapper around a graphed module asks of its block (AutogradBridge.data_parallel)."""
+
+    static_graph: bool = False  # it refuses a replayed backward that leaves a parameter without a gradient
+    ready: Optional[Callable[[], bool]] = None  # keys with a backward run eagerly until this says True
+
+
 class AutogradBridge(Protocol):
     """What a training block (training_block.py, training_graphs.py) needs of a framework's autograd."""
 
@@ -366,6 +374,8 @@ class AutogradBridge(Protocol):
     def tensor_attributes(self, module): ...
 
     def uninitialized(self, module) -> bool: ...  # a lazy parameter not yet materialised
+
+    def data_parallel(self, wrapper) -> DataParallel: ...  # what a data-parallel wrapper asks of the block
 
     def snapshot_buffers(self, module): ...
 

@@ -12,6 +12,7 @@ import threading
 
 import paddle
 
+from ...contracts import DataParallel
 from ...errors import GraphOptError, GraphOptInputError
 from .. import patches
 from .adapter import address
@@ -213,6 +214,10 @@ class PaddleAutogradBridge:
     @staticmethod
     def saved_tensor_hooks_active() -> bool:
         return False  # Paddle's recompute reruns the block inside its own PyLayer (no saved-tensor hooks)
+
+    @staticmethod
+    def data_parallel(wrapper):
+        return DataParallel()  # paddle.DataParallel lays out its buckets at construction
 
     @staticmethod
     def uninitialized(layer) -> bool:

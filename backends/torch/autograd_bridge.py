@@ -13,6 +13,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import grad_hooks, math_mode
+from .data_parallel import data_parallel
 from .grad_hooks import accumulates as _accumulates, graph_nodes, leaves_reached
 from ...errors import TraceLimitReached
 
@@ -276,6 +277,10 @@ class TorchAutogradBridge:
     @staticmethod
     def addresses(tensors):
         return [0 if isinstance(t, torch.nn.parameter.UninitializedTensorMixin) else _data_ptr(t) for t in tensors]
+
+    @staticmethod
+    def data_parallel(wrapper):
+        return data_parallel(wrapper)
 
     @staticmethod
     def uninitialized(module) -> bool:

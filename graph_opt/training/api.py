@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from typing import Callable, Optional
 
 from .. import backends
@@ -154,15 +153,11 @@ def _graph_wrapped(wrapper, inner, attr: str, **options):
     autocudagraph(inner, **options)
     block = state_of_training(inner)
     if block is not None:
-        block.static_ddp = getattr(wrapper, "static_graph", False) is True
-        # DDP lays out its gradient buckets in the order of a backward it watched (its first synced one; with
-        # static_graph, a later one) and keeps that layout. A replayed backward hands every gradient at
-        # once, so a layout taken from one would make the all-reduce sum more than two ranks' values in
-        # another order than eager's: keys wait, eagerly, until DDP has laid out its buckets.
-        if hasattr(wrapper, "_has_rebuilt_buckets") and \
-                (block.static_ddp or not getattr(wrapper, "find_unused_parameters", False)):
-            held = weakref.ref(wrapper)
-            block.capture_ready = lambda: getattr(held(), "_has_rebuilt_buckets", True)
+        framework = block.framework or _module_framework(inner)
+        traits = backends.load(framework).autograd_bridge().data_parallel(wrapper)
+        block.static_ddp = traits.static_graph
+        if traits.ready is not None:
+            block.capture_ready = traits.ready
     object.__setattr__(wrapper, _STATE_ATTR, block)  # graph_opt.stats(wrapper) finds it
     logger.info("autocudagraph(%s): graphed its wrapped %s (.%s); the wrapper's forward and its gradient "
                 "all-reduce stay outside the graphs", type(wrapper).__name__, type(inner).__name__, attr)
