@@ -1,6 +1,7 @@
 """graph_opt.autocudagraph(DistributedDataParallel(...)), with simulated graphs on CPU and gloo: the wrapped
 module is graphed and the DDP object returned, so DDP's forward and its reducer's all-reduce hooks stay
 outside the graphs. One rank in this process; two and four ranks in spawned processes under a deadline."""
+import copy
 import logging
 
 import pytest
@@ -121,3 +122,40 @@ def test_calls_without_grad_through_ddp_are_graphed_before_ddp_lays_out_its_buck
         for _ in range(3):
             torch.testing.assert_close(m(x), ref(x), rtol=0, atol=0)
     assert graph_opt.stats(m).replays == 2
+
+
+class _LMLoss(torch.nn.Module):
+    """A user's training module around a Hugging Face causal LM: ids and labels in, the loss out."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, labels):
+        return self.lm(input_ids=ids, labels=labels, use_cache=False).loss
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_hugging_face_model_inside_ddp_trains_as_eager_ddp(one_rank, caplog, level):
+    transformers = pytest.importorskip("transformers")
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    lm = transformers.GPT2LMHeadModel(config)
+    ref = DDP(_LMLoss(lm))
+    m = DDP(_LMLoss(copy.deepcopy(lm)))
+    assert graph_opt.autocudagraph(m, level=level) is m
+    for model in (ref, m):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+            model(ids, ids).backward()
+            opt.step()
+    _same(ref, m)
+    s = graph_opt.stats(m)
+    # eager: the first step (DDP lays out its buckets from it) and, at level 1, the trace's own warm-up
+    assert s.warmups == 1 + level and s.replays == s.backward_replays == 3 - level and s.fallbacks == 0, s
+    assert not graph_warnings(caplog)
