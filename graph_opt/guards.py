@@ -86,6 +86,17 @@ def as_captured(check: Callable[..., Any], *args) -> Any:
             _set_sot_warmup(warm)
             _set_capturing(capturing)
 
+def as_outside_capture(check: Callable[..., Any], *args) -> Any:
+    """check(*args) with graph_opt's flags off, as a call outside any capture finds them."""
+    with state_lock:
+        warm, capturing = _set_sot_warmup(False), _set_capturing(False)
+        try:
+            return check(*args)
+        finally:
+            _set_sot_warmup(warm)
+            _set_capturing(capturing)
+
+
 _communicators: List[Any] = []
 
 

@@ -13,7 +13,7 @@ import torch
 
 from ...capture import split
 from ...errors import CaptureError
-from ...guards import as_captured
+from ...guards import as_captured, as_outside_capture
 from ...watch.fallbacks import Fallback, Reason
 from .. import frame_locals as frame_of
 from .guard_reads import changed_read
@@ -52,6 +52,7 @@ def guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook, 
             set_hook(saved)
 
     differs = reads.differs if reads is not None else None
+    plain = _flags_unread(holds, frame_locals)
 
     def check():
         if differs is not None and differs():
@@ -63,14 +64,26 @@ def guard_check(original_code, code, graph_fn, model, args, kwargs, trace_hook, 
             # puts back grad mode too.
             with inference_mode_off():
                 set_grad_enabled(False)
-                ok = as_captured(holds, frame_locals)
+                ok = holds(frame_locals) if plain else as_captured(holds, frame_locals)
         else:
-            ok = as_captured(holds, frame_locals)
+            ok = holds(frame_locals) if plain else as_captured(holds, frame_locals)
         if ok:
             return None
         return Fallback(Reason.GUARD, _failed_guard(manager, frame_locals, trace_hook, graph_fn.__globals__))
 
     return check
+
+
+def _flags_unread(holds, frame_locals) -> bool:
+    """Whether the guards hold with graph_opt's capture flags off as well as on, as the capture left the
+    state: then none reads them (a forward that branched on is_capturing() has its guard on the flag,
+    which holds only on), and a replay's check need not set them (~0.4 µs a call). Where the guards do
+    not hold now at all, the flags are set at every check, as before."""
+    with torch.inference_mode(False), torch.no_grad():
+        try:
+            return bool(as_captured(holds, frame_locals)) and bool(as_outside_capture(holds, frame_locals))
+        except Exception:  # noqa: BLE001 - a guard that cannot be evaluated here: the flags set, as before
+            return False
 
 
 def _failed_guard(manager, frame_locals, trace_hook, f_globals) -> str:
