@@ -46,7 +46,7 @@ from ...watch.replay_guards import show
 
 _STEP = re.compile(r"\.(\w+)|\['([^'\\]*)'\]")
 _PATH = re.compile(r"self(?:\.\w+|\['[^'\\]*'\])*")
-_MRO = re.compile(r"dict\(type\((self[^()]*)\)\.__mro__\[(\d+)\]\.__dict__\)\['(\w+)'\].*")
+_MRO = re.compile(r"dict\(type\((self[^()]*|G\[[^()]*)\)\.__mro__\[(\d+)\]\.__dict__\)\['(\w+)'\].*")
 _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH", "ID_MATCH"})
 # Guards answered by the object a walk reaches (guard_paths.py) and the dicts it read.
 _WALKED_KINDS = frozenset({"ID_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "TYPE_MATCH",
@@ -284,20 +284,31 @@ class _Steps:
             self.absent.setdefault((id(d), name), (where, d, name))
 
     def _shadows(self, name: str) -> None:
-        """A class attribute read through an instance (`self.eps`, `self.helper()`): Dynamo guards its value
-        in the class of the MRO that held it, not that the classes before it still lack it, so setting it
-        on the instance's own class (a subclass) after capture would go unseen. Those absences are read here."""
+        """A class attribute read through an instance (`self.eps`, `self.helper()`, a global's `knobs.k`):
+        Dynamo guards its value in the class of the MRO that held it, not that the classes before it still
+        lack it, so setting it on the instance's own class (a subclass) after capture would go unseen. Those
+        absences are read here, and the class's __mro__ (its bases set anew)."""
         found = _MRO.fullmatch(name)
-        if found is None or found.group(2) == "0" or not _PATH.fullmatch(found.group(1)):
+        if found is None or found.group(2) == "0":
             return
-        owner = self._walk(found.group(1))
-        if owner is None:
+        path = found.group(1)
+        if path.startswith("G["):
+            walked = guard_paths.walk(path, self.model, self.f_globals, main_too=True) \
+                if self.f_globals is not None else None
+            obj, shown = (walked.obj, "global " + path) if walked is not None else (None, "")
+        else:
+            owner = self._walk(path) if _PATH.fullmatch(path) else None
+            obj, shown = (owner[1], _shown(path)) if owner is not None else (None, "")
+        if obj is None:
             return
-        attr, mro = found.group(3), type(owner[1]).__mro__
-        for klass in mro[:int(found.group(2))]:
-            if attr not in vars(klass):
-                where = f"{_shown(found.group(1))}.{attr} (set on class {klass.__name__})".lstrip(".")
-                self.absent[(id(klass), attr)] = (where, vars(klass), attr)
+        attr, cls = found.group(3), type(obj)
+        self.pinned.setdefault((id(cls), "__mro__"), (f"{shown}.__class__.__mro__".lstrip("."), cls, "__mro__",
+                                                      cls.__mro__))
+        for klass in cls.__mro__[:int(found.group(2))]:
+            d = _as_dict(vars(klass))
+            if d is not None and attr not in d:
+                where = f"{shown}.{attr} (set on class {klass.__name__})".lstrip(".")
+                self.absent[(id(d), attr)] = (where, d, attr)
 
     def _python_object(self, path: str):
         """_walk's answer and the object's own __dict__, for an object at path whose class runs Python on

@@ -69,6 +69,7 @@ class Reads:
         self.owner_dicts = [d for (_, _, d), p in zip(owners, plain) if not p]
         self.sizes = list(sizes)  # (where, dict, its keys in order or None, its length): dicts written only
         self._compile = None
+        self._misses = 0  # compiles in a row that did not hold (another thread wrote meanwhile)
         self._set_pins(list(pinned))
         self._version: Optional[Any] = None
         self._versioned: List[dict] = []
@@ -114,13 +115,23 @@ class Reads:
         fast = self._fast
         if fast is not None and fast():
             return True
+        # the values read before the Python check: a write between the two fails the compiled check (and the
+        # Python one runs again), where values read after it could pass a state no check accepted
+        items = self._read_identities() if self._compile is not None else None
         if not (self._same_classes() and self._same_dicts()):
             return False
-        if self._compile is not None:
-            self._fast = self._compile(self._identities())
-            if self._fast is None:
+        if items is not None:
+            self._fast = self._compile(items)
+            self._misses = 0 if self._fast is not None else self._misses + 1
+            if self._misses >= 3:
                 self._compile = None  # not compilable here: Python from now on
         return True
+
+    def _read_identities(self) -> Optional[list]:
+        try:
+            return self._identities()
+        except Exception:  # noqa: BLE001 - an object that no longer reads as it did: the Python check says
+            return None
 
     def __len__(self) -> int:
         return len(self.hop_objs) + len(self.values) + len(self.absent) + len(self.present) + len(self.classes) + \
@@ -149,22 +160,24 @@ class Reads:
                 return True
         except (AttributeError, ValueError):  # deleted, or a cell emptied
             return False
-        return self._same_mros()
+        return self._same_alike()
 
-    def _same_mros(self) -> bool:
-        """A class's __bases__ set back makes a new __mro__ tuple of the same classes: alike, held from then on
-        (in the pins a message or a rebound function's follow reads too)."""
+    def _same_alike(self) -> bool:
+        """Pins moved to an alike object, held from then on (in the pins a message or a rebound function's
+        follow reads too): a class's __bases__ set back makes a new __mro__ tuple of the same classes; a
+        cell set back to a plain value equal by type and value (a float computed anew)."""
         renewed = {}
         for obj, name, was in zip(self.pin_objs, self.pin_names, self.pin_values):
             now = _pinned_now(obj, name)
             if now is not was:
-                if name != "__mro__" or type(now) is not tuple or len(now) != len(was) or \
-                        not all(map(operator.is_, now, was)):
+                if name == "__mro__":
+                    if type(now) is not tuple or len(now) != len(was) or not all(map(operator.is_, now, was)):
+                        return False
+                elif name != "cell_contents" or not _plain_alike(now, was):
                     return False
-                renewed[id(obj)] = now
-        self.pinned = [(w, o, n, renewed.get(id(o), v) if n == "__mro__" else v) for w, o, n, v in self.pinned]
-        self.pin_values = [renewed.get(id(o), v) if n == "__mro__" else v
-                           for o, n, v in zip(self.pin_objs, self.pin_names, self.pin_values)]
+                renewed[(id(obj), name)] = now
+        self.pinned = [(w, o, n, renewed.get((id(o), n), v)) for w, o, n, v in self.pinned]
+        self.pin_values = [renewed.get((id(o), n), v) for o, n, v in zip(self.pin_objs, self.pin_names, self.pin_values)]
         return True
 
     def _same_referents(self) -> bool:
@@ -313,6 +326,13 @@ def _alike(a, b) -> bool:
         return a.keys() == b.keys() and _alike([a[k] for k in a], [b[k] for k in a])
     return len(a) == len(b) and all(x is y or type(x) is type(y) and state_key(x) == state_key(y)
                                     for x, y in zip(a, b))
+
+
+_PLAIN = frozenset({bool, int, float, str, bytes, complex, type(None)})
+
+
+def _plain_alike(now, was) -> bool:
+    return type(now) is type(was) and type(was) in _PLAIN and state_key(now) == state_key(was)
 
 
 def _by_referents(pin) -> bool:

@@ -150,9 +150,11 @@ def test_a_check_that_cannot_be_compiled_leaves_the_python_check():
     assert compile_identities([(fn, "attr", "__code__", _make("def g():\n    pass\n", "g").__code__)]) is None
     reads = Reads([], [], [], [], pinned=[("pin", fn, "__code__", fn.__code__)])
     reads.versioned(lambda d: 0, [])
-    reads.compile_with(lambda items: None)
-    assert not reads.differs() and not reads.differs()
-    assert reads._fast is None and reads._compile is None  # asked once, then Python
+    asked = []
+    reads.compile_with(lambda items: asked.append(1))
+    for _ in range(6):
+        assert not reads.differs()
+    assert reads._fast is None and reads._compile is None and len(asked) == 3  # three misses in a row, then Python
     fn.__code__ = _make("def h(x):\n    return -x\n", "h").__code__
     assert reads.differs()
 
@@ -171,3 +173,52 @@ def test_the_compiled_check_holds_what_it_compares():
     del obj
     gc.collect()
     assert ref() is not None and fast()
+
+
+def test_a_write_while_the_compiled_check_is_made_is_seen():
+    """The values are read before the Python check: another thread's write just after they were read
+    fails the check now, not after the next write (found by a red team)."""
+    class Holder:
+        pass
+
+    obj = Holder()
+    obj.scale = 2.0
+    d = vars(obj)
+    reads = _reads(True, owners=[("obj.__dict__", obj, d)])
+    real = reads._identities
+
+    def racing():
+        items = real()
+        obj.__dict__ = {"scale": 3.0}  # written just after the values were read
+        return items
+
+    reads._identities = racing
+    reads._fast = None  # made anew at this call
+    assert reads.differs()
+    reads._identities = real
+    obj.__dict__ = d
+    assert not reads.differs() and not reads.differs()
+    assert reads._fast is not None
+
+
+@both
+def test_a_cell_set_back_to_an_equal_plain_value_is_no_change(compiled):
+    """A float computed anew, equal by type and value: the function computes as it did. Another type or
+    value still stops replays."""
+    was = 1.5
+    holder = was
+
+    def reader():
+        return holder
+
+    cell = reader.__closure__[0]
+    reads = _reads(compiled, pins=[(cell, "cell_contents", was)])
+    cell.cell_contents = 4.0
+    assert reads.differs()
+    cell.cell_contents = float("1.5")
+    assert cell.cell_contents is not was
+    assert not reads.differs() and not reads.differs()
+    assert (reads._fast is not None) == compiled
+    for other in (2, "1.5", 1.5000001):
+        cell.cell_contents = other
+        assert reads.differs(), other

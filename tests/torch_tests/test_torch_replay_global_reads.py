@@ -113,6 +113,55 @@ def test_a_global_written_with_the_same_object_or_never_read_changes_nothing(F):
     assert graph_opt.stats(m).replays == 2 and not graph_opt.stats(m).fallback_reasons
 
 
+class _BaseLimits:
+    k = 2.0
+
+
+class _Limits(_BaseLimits):
+    pass
+
+
+class _OtherLimits:
+    k = 7.0
+
+
+LIMITS = _Limits()
+
+
+class ReadsInheritedAttribute(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return self.lin(x) * LIMITS.k
+
+
+SHADOWS = {
+    "set on the instance's own class": (lambda: setattr(_Limits, "k", 5.0), lambda: delattr(_Limits, "k")),
+    "the class's bases set anew": (lambda: setattr(_Limits, "__bases__", (_OtherLimits,)),
+                                   lambda: setattr(_Limits, "__bases__", (_BaseLimits,))),
+}
+
+
+@pytest.mark.parametrize("change", sorted(SHADOWS))
+def test_a_class_attribute_read_through_a_global_instance_set_over_stops_replays_until_undone(F, change):
+    """`LIMITS.k` found on a base class: Dynamo guards its value there, not that the instance's own class
+    still lacks it; the reads hold that absence and the class's __mro__ (found by a red team: plain
+    torch.compile replays the old value too)."""
+    m, twin = captured_pair(F, ReadsInheritedAttribute)
+    _call(F, m, twin)
+    do, undo = SHADOWS[change]
+    do()
+    try:
+        _call(F, m, twin, seed=2)
+        assert graph_opt.stats(m).fallback_reasons == {"guard": 1}, graph_opt.stats(m).fallback_reasons
+    finally:
+        undo()
+    _call(F, m, twin, seed=3)
+    assert graph_opt.stats(m).replays == 2, graph_opt.stats(m).fallback_reasons
+
+
 class _Request:
     BOOST = 1.5
 
