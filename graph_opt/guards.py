@@ -78,18 +78,17 @@ def as_captured(check: Callable[..., Any], *args) -> Any:
     """check(*args) with graph_opt's flags as they were at capture (in_sot_warmup_mode() and
     is_capturing() true). For evaluating the framework's guards before a replay: those on these flags
     hold by construction (the graph was captured on that branch), the others are checked."""
-    with state_lock:
-        warm, capturing = _set_sot_warmup(True), _set_capturing(True)
-        try:
-            return check(*args)
-        finally:
-            _set_sot_warmup(warm)
-            _set_capturing(capturing)
+    return _with_flags(True, check, args)
+
 
 def as_outside_capture(check: Callable[..., Any], *args) -> Any:
     """check(*args) with graph_opt's flags off, as a call outside any capture finds them."""
+    return _with_flags(False, check, args)
+
+
+def _with_flags(value: bool, check: Callable[..., Any], args) -> Any:
     with state_lock:
-        warm, capturing = _set_sot_warmup(False), _set_capturing(False)
+        warm, capturing = _set_sot_warmup(value), _set_capturing(value)
         try:
             return check(*args)
         finally:

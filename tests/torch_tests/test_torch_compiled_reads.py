@@ -1,6 +1,8 @@
 """backends/torch/compiled_reads.py: the identity checks of dict_reads.Reads that no dict write shows, run as
 one call of torch's C++ guard tree. Every change the Python check sees, the compiled one sees; an alike
 value (an equal code object, a __mro__ of the same classes) is accepted and the compiled check made anew."""
+import types
+
 import pytest
 
 pytest.importorskip("torch")
@@ -73,13 +75,14 @@ def test_a_class_assigned_to_an_object_is_a_change(compiled):
     assert not reads.differs()
 
 
+class _Holder:
+    def __init__(self):
+        self.scale = 2.0
+
+
 @both
 def test_an_objects_dict_replaced_is_a_change(compiled):
-    class Holder:
-        pass
-
-    obj = Holder()
-    obj.scale = 2.0
+    obj = _Holder()
     d = vars(obj)
     reads = _reads(compiled, owners=[("obj.__dict__", obj, d)])
     obj.__dict__ = {"scale": 2.0}
@@ -91,12 +94,7 @@ def test_an_objects_dict_replaced_is_a_change(compiled):
 @both
 def test_a_cell_rebound_or_emptied_is_a_change(compiled):
     was = object()
-    holder = was
-
-    def reader():
-        return holder
-
-    cell = reader.__closure__[0]
+    cell = types.CellType(was)  # a closure's cell, as a function holding `was` would have
     reads = _reads(compiled, pins=[(cell, "cell_contents", was)])
     cell.cell_contents = 2.5
     assert reads.differs()
@@ -108,19 +106,12 @@ def test_a_cell_rebound_or_emptied_is_a_change(compiled):
 
 @both
 def test_a_classs_bases_changed_is_a_change_and_set_back_is_not(compiled):
-    class Base:
-        pass
-
-    class Other:
-        pass
-
-    class Child(Base):
-        pass
-
-    reads = _reads(compiled, pins=[(Child, "__mro__", Child.__mro__)])
-    Child.__bases__ = (Other,)
+    base, other = type("Base", (), {}), type("Other", (), {})
+    child = type("Child", (base,), {})
+    reads = _reads(compiled, pins=[(child, "__mro__", child.__mro__)])
+    child.__bases__ = (other,)
     assert reads.differs()
-    Child.__bases__ = (Base,)  # a new __mro__ tuple of the same classes
+    child.__bases__ = (base,)  # a new __mro__ tuple of the same classes
     assert not reads.differs() and not reads.differs()
     assert (reads._fast is not None) == compiled
 
@@ -164,10 +155,7 @@ def test_the_compiled_check_holds_what_it_compares():
     import gc
     import weakref
 
-    class Holder:
-        pass
-
-    obj = Holder()
+    obj = _Holder()
     fast = compile_identities([(obj, "dict", None, vars(obj))])
     ref = weakref.ref(obj)
     del obj
@@ -178,11 +166,7 @@ def test_the_compiled_check_holds_what_it_compares():
 def test_a_write_while_the_compiled_check_is_made_is_seen():
     """The values are read before the Python check: another thread's write just after they were read
     fails the check now, not after the next write (found by a red team)."""
-    class Holder:
-        pass
-
-    obj = Holder()
-    obj.scale = 2.0
+    obj = _Holder()
     d = vars(obj)
     reads = _reads(True, owners=[("obj.__dict__", obj, d)])
     real = reads._identities
@@ -206,12 +190,7 @@ def test_a_cell_set_back_to_an_equal_plain_value_is_no_change(compiled):
     """A float computed anew, equal by type and value: the function computes as it did. Another type or
     value still stops replays."""
     was = 1.5
-    holder = was
-
-    def reader():
-        return holder
-
-    cell = reader.__closure__[0]
+    cell = types.CellType(was)  # a closure's cell, as a function holding `was` would have
     reads = _reads(compiled, pins=[(cell, "cell_contents", was)])
     cell.cell_contents = 4.0
     assert reads.differs()
