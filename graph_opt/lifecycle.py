@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from . import guards
 from .replay import dispatch
 from .capture import ranks
 from .training import api as training
@@ -144,8 +145,6 @@ def _warm_static_path(state: GraphOptState, run: Callable, make_inputs, largest:
     """sot_warmup_sizes (FastDeploy's key) above the largest captured size: one call each through the path
     such calls take (the translated forward without graphs), under sot_warmup_guard(True) as FastDeploy
     runs it, so that their first real call does not translate."""
-    from . import guards
-
     cfg = state.config
     sizes = sorted(s for s in cfg.sot_warmup_sizes or () if s > largest)
     if not sizes or cfg.graph_opt_level == 0 or state.disabled:
@@ -166,28 +165,40 @@ def _capture_sizes(state: GraphOptState, runner, order, make_inputs, report: Cap
     with _guarded(runner), tqdm(total=len(order), desc=f"graph_opt capture {state.name}", unit="size",
                                 disable=not progress, leave=False) as bar:
         for size in order:
-            # Inputs that cannot be captured are the caller's error: raised before anything of this
-            # size runs (sizes captured before stay captured), not reported as a capture failure.
-            with ranks.all_or_none(group, f"{state.name}: make_inputs({size})", GraphOptInputError):
-                sig, leaves = runner.check_capture_inputs(*_inputs_for(state, make_inputs, size), size)
-            error = None
-            try:
-                entry = runner.capture_checked(sig, leaves, size)
-            except Exception as exc:  # keep the model working; say why once
-                error = exc
-            across_ranks = ranks.agree_on_capture(group, size, error)
-            if error is not None or across_ranks is not None:
-                runner.capture_failed(error, size, across_ranks)
-                if state.runner is runner:
-                    report.failed = runner.disabled_reason
-                return
-            runner.finish_captures()
-            if runner.disabled_reason is not None:  # the size's check failed the capture
-                report.failed = runner.disabled_reason
+            # One size at a time in the process, its inputs and its check included: while a thread
+            # captures, CUDA refuses another thread's allocations and synchronizations ("operation not
+            # permitted when stream is capturing"), so two models captured from two threads take turns.
+            with guards.state_lock:
+                entry = _capture_size(state, runner, group, size, make_inputs, report)
+            if entry is None:
                 return
             report.sizes.append(SizeReport(size, entry.captured.pieces, entry.captured.graphs,
                                            state.config.cudagraph_num_of_warmups, entry.capture_ms, entry.memory_bytes))
             bar.update(1)
+
+
+def _capture_size(state: GraphOptState, runner, group, size: int, make_inputs, report: CaptureReport):
+    """The captured entry of one size, checked; None where the capture or its check failed (report.failed)."""
+    # Inputs that cannot be captured are the caller's error: raised before anything of this size runs
+    # (sizes captured before stay captured), not reported as a capture failure.
+    with ranks.all_or_none(group, f"{state.name}: make_inputs({size})", GraphOptInputError):
+        sig, leaves = runner.check_capture_inputs(*_inputs_for(state, make_inputs, size), size)
+    error = None
+    try:
+        entry = runner.capture_checked(sig, leaves, size)
+    except Exception as exc:  # keep the model working; say why once
+        error = exc
+    across_ranks = ranks.agree_on_capture(group, size, error)
+    if error is not None or across_ranks is not None:
+        runner.capture_failed(error, size, across_ranks)
+        if state.runner is runner:
+            report.failed = runner.disabled_reason
+        return None
+    runner.finish_captures()
+    if runner.disabled_reason is not None:  # the size's check failed the capture
+        report.failed = runner.disabled_reason
+        return None
+    return entry
 
 
 def _check_sizes(sizes, runner) -> list:

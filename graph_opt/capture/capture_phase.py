@@ -352,7 +352,13 @@ class Capturer:
                 "(the outer one captures the inner one's work too), or use graph_opt_level=0 for the outer one")
 
     def finish_captures(self) -> None:
-        """Check each size captured since the last call against eager (capture_checks.validate)."""
+        """Check each size captured since the last call against eager (capture_checks.validate), one check at
+        a time in the process: another thread's capture must not run meanwhile (CUDA refuses a check's
+        synchronizations while a stream captures)."""
+        with guards.state_lock:
+            self._finish_captures()
+
+    def _finish_captures(self) -> None:
         for sig in list(self.signatures.values()):
             for entry in list(sig.entries.values()):
                 pending, entry.pending_check = entry.pending_check, None
