@@ -38,13 +38,12 @@ class _NotWalked(Exception):
     pass
 
 
-def walk(name: str, model, f_globals: dict, identity=frozenset(), main_too: bool = False) -> Optional[Walked]:
+def walk(name: str, model, f_globals: dict, identity=frozenset()) -> Optional[Walked]:
     """The dict reads that find the object at Dynamo's source `name`, or None where a step is not one.
     `identity`: the sources whose object Dynamo guards by identity. The hops compare each object on the
     way by identity; a global of the forward's module or of another module, rebound at every call to
     another object of its class (a request object) or to an equal tuple, passes Dynamo's guards, so no
-    walk goes through one that Dynamo does not hold by identity (rebinds). A script's `__main__` globals are
-    walked only where main_too (to find an object, not to read its place: they are rebound often)."""
+    walk goes through one that Dynamo does not hold by identity (rebinds)."""
     try:
         tree = ast.parse(name, mode="eval").body
     except SyntaxError:
@@ -52,7 +51,7 @@ def walk(name: str, model, f_globals: dict, identity=frozenset(), main_too: bool
     out = Walked([], None, [], [], [], [])
     main = getattr(sys.modules.get("__main__"), "__dict__", None)
     try:
-        obj, _ = _step(tree, model, f_globals if f_globals is not main or main_too else None, out, (identity, tree))
+        obj, _ = _step(tree, model, f_globals if f_globals is not main else None, out, (identity, tree))
     except (_NotWalked, AttributeError, KeyError, IndexError, TypeError):
         return None
     return out._replace(obj=obj)

@@ -292,15 +292,14 @@ class _Steps:
         if found is None or found.group(2) == "0":
             return
         path = found.group(1)
-        if path.startswith("G["):
-            walked = guard_paths.walk(path, self.model, self.f_globals, main_too=True) \
-                if self.f_globals is not None else None
-            obj, shown = (walked.obj, "global " + path) if walked is not None else (None, "")
-        else:
-            owner = self._walk(path) if _PATH.fullmatch(path) else None
-            obj, shown = (owner[1], _shown(path)) if owner is not None else (None, "")
-        if obj is None:
+        # Only the object's class matters (Dynamo guards it), not its place: the path is evaluated as Dynamo
+        # wrote it, through lists, registries and rebindable globals alike
+        scope = dict(getattr(torch._dynamo.guards, "_CLOSURE_VARS", {}), G=self.f_globals or {}, self=self.model)
+        try:
+            obj = eval(path, scope)  # noqa: S307 - Dynamo's own source expression, read at capture
+        except Exception:  # noqa: BLE001 - a source that needs more than the model and the globals
             return
+        shown = "global " + path if path.startswith("G[") else _shown(path) if _PATH.fullmatch(path) else path
         attr, cls = found.group(3), type(obj)
         self.pinned.setdefault((id(cls), "__mro__"), (f"{shown}.__class__.__mro__".lstrip("."), cls, "__mro__",
                                                       cls.__mro__))

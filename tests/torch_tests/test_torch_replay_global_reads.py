@@ -137,6 +137,29 @@ class ReadsInheritedAttribute(torch.nn.Module):
         return self.lin(x) * LIMITS.k
 
 
+class _Holder:
+    pass
+
+
+HOLDER = _Holder()
+HOLDER.limits = LIMITS
+TABLE = {"a": LIMITS}
+ITEMS = [LIMITS]
+
+
+class ReadsInheritedAttributeDeeply(torch.nn.Module):
+    """The same instance through an attribute of a global, a registry's key, a list's item, and a list the
+    model holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.items = [LIMITS]
+
+    def forward(self, x):
+        return self.lin(x) * HOLDER.limits.k + TABLE["a"].k * ITEMS[0].k - self.items[0].k
+
+
 SHADOWS = {
     "set on the instance's own class": (lambda: setattr(_Limits, "k", 5.0), lambda: delattr(_Limits, "k")),
     "the class's bases set anew": (lambda: setattr(_Limits, "__bases__", (_OtherLimits,)),
@@ -144,12 +167,13 @@ SHADOWS = {
 }
 
 
+@pytest.mark.parametrize("model", [ReadsInheritedAttribute, ReadsInheritedAttributeDeeply], ids=["global", "deeper"])
 @pytest.mark.parametrize("change", sorted(SHADOWS))
-def test_a_class_attribute_read_through_a_global_instance_set_over_stops_replays_until_undone(F, change):
+def test_a_class_attribute_read_through_a_global_instance_set_over_stops_replays_until_undone(F, change, model):
     """`LIMITS.k` found on a base class: Dynamo guards its value there, not that the instance's own class
-    still lacks it; the reads hold that absence and the class's __mro__ (found by a red team: plain
-    torch.compile replays the old value too)."""
-    m, twin = captured_pair(F, ReadsInheritedAttribute)
+    still lacks it; the reads hold that absence and the class's __mro__, however the instance was found
+    (found by red teams: plain torch.compile replays the old value too)."""
+    m, twin = captured_pair(F, model)
     _call(F, m, twin)
     do, undo = SHADOWS[change]
     do()
