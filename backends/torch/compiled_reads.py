@@ -8,9 +8,10 @@ leaf each, ~15 ns: a 12-layer GPT-2's 84 objects 5.2 -> 1.8 µs on a CPU. The C+
 directly: a function's `__code__` raises no audit event (reading it in Python does, ~0.25 µs a read where
 a library installed an audit hook).
 
-Compiled from the values read when the Python check last held (Reads._held), and held by the checker, so
-that an id compared stays that object's. Where a piece of the API is missing (an older torch) or the
-compiled tree disagrees with Python at once, compile() answers None and Reads keeps its Python check.
+Compiled from the values read just before a Python check that held (Reads._held), and held by the
+checker, so that an id compared stays that object's. Where a piece of the API is missing (an older torch)
+or the compiled tree does not hold at once, compile_identities answers None: Reads asks again at its next
+Python check, and after three such answers in a row keeps its Python check.
 """
 from __future__ import annotations
 

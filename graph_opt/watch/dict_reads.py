@@ -111,7 +111,8 @@ class Reads:
     def _held(self) -> bool:
         """_same_classes() and _same_dicts(): by the compiled check while nothing it reads moved; else in
         Python, which accepts a move to an alike value (an equal code object, a __mro__ of the same
-        classes), and the compiled check is made anew from the values as they are then."""
+        classes, a cell's plain value made anew), and the compiled check is made anew from the values read
+        just before it."""
         fast = self._fast
         if fast is not None and fast():
             return True
