@@ -16,6 +16,7 @@ from ...errors import CaptureError
 from ...guards import as_captured, as_outside_capture
 from ...watch.fallbacks import Fallback, Reason
 from .. import frame_locals as frame_of
+from . import guard_paths
 from .guard_reads import changed_read
 
 
@@ -108,10 +109,9 @@ def _false_part(parts, frame_locals, f_globals) -> str:
     """Of a failing guard's parts, the first that evaluates false: one guard may check many things (every
     pair of objects that were one object at capture, each a part); else the first part."""
     if len(parts) > 1:
-        scope = dict(getattr(torch._dynamo.guards, "_CLOSURE_VARS", {}), L=frame_locals, G=f_globals)
         for part in parts:
             try:
-                if not eval(part.partition("#")[0].strip(), scope):  # Dynamo's own guard expression
+                if not guard_paths.evaluate(part.partition("#")[0].strip(), L=frame_locals, G=f_globals):
                     return part
             except Exception:  # a part that needs more than L and G: not the one to name
                 continue

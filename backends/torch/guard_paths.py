@@ -179,6 +179,14 @@ def _class_attribute(obj, own: dict, attr: str, where: str, out):
     raise _NotWalked
 
 
+def evaluate(source: str, **names) -> Any:
+    """Dynamo's source expression evaluated as its guards would (its helper functions in scope), with
+    `names` bound (G: the forward's globals; L or self: the frame's locals or the model). Raises what the
+    expression raises."""
+    helpers = getattr(torch._dynamo.guards, "_CLOSURE_VARS", None) or {}  # made at Dynamo's first guards
+    return eval(source, dict(helpers, **names))  # noqa: S307
+
+
 def rebindable(key: str, value, identity) -> bool:
     """A global of the forward's module that a server may rebind at every call to another object of its
     class (a request object, an equal tuple or dict) and that Dynamo holds to its class or contents only:

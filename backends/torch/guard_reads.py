@@ -294,9 +294,8 @@ class _Steps:
         path = found.group(1)
         # Only the object's class matters (Dynamo guards it), not its place: the path is evaluated as Dynamo
         # wrote it, through lists, registries and rebindable globals alike
-        scope = dict(getattr(torch._dynamo.guards, "_CLOSURE_VARS", {}), G=self.f_globals or {}, self=self.model)
         try:
-            obj = eval(path, scope)  # noqa: S307 - Dynamo's own source expression, read at capture
+            obj = guard_paths.evaluate(path, G=self.f_globals or {}, self=self.model)  # at capture
         except Exception:  # noqa: BLE001 - a source that needs more than the model and the globals
             return
         shown = "global " + path if path.startswith("G[") else _shown(path) if _PATH.fullmatch(path) else path

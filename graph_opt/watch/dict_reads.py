@@ -325,15 +325,19 @@ def _alike(a, b) -> bool:
     """Each value the same object, or the same plain value (a factory's `1.0` argument made anew)."""
     if type(a) is dict:
         return a.keys() == b.keys() and _alike([a[k] for k in a], [b[k] for k in a])
-    return len(a) == len(b) and all(x is y or type(x) is type(y) and state_key(x) == state_key(y)
-                                    for x, y in zip(a, b))
+    return len(a) == len(b) and all(map(_same_value, a, b))
+
+
+def _same_value(x, y) -> bool:
+    return x is y or type(x) is type(y) and state_key(x) == state_key(y)
 
 
 _PLAIN = frozenset({bool, int, float, str, bytes, complex, type(None)})
 
 
 def _plain_alike(now, was) -> bool:
-    return type(now) is type(was) and type(was) in _PLAIN and state_key(now) == state_key(was)
+    """A cell's contents made anew: a plain value of the same type and value (not a tuple or an object)."""
+    return type(was) in _PLAIN and _same_value(now, was)
 
 
 def _by_referents(pin) -> bool:
