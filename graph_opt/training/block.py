@@ -65,7 +65,7 @@ class GraphedBlock:
         self.watch: Optional[TrainingWatch] = None  # a module's: made at binding
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
         self.grad_nodes: dict = {}  # the bridge's per-parameter lookups (hand_out)
-        self.static_ddp = False  # inside DistributedDataParallel(static_graph=True): no unused parameter
+        self.static_ddp = False  # inside DistributedDataParallel(static_graph=True): unused parameters get no edge
         self.capture_ready: Callable[[], bool] = _always  # a wrapper's own readiness (api._graph_wrapped)
         self.lazy = False  # the module had lazy parameters when bound: graphs wait until they are made
         self.disabled_reason: Optional[str] = None
@@ -197,7 +197,7 @@ class GraphedBlock:
 
     def _replay(self, graphs: StepGraphs, leaves, needs_grad: bool):
         if needs_grad:
-            outs = self.bridge.apply(self, graphs, leaves + self.params + graphs.outside)
+            outs = self.bridge.apply(self, graphs, graphs.handed(leaves + self.params + graphs.outside))
         else:
             outs = self.forward_replay(graphs, leaves)
         return unflatten(graphs.out_spec, list(outs), template=graphs.out_template)
@@ -284,6 +284,7 @@ class GraphedBlock:
                 unused = [g is None for g in grads]
                 buffers = [None if b is None or all(unused[i] for i in outs) else b
                            for b, outs in zip(buffers, graphs.reached_from)]
+        buffers = graphs.handed(buffers)  # one per apply() input
         self.counters.backward_replays += 1
         if not self.bridge.keeps_graph():  # retain_graph=True: a second backward may read the activations
             pending.release()

@@ -50,6 +50,17 @@ class StepGraphs:
     # the root and the loss uses it; a loss that leaves the root out is refused (block.backward_replay).
     root: Optional[int] = None
     slot: int = 0  # the block's slot (slots.py) whose pool holds them
+    # Inside DistributedDataParallel(static_graph=True): the apply() inputs handed to the replay, where the
+    # forward leaves some parameters without a gradient (None: all of them). An unused parameter must get
+    # no autograd edge from the replay, as in eager: an empty gradient on that edge still runs DDP's hook,
+    # which static_graph takes for a graph that changed.
+    kept: Optional[Tuple[int, ...]] = None
+
+    def handed(self, per_input: list) -> list:
+        """Of a list with one item per apply() input (the call's leaves, the parameters, the outside tensors),
+        the items of the inputs the replay is handed (kept)."""
+        kept = self.kept
+        return per_input if kept is None else [per_input[i] for i in kept]
 
     def release(self) -> None:
         for graph in (self.forward, self.backward, *(p.graph for p in self.partial.values() if p is not None)):
@@ -223,6 +234,7 @@ def _record(block: GraphedBlock, recorder, state: KeyState, leaves, spec, needs_
     recorder.keep(fwd, out_buffers, differentiable)
 
     bwd, grad_out_buffers, grad_buffers, reached_from, kept_outs, flows = None, [], [], None, None, []
+    kept = None
     if needs_grad:
         grad_out_buffers = [bridge.zeros_like(o) for o in diff_outs]
         flows = [f and bridge.requires_grad(t) for t, f in zip(static_inputs, first)] + \
@@ -248,7 +260,7 @@ def _record(block: GraphedBlock, recorder, state: KeyState, leaves, spec, needs_
         grad_buffers = [next(it) if f else None for f in flows]
         grad_buffers = [None if g is None else bridge.detach(g) for g in grad_buffers]
         if block.static_ddp:
-            _refuse_unused(block, params, grad_buffers[len(static_inputs):len(static_inputs) + len(params)])
+            kept = _without_unused(len(static_inputs), len(params), grad_buffers)
         if len(diff_outs) > 1 and not traced:
             it = iter(bridge.reached_from(diff_outs, grad_inputs))
             reached_from = [next(it) if f else () for f in flows]
@@ -267,22 +279,17 @@ def _record(block: GraphedBlock, recorder, state: KeyState, leaves, spec, needs_
                       grad_out_buffers=grad_out_buffers,
                       grad_buffers=grad_buffers, buffer_bytes=buffer_bytes, outside=outside,
                       reached_from=reached_from, grad_inputs=grad_inputs if needs_grad else [], flows=flows,
-                      kept_outs=kept_outs, recorder=recorder, root=state.root if traced else None)
+                      kept_outs=kept_outs, recorder=recorder, root=state.root if traced else None, kept=kept)
 
 
-def _refuse_unused(block: GraphedBlock, params, grads) -> None:
-    """Inside DistributedDataParallel(static_graph=True), a parameter the forward leaves without a gradient:
-    the replayed backward hands every parameter's edge an empty gradient, whose accumulation still runs the
-    reducer's hook, and DDP takes that for a graph that changed (it raises). Eager autograd never reaches it."""
-    unused = [p for p, g in zip(params, grads) if g is None]
-    if unused:
-        names = {id(p): n for n, p in block.module.named_parameters()} if block.module is not None else {}
-        unused = [names.get(id(p), "?") for p in unused]
-        raise CaptureError(
-            f"{block.name}: inside DistributedDataParallel(static_graph=True), and the forward leaves "
-            f"{', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''} without a gradient: a replayed backward "
-            "would run DDP's hook for it, which static_graph refuses, so this key runs eagerly. Use "
-            "find_unused_parameters=True instead of static_graph, or freeze what the forward does not use")
+def _without_unused(first: int, count: int, grad_buffers) -> Optional[Tuple[int, ...]]:
+    """The apply() inputs a replay takes inside DistributedDataParallel(static_graph=True): all but the
+    parameters (count of them, from index first) the forward leaves without a gradient; None where it
+    uses them all. DDP marks such parameters ready itself, as after an eager backward."""
+    unused = {i for i in range(first, first + count) if grad_buffers[i] is None}
+    if not unused:
+        return None
+    return tuple(i for i in range(len(grad_buffers)) if i not in unused)
 
 
 def _record_partial(block: GraphedBlock, graphs: StepGraphs, used) -> "PartialBackward":
