@@ -72,12 +72,15 @@ def test_graphing_the_ddp_or_its_module_twice_is_refused(one_rank):
             graph_opt.autocudagraph(again)
 
 
-@pytest.mark.parametrize("world, warmup_steps, accumulate", [(2, 0, 1), (4, 1, 1), (4, 0, 1), (4, 1, 3)])
-def test_ranks_keep_equal_parameters_and_match_eager_ddp(tmp_path, world, warmup_steps, accumulate):
+@pytest.mark.parametrize("world, warmup_steps, accumulate, static_unused",
+                         [(2, 0, 1, False), (4, 1, 1, False), (4, 0, 1, False), (4, 1, 3, False), (2, 0, 1, True)])
+def test_ranks_keep_equal_parameters_and_match_eager_ddp(tmp_path, world, warmup_steps, accumulate, static_unused):
     """Each rank trains on data of its own: equal parameters across ranks show that the all-reduce
     averaged the replayed gradients; each rank's equal the eager DDP's it trained beside. A rank still
-    running at the deadline (a hang) fails the test. tests/gpu/test_gpu_ddp.py runs these on GPUs."""
-    kit.check_ranks(str(tmp_path), world, warmup_steps, cuda=False, deadline_s=DEADLINE_S, accumulate=accumulate)
+    running at the deadline (a hang) fails the test. static_unused: DDP(static_graph=True) around a block
+    with a parameter its forward leaves out. tests/gpu/test_gpu_ddp.py runs these on GPUs."""
+    kit.check_ranks(str(tmp_path), world, warmup_steps, cuda=False, deadline_s=DEADLINE_S, accumulate=accumulate,
+                    static_unused=static_unused)
 
 
 class _WithUnused(torch.nn.Module):
