@@ -288,12 +288,22 @@ class Adapter(Tensors, Values, Context, Graphs, HostCopies, Modules, Protocol):
     static_folds_host_constants: bool  # the tracer makes a tensor of Python numbers once (no host copy per call)
 
 
+def _never() -> bool:
+    return False
+
+
+def _always() -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class DataParallel:
     """What a data-parallel wrapper around a graphed module asks of its block (AutogradBridge.data_parallel)."""
 
-    static_graph: bool = False  # it refuses a replayed backward that leaves a parameter without a gradient
-    ready: Optional[Callable[[], bool]] = None  # keys with a backward run eagerly until this says True
+    # Asked at each capture and warm-up (a wrapper may turn it on later: DDP._set_static_graph()): it
+    # refuses a replayed backward that hands a parameter it left out an empty gradient.
+    static_graph: Callable[[], bool] = _never
+    ready: Callable[[], bool] = _always  # keys with a backward run eagerly until this says True
 
 
 class AutogradBridge(Protocol):

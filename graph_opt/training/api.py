@@ -155,9 +155,7 @@ def _graph_wrapped(wrapper, inner, attr: str, **options):
     if block is not None:
         framework = block.framework or _module_framework(inner)
         traits = backends.load(framework).autograd_bridge().data_parallel(wrapper)
-        block.static_ddp = traits.static_graph
-        if traits.ready is not None:
-            block.capture_ready = traits.ready
+        block.data_parallel = traits
     object.__setattr__(wrapper, _STATE_ATTR, block)  # graph_opt.stats(wrapper) finds it
     logger.info("autocudagraph(%s): graphed its wrapped %s (.%s); the wrapper's forward and its gradient "
                 "all-reduce stay outside the graphs", type(wrapper).__name__, type(inner).__name__, attr)

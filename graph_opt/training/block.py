@@ -15,6 +15,7 @@ from .. import backends, env, guards
 from ..backends import patches
 from ..watch.arguments import TooLarge, argument_names, host_positions, tensors_by_value, too_large_message
 from ..capture.capture_phase import paused_gc
+from ..contracts import DataParallel
 from ..errors import GraphOptError, GraphOptInputError
 from ..watch.fallbacks import Reason, reason_counts
 from ..capture.failures import describe
@@ -65,8 +66,7 @@ class GraphedBlock:
         self.watch: Optional[TrainingWatch] = None  # a module's: made at binding
         self.params: List[Any] = []  # trainable parameters, passed to apply() after the inputs
         self.grad_nodes: dict = {}  # the bridge's per-parameter lookups (hand_out)
-        self.static_ddp = False  # inside DistributedDataParallel(static_graph=True): unused parameters get no edge
-        self.capture_ready: Callable[[], bool] = _always  # a wrapper's own readiness (api._graph_wrapped)
+        self.data_parallel = DataParallel()  # what a data-parallel wrapper around it asks (api._graph_wrapped)
         self.lazy = False  # the module had lazy parameters when bound: graphs wait until they are made
         self.disabled_reason: Optional[str] = None
         self.warned: set = set()
@@ -173,11 +173,11 @@ class GraphedBlock:
                 state.run = self.call
             else:
                 return self.levels.first_call(state, key[1], args, kwargs)
-        if state.warmups < self.warmup_steps or key[1] and not self.capture_ready():  # key[1]: needs grad
+        if state.warmups < self.warmup_steps or key[1] and not self.data_parallel.ready():  # key[1]: needs grad
             state.warmups += 1
             self.counters.warmups += 1
             if state.level:
-                return self.levels.warm_up(state, args, kwargs)
+                return self.levels.warm_up(state, args, kwargs, key[1])
             return self._eager(self.call, args, kwargs)
         return call_in_slot(self, state, leaves, spec, args, kwargs, key[1])
 
@@ -472,10 +472,6 @@ _OWN_WARNING = ("{name}: an attribute the forward writes itself holds another va
                 "(where that run leaves the value as it is, the graphs are captured again from it). Keep a value "
                 "that changes with the call in a tensor the forward updates in place, or out of the block")
 
-
-
-def _always() -> bool:
-    return True
 
 
 def _count(values) -> Dict[Any, int]:

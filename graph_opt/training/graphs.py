@@ -259,7 +259,7 @@ def _record(block: GraphedBlock, recorder, state: KeyState, leaves, spec, needs_
         it = iter(grads)
         grad_buffers = [next(it) if f else None for f in flows]
         grad_buffers = [None if g is None else bridge.detach(g) for g in grad_buffers]
-        if block.static_ddp:
+        if block.data_parallel.static_graph():
             kept = _without_unused(len(static_inputs), len(params), grad_buffers)
         if len(diff_outs) > 1 and not traced:
             it = iter(bridge.reached_from(diff_outs, grad_inputs))

@@ -72,10 +72,17 @@ class KeyLevels:
             state.run, state.level, state.root = self.traced_at(level), level, root
         return outs
 
-    def warm_up(self, state: KeyState, args, kwargs):
+    def warm_up(self, state: KeyState, args, kwargs, needs_grad: bool = False):
         """A warm-up call of a traced key (its first compiles). Where the compiler cannot trace it, or a
-        trace graph_opt chose fails, the key falls back to the eager forward and this call runs it."""
+        trace graph_opt chose fails, the key falls back to the eager forward and this call runs it.
+        Inside DistributedDataParallel(static_graph=True) a warm-up with a backward runs the eager forward:
+        a traced backward gives every parameter it traced an autograd edge, and an empty gradient on one
+        (a parameter read through .detach()) still runs DDP's hook, which static_graph refuses once its
+        first steps left that parameter out. The capture traces such a key; its replays give edges only to
+        the parameters that get a gradient (graphs.StepGraphs.kept)."""
         block = self.block
+        if needs_grad and block.data_parallel.static_graph():
+            return block._eager(block.call, args, kwargs)
         try:
             return block._eager(state.run, args, kwargs)
         except TraceLimitReached as exc:  # raised before the forward ran anything

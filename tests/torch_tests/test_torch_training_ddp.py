@@ -88,23 +88,30 @@ class _WithUnused(torch.nn.Module):
         super().__init__()
         self.used = torch.nn.Linear(8, 8)
         self.unused = torch.nn.Linear(8, 8)  # never in the forward
+        self.scale = torch.nn.Parameter(torch.full((8,), 0.5))  # read without a gradient
 
     def forward(self, x):
-        return torch.tanh(self.used(x))
+        return torch.tanh(self.used(x)) * self.scale.detach()
 
 
-@pytest.mark.parametrize("level, bucket_view", [(0, False), (0, True), (1, False)])
+@pytest.mark.parametrize("level, bucket_view, late", [(0, False, False), (0, True, False), (1, False, False),
+                                                     (0, False, True)])
 def test_a_static_graph_ddp_with_a_parameter_the_forward_leaves_out_replays_as_eager_ddp(one_rank, caplog, level,
-                                                                                         bucket_view):
-    """The replay gives the unused parameter no autograd edge, as eager's backward never reaches it: an empty
-    gradient on that edge would still run DDP's hook, which static_graph=True takes for a graph that changed."""
+                                                                                         bucket_view, late):
+    """The replay gives the unused parameters no autograd edge, as eager's backward never reaches them: an empty
+    gradient on that edge would still run DDP's hook, which static_graph=True takes for a graph that changed.
+    At level 1 the warm-ups run the eager forward, whose backward leaves them out too (a traced one would not).
+    late: static graph turned on after autocudagraph (DDP._set_static_graph(), as before torch 1.11)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    ref = DDP(_WithUnused(), static_graph=True, gradient_as_bucket_view=bucket_view)
-    m = DDP(_WithUnused(), static_graph=True, gradient_as_bucket_view=bucket_view)
+    ref = DDP(_WithUnused(), static_graph=not late, gradient_as_bucket_view=bucket_view)
+    m = DDP(_WithUnused(), static_graph=not late, gradient_as_bucket_view=bucket_view)
     m.module.load_state_dict(ref.module.state_dict())
     graph_opt.autocudagraph(m, level=level)
+    if late:
+        ref._set_static_graph()
+        m._set_static_graph()
     grads = {}
     for model in (ref, m):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
