@@ -17,7 +17,8 @@ Per variant and micro-batch (1 and 8): 5 warm-up steps, then 20 timed steps betw
 median on rank 0 (the ranks step in lockstep). After the steps every rank's parameters are summed and
 the sums compared across ranks: replicas that drifted apart are a failure.
 
-Writes <out>/ddp_bench.json (world size, device, ms per step, the ratios) and prints the table last. Runs
+Writes <out>/ddp_bench.json (ddp_bench_world<N>.json for another world size; the world size, device, ms per
+step, the ratios) and prints the table last. Runs
 under a hard timeout: a rank that hangs ends the run with exit 1. Exits 0 with fewer CUDA devices than
 ranks (nothing to measure); 1 where eager DDP or autocudagraph failed or the replicas disagree.
 """
@@ -177,7 +178,7 @@ def run(out_dir: str, world: int, quick: bool, smoke: bool) -> int:
         with open(path, encoding="utf-8") as fh:
             result = json.load(fh)
     result["problems"] = problems(result)
-    write_json(out_dir, "ddp_bench.json", result)
+    write_json(out_dir, "ddp_bench.json" if world == WORLD else f"ddp_bench_world{world}.json", result)
     print_table(result)
     for line in result["problems"]:
         print(f"FAILED: {line}")

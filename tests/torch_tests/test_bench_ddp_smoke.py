@@ -17,7 +17,7 @@ _CI_SECONDS = 10  # the spawned ranks import torch and graph_opt each
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_bench_smoke(tmp_path, world):
     assert torch_ddp.main(["--smoke", "--world", str(world), "--out", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "ddp_bench.json").read_text())
+    data = json.loads((tmp_path / ("ddp_bench.json" if world == 2 else f"ddp_bench_world{world}.json")).read_text())
     assert data["world_size"] == world and data["problems"] == [] and data["failed"] == {}
     mbs = [str(mb) for mb in torch_ddp.SMOKE_MICRO_BATCHES]
     assert {name: sorted(row) for name, row in data["ms"].items()} == {torch_ddp.EAGER: mbs, torch_ddp.AUTO: mbs}
