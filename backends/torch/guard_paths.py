@@ -132,6 +132,10 @@ def _attribute(obj, attr: str, where: str, out):
         return obj.__mro__
     if type(obj) is types.MethodType and attr in ("__self__", "__func__"):
         return getattr(obj, attr)  # read-only
+    if type(obj) is property and attr in ("fget", "fset", "fdel"):
+        value = getattr(obj, attr)  # a property's getter (torch 2.12+ guards its code): property.__init__ run
+        out.pinned.append((where, obj, attr, value))  # again sets it anew, so it is compared by identity
+        return value
     # __code__, __closure__, __defaults__, __dict__ ...: Dynamo reads those itself. A class's own `__call__` is a
     # plain entry of its dict (its metaclass's data descriptors are refused below).
     if attr.startswith("__") and attr.endswith("__") and not (isinstance(obj, type) and attr in _class_dict(obj)):

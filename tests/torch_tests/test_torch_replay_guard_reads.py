@@ -289,3 +289,97 @@ def test_reads_see_a_dict_on_the_way_replaced_though_no_dict_read_moved():
         assert reads.differs() and reads.first_change()[0] == "holder.__dict__"
         holder.__dict__ = d
         assert not reads.differs()
+
+
+
+class _ModeBase:
+    def __init__(self):
+        self._mode = "double"
+        self.renamed = {}  # names the class's __getattribute__ reads elsewhere (a wrapper's overrides)
+
+    def __getattribute__(self, name):
+        renamed = super().__getattribute__("renamed")
+        return super().__getattribute__(renamed.get(name, name))
+
+    @property
+    def mode(self):  # returns an attribute as it is, as transformers' config properties do
+        return self._mode
+
+
+class ModeSettings(_ModeBase):
+    pass
+
+
+class ReadsMode(torch.nn.Module):
+    """Reads a config's property: torch before 2.12 guards the property's value (its getter and the
+    class's __getattribute__ run at every check), later ones what the inlined getter read (the getter,
+    `dict(type(settings).__dict__)['mode'].fget`, taken out of Dynamo's tree with the property holding it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.settings = ModeSettings()
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if self.settings.mode == "double" else y
+
+
+def _returns_other(self):
+    return self.other
+
+
+PROPERTY_CHANGES = {
+    "the attribute it returns": lambda m, mp: setattr(m.settings, "_mode", "half"),
+    "the name renamed by the class's __getattribute__": lambda m, mp: m.settings.renamed.update(_mode="other"),
+    "the property replaced on its class": lambda m, mp: mp.setattr(_ModeBase, "mode", property(_returns_other)),
+    "a property set on the object's own class": lambda m, mp: mp.setattr(ModeSettings, "mode",
+                                                                       property(_returns_other), raising=False),
+    "the getter's code swapped": lambda m, mp: mp.setattr(_ModeBase.__dict__["mode"].fget, "__code__",
+                                                          _returns_other.__code__),
+}
+
+
+@pytest.mark.parametrize("change", list(PROPERTY_CHANGES))
+def test_a_change_behind_a_config_property_stops_replays_until_undone(F, change, monkeypatch):
+    m, twin = captured_pair(F, ReadsMode, 1)
+    if _TORCH >= (2, 12):
+        reads = [r for _, r in state_of(m).runner.strategy._guards._reads.values()]
+        assert any(name == "fget" for r in reads for _, _, name, _ in r.pinned), "the getter left with Dynamo"
+    for model in (m, twin):
+        model.settings.other = "half"
+    _call(F, m, twin)
+    vars(m.settings)["mode"] = "ignored"  # the property wins over the instance's own entry: nothing changes
+    _call(F, m, twin, seed=2)
+    assert graph_opt.stats(m).replays == 2 and not graph_opt.stats(m).fallback_reasons
+    for model in (m, twin):
+        PROPERTY_CHANGES[change](model, monkeypatch)
+    _call(F, m, twin, seed=3)  # eager's answer, not the captured branch
+    s = graph_opt.stats(m)
+    assert s.replays == 2 and s.fallback_reasons == {"guard": 1}, s.fallback_reasons
+    monkeypatch.undo()
+    for model in (m, twin):
+        model.settings._mode = "double"
+        model.settings.renamed.clear()
+    _call(F, m, twin, seed=4)
+    assert graph_opt.stats(m).replays == 3, graph_opt.stats(m).fallback_reasons
+
+
+def test_a_property_given_another_getter_in_place_stops_replays_until_undone(F):
+    """property.__init__ run again on the class's property object: the same property, another getter. (Not
+    compared with eager: CPython 3.12 itself may keep calling the old getter where it specialized the read.)"""
+    m, _ = captured_pair(F, ReadsMode, 1)
+    prop = _ModeBase.__dict__["mode"]
+    getter = prop.fget
+    x = F.randn(3, HIDDEN, seed=1)
+    with F.no_grad():
+        m(x)
+        prop.__init__(_returns_other)
+        m.settings.other = "half"
+        try:
+            m(x)
+            assert graph_opt.stats(m).fallback_reasons == {"guard": 1}, graph_opt.stats(m).fallback_reasons
+        finally:
+            prop.__init__(getter)
+        m(x)
+    assert graph_opt.stats(m).replays == 2, graph_opt.stats(m).fallback_reasons
