@@ -1,5 +1,5 @@
 """Paddle ranks on CPU (gloo, paddle.distributed.spawn; two by default, run_ranks(world=4) for four), for the
-rank agreement of graph_opt.capture.ranks.
+rank agreement of graph_opt.capture.ranks, and autocudagraph inside paddle.DataParallel.
 
 The model all-reduces in its forward, so ranks that captured different graphs would mismatch their
 collectives. Every rank runs every scenario in order; each returns a dict or fails with its
@@ -141,12 +141,57 @@ def scenario_replay_agreement(rank, warnings):
             "replays_after": agreed.replays - disagreed.replays}
 
 
+def scenario_data_parallel(rank, warnings):
+    """graph_opt.autocudagraph(paddle.DataParallel(block)) beside an eager DataParallel twin, 4 SGD steps
+    on this rank's own data, the last over two micro-batches (the first under no_sync): the parameters of
+    both, for the parent to compare with each other and across ranks."""
+    import numpy as np
+    import paddle
+
+    import graph_opt
+
+    class Block(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.up = paddle.nn.Linear(HIDDEN, 2 * HIDDEN)
+            self.down = paddle.nn.Linear(2 * HIDDEN, HIDDEN)
+
+        def forward(self, x):
+            return x + self.down(paddle.nn.functional.gelu(self.up(x)))
+
+    paddle.seed(0)
+    ref, twin = Block(), Block()
+    twin.set_state_dict(ref.state_dict())
+    models = {"eager": paddle.DataParallel(ref), "graphed": paddle.DataParallel(twin)}
+    graph_opt.autocudagraph(models["graphed"], warmup_steps=0)
+    params = {}
+    for name, model in models.items():
+        opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+        for step in range(4):
+            micro = 2 if step == 3 else 1
+            for k in range(micro):
+                x = paddle.to_tensor(np.random.default_rng(100 * rank + 10 * step + k)
+                                     .standard_normal((4, 6, HIDDEN)).astype("float32"))
+                if k < micro - 1:
+                    with model.no_sync():
+                        (model(x) ** 2).mean().backward()
+                else:
+                    (model(x) ** 2).mean().backward()
+            opt.step()
+            opt.clear_grad()
+        params[name] = [p.numpy().copy() for p in model.parameters()]
+    s = graph_opt.stats(models["graphed"])
+    return {"params": params, "replays": s.replays, "backward_replays": s.backward_replays, "fallbacks": s.fallbacks,
+            "warnings": list(warnings)}
+
+
 SCENARIOS = {
     "capture": scenario_capture,
     "replay_agreement": scenario_replay_agreement,
     "size_mismatch": scenario_size_mismatch,
     "capture_fault": scenario_capture_fault,
     "lazy": scenario_lazy,
+    "data_parallel": scenario_data_parallel,
 }
 
 

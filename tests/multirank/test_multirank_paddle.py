@@ -1,5 +1,5 @@
 """graph_opt.capture.ranks on Paddle: two CPU ranks (gloo, paddle.distributed.spawn), level 0, simulated graphs, a
-paddle.distributed.all_reduce in every forward. One spawn for the module, under a hard deadline; the checks hold
+paddle.distributed.all_reduce in every forward; and autocudagraph inside paddle.DataParallel on those ranks. One spawn for the module, under a hard deadline; the checks hold
 for any world size (every rank but 1 is its peer)."""
 import pytest
 
@@ -64,3 +64,19 @@ def test_a_check_that_fails_on_one_rank_makes_every_rank_run_without_graphs(resu
             assert res["reasons"] == {"peer": len(kit.REALS)}, (rank, res)
             assert len(res["warnings"]) == 1 and "rank 1 cannot replay this call" in res["warnings"][0], res["warnings"]
     assert all(res["replays_after"] == len(kit.REALS) for res in ranks), ranks
+
+
+def test_a_graphed_data_parallel_trains_as_eager_data_parallel_on_every_rank(results):
+    """The reducer's all-reduce runs outside the graphs, on the gradients the backward replays hand to
+    autograd: each rank's parameters equal its eager DataParallel twin's bitwise, and the ranks' agree
+    though each trained on data of its own (no_sync's micro-batch included)."""
+    import numpy as np
+
+    ranks = _passed(results, "data_parallel")
+    for res in ranks:
+        assert all(np.array_equal(a, b) for a, b in zip(res["params"]["graphed"], res["params"]["eager"]))
+        assert res["replays"] == 5 and res["backward_replays"] == 5 and res["fallbacks"] == 0, res
+        assert not [w for w in res["warnings"] if "autocudagraph" in w or "DataParallel" in w], res["warnings"]
+    first = ranks[0]["params"]["graphed"]
+    for res in ranks[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(first, res["params"]["graphed"]))
