@@ -154,8 +154,7 @@ def _graph_wrapped(wrapper, inner, attr: str, **options):
     block = state_of_training(inner)
     if block is not None:
         framework = block.framework or _module_framework(inner)
-        traits = backends.load(framework).autograd_bridge().data_parallel(wrapper)
-        block.data_parallel = traits
+        block.data_parallel = backends.load(framework).autograd_bridge().data_parallel(wrapper)
     object.__setattr__(wrapper, _STATE_ATTR, block)  # graph_opt.stats(wrapper) finds it
     logger.info("autocudagraph(%s): graphed its wrapped %s (.%s); the wrapper's forward and its gradient "
                 "all-reduce stay outside the graphs", type(wrapper).__name__, type(inner).__name__, attr)
